@@ -1,0 +1,28 @@
+# The two commands: `make demo` and `make test`. Everything else is a helper for them.
+SHELL := /bin/bash
+export SCD_MODEL_DIR ?= $(CURDIR)/.cache/models
+
+.PHONY: demo test setup model build lint fmt bench
+
+setup:
+	ops/setup.sh
+
+model:
+	ops/fetch-model.sh
+
+build: setup
+	cargo build --release
+
+demo: setup model build
+	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
+		--prompt "In one sentence, what is a cache?" --max-tokens 48
+
+test: setup model
+	cargo test --workspace --all-targets --no-fail-fast
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	cargo fmt --all

@@ -1,0 +1,35 @@
+//! `scd`: the one binary of the Semantic Cache Distillation cluster.
+//!
+//! Each subcommand lives in its own file under `src/cmd/` and turns library errors into
+//! operator-facing messages with `anyhow` context.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "scd", version, about = "Serve fine-tuned expert LLMs from shared base-model prefill work")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load a model and generate a reply to a prompt (single process, no cluster).
+    Generate(cmd::generate::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SCD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Generate(args) => cmd::generate::run(args),
+    }
+}
