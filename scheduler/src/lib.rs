@@ -1,4 +1,49 @@
-//! The cluster state of scd: a `MetaStore` trait with an etcd implementation and an embedded
-//! one, membership by leases, leader election among scheduler replicas, producer pools per
-//! expert, translator versions per model pair, and durable job records.
+//! The cluster state of scd, kept in etcd (or, for one process, in an embedded store with the
+//! same semantics).
+//!
+//! * [`store`]: the `MetaStore` trait (get, prefix reads, puts under leases, transactions,
+//!   leases, resumable watches) with [`EtcdStore`] and [`EmbeddedStore`].
+//! * [`keys`] and [`codec`]: the typed key layout and the versioned JSON values.
+//! * [`membership`]: node registration under a self-healing lease, and the live node view.
+//! * [`leader`]: leader election among scheduler replicas with a lease-backed lock and a fence
+//!   for the leader's writes.
+//! * [`assign`] and [`prefix`]: pure assignment logic (pools per expert, producer choice with
+//!   prefix affinity) and the prompt-prefix block hashes it matches on.
+//! * [`translators`]: translator versions per model pair (publish, activate, roll back, watch,
+//!   and the stale-hash guard).
+//! * [`jobs`]: durable job records, their state machine, and compare-and-swap updates.
+//! * [`models`]: model records.
+//! * [`service`]: the scheduler replica that ties them together while it leads.
+//! * [`etcd_server`]: a throwaway etcd process for tests and local runs.
 #![warn(missing_docs)]
+
+pub mod assign;
+pub mod codec;
+pub mod etcd_server;
+pub mod jobs;
+pub mod keys;
+pub mod leader;
+pub mod membership;
+pub mod models;
+pub mod prefix;
+pub mod service;
+pub mod store;
+pub mod translators;
+
+pub use assign::{
+    choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools, ProducerChoice,
+};
+pub use etcd_server::{EtcdServer, EtcdServerError};
+pub use jobs::{JobError, JobRecord, JobState, JobStore};
+pub use keys::Keys;
+pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
+pub use membership::{
+    LiveNodes, NodeInfo, NodeMap, Registration, RegistrationConfig, RegistrationEvent,
+};
+pub use models::{ModelRecord, ModelRegistry};
+pub use service::{Scheduler, SchedulerConfig, SchedulerError};
+pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
+pub use translators::{
+    check_translator, ActiveTranslator, StaleTranslator, TranslatorManifest, TranslatorRegistry,
+    TranslatorWatcher,
+};

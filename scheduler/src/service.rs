@@ -1,0 +1,400 @@
+//! The scheduler replica: campaigns for leadership and, while leading, reconciles the cluster
+//! state on every membership change, every job change and every tick: pools per expert, retries
+//! of jobs whose producer or consumer vanished, assignment of queued jobs, and removal of
+//! finished records past their retention. Every write it makes carries the leader's fence.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+
+use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
+use crate::codec::{self, CodecError};
+use crate::jobs::{now_ms, JobError, JobState, JobStore};
+use crate::keys::{InvalidId, Keys};
+use crate::leader::{Candidate, ElectionConfig, ElectionError, LeaderGuard, Leadership};
+use crate::membership::{LiveNodes, MembershipError, NodeMap};
+use crate::models::{ModelError, ModelRegistry};
+use crate::store::{MetaStore, StoreError, Txn, TxnOp};
+
+/// The election the scheduler replicas share.
+pub const SCHEDULER_ELECTION: &str = "scheduler";
+
+/// What `/pools/<expert>` holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRecord {
+    /// The expert.
+    pub expert: String,
+    /// Its producers, sorted.
+    pub producers: Vec<String>,
+}
+
+/// Scheduler settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    /// Experts to build pools for; experts found in `/models` (models with a base) are added
+    /// with `default_pool_size`.
+    pub experts: Vec<ExpertSpec>,
+    /// Pool size for experts found in `/models`.
+    pub default_pool_size: usize,
+    /// Reconcile at least this often.
+    pub reconcile_every: Duration,
+    /// How long finished job records are kept.
+    pub retention: Duration,
+    /// Election timing.
+    pub election: ElectionConfig,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            experts: Vec::new(),
+            default_pool_size: 2,
+            reconcile_every: Duration::from_secs(2),
+            retention: Duration::from_secs(24 * 3600),
+            election: ElectionConfig::default(),
+        }
+    }
+}
+
+/// Errors of the scheduler.
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    /// An id is not a valid key segment.
+    #[error(transparent)]
+    InvalidId(#[from] InvalidId),
+    /// The store failed.
+    #[error("scheduler store operation failed: {0}")]
+    Store(#[from] StoreError),
+    /// A record could not be read or written.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    /// A job operation failed.
+    #[error(transparent)]
+    Job(#[from] JobError),
+    /// Membership failed.
+    #[error(transparent)]
+    Membership(#[from] MembershipError),
+    /// The election could not start.
+    #[error(transparent)]
+    Election(#[from] ElectionError),
+    /// Reading models failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// This replica stopped leading during a pass.
+    #[error("lost leadership during reconciliation")]
+    NotLeader,
+}
+
+/// What one reconciliation pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Pools written.
+    pub pools_written: usize,
+    /// Queued jobs assigned.
+    pub jobs_assigned: usize,
+    /// Running jobs sent back to the queue.
+    pub jobs_retried: usize,
+    /// Jobs failed for good.
+    pub jobs_failed: usize,
+    /// Finished records removed.
+    pub jobs_swept: usize,
+}
+
+/// Reads every pool.
+pub async fn read_pools(store: &dyn MetaStore, keys: &Keys) -> Result<Pools, SchedulerError> {
+    let prefix = keys.pools_prefix();
+    let listing = store.get_prefix(&prefix).await?;
+    let mut pools = Pools::new();
+    for kv in listing.kvs {
+        let record: PoolRecord = codec::decode(&kv.key, &kv.value)?;
+        pools.insert(record.expert, record.producers);
+    }
+    Ok(pools)
+}
+
+/// One reconciliation pass as leader (see the module docs). Public so an operator tool or a
+/// test can run a pass by hand.
+pub async fn reconcile(
+    store: &Arc<dyn MetaStore>,
+    keys: &Keys,
+    guard: &LeaderGuard,
+    nodes: &NodeMap,
+    experts: &[ExpertSpec],
+    retention: Duration,
+) -> Result<ReconcileReport, SchedulerError> {
+    let mut report = ReconcileReport::default();
+
+    let previous = read_pools(store.as_ref(), keys).await?;
+    let pools = compute_pools(nodes, experts, &previous);
+    for (expert, producers) in &pools {
+        if previous.get(expert) == Some(producers) {
+            continue;
+        }
+        let record = PoolRecord {
+            expert: expert.clone(),
+            producers: producers.clone(),
+        };
+        let txn = Txn::new()
+            .when([guard.compare()])
+            .and_then([TxnOp::put(keys.pool(expert)?, codec::encode(&record)?)]);
+        if !store.txn(txn).await?.succeeded {
+            return Err(SchedulerError::NotLeader);
+        }
+        tracing::info!(expert, ?producers, "pool updated");
+        report.pools_written += 1;
+    }
+
+    let jobs = JobStore::new(store.clone(), keys.clone());
+    let leader_only = |e: JobError| match e {
+        JobError::NotLeader(_) => SchedulerError::NotLeader,
+        e => SchedulerError::Job(e),
+    };
+    for (job, _) in jobs.list().await? {
+        let lost = lost_party(
+            &job.state,
+            job.producer.as_deref(),
+            job.consumer.as_deref(),
+            nodes,
+        );
+        if let Some(reason) = lost {
+            let updated = jobs
+                .update_as_leader(&job.id, guard, |j| {
+                    // Re-check on the fresh record: someone may have moved it on meanwhile.
+                    match lost_party(
+                        &j.state,
+                        j.producer.as_deref(),
+                        j.consumer.as_deref(),
+                        nodes,
+                    ) {
+                        Some(reason) => j.retry(&reason, now_ms()),
+                        None => Ok(()),
+                    }
+                })
+                .await
+                .map_err(leader_only)?;
+            match updated.state {
+                JobState::Queued => report.jobs_retried += 1,
+                JobState::Failed => report.jobs_failed += 1,
+                _ => {}
+            }
+            tracing::info!(job = job.id, reason, state = %updated.state, "job attempt abandoned");
+            if updated.state != JobState::Queued {
+                continue;
+            }
+        } else if job.state != JobState::Queued {
+            continue;
+        }
+        let Some(pool) = pools.get(&job.expert) else {
+            continue;
+        };
+        let Some(consumer) = choose_consumer(&job.expert, nodes) else {
+            continue;
+        };
+        let assigned = jobs
+            .update_as_leader(&job.id, guard, |j| {
+                if j.state != JobState::Queued {
+                    return Ok(());
+                }
+                let excluded = if pool
+                    .iter()
+                    .any(|p| !j.failed_producers.contains(p) && nodes.contains_key(p))
+                {
+                    j.failed_producers.clone()
+                } else {
+                    Vec::new()
+                };
+                match choose_producer(pool, nodes, &j.prefix_hashes, &excluded) {
+                    Some(choice) => j.assign(&choice.producer, &consumer, now_ms()),
+                    None => Ok(()),
+                }
+            })
+            .await
+            .map_err(leader_only)?;
+        if assigned.state == JobState::Assigned {
+            tracing::info!(job = assigned.id, producer = ?assigned.producer, consumer = ?assigned.consumer, attempt = assigned.attempts, "job assigned");
+            report.jobs_assigned += 1;
+        }
+    }
+
+    report.jobs_swept = jobs.sweep_finished(now_ms(), retention).await?;
+    Ok(report)
+}
+
+/// Why a running job's attempt cannot finish, if it cannot.
+fn lost_party(
+    state: &JobState,
+    producer: Option<&str>,
+    consumer: Option<&str>,
+    nodes: &NodeMap,
+) -> Option<String> {
+    // Once decoding, the consumer holds everything: the producer no longer matters.
+    let needs_producer = matches!(
+        state,
+        JobState::Assigned | JobState::Prefilling | JobState::Transferring
+    );
+    if needs_producer {
+        match producer {
+            Some(p) if nodes.contains_key(p) => {}
+            Some(p) => return Some(format!("producer {p} left the cluster")),
+            None => return Some("no producer recorded".to_string()),
+        }
+    }
+    if state.is_running() {
+        match consumer {
+            Some(c) if nodes.contains_key(c) => {}
+            Some(c) => return Some(format!("consumer {c} left the cluster")),
+            None => return Some("no consumer recorded".to_string()),
+        }
+    }
+    None
+}
+
+/// A running scheduler replica. Dropping it stops it without resigning (as a crash would).
+pub struct Scheduler {
+    candidate: Arc<Candidate>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("candidate", &self.candidate)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Scheduler {
+    /// Joins the scheduler election as `replica_id` and starts working whenever it leads.
+    pub async fn start(
+        store: Arc<dyn MetaStore>,
+        keys: Keys,
+        replica_id: &str,
+        config: SchedulerConfig,
+    ) -> Result<Self, SchedulerError> {
+        let nodes = LiveNodes::start(store.clone(), &keys).await?;
+        let candidate = Arc::new(Candidate::start(
+            store.clone(),
+            &keys,
+            SCHEDULER_ELECTION,
+            replica_id,
+            config.election,
+        )?);
+        let task = tokio::spawn(run(store, keys, candidate.clone(), nodes, config));
+        Ok(Self { candidate, task })
+    }
+
+    /// Whether this replica leads now.
+    pub fn is_leader(&self) -> bool {
+        self.candidate.is_leader()
+    }
+
+    /// Follows this replica's leadership.
+    pub fn leadership(&self) -> tokio::sync::watch::Receiver<Leadership> {
+        self.candidate.subscribe()
+    }
+
+    /// Stops and hands leadership over at once.
+    pub async fn shutdown(self) -> Result<(), StoreError> {
+        self.task.abort();
+        self.candidate.resign().await
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn experts_for(
+    store: &Arc<dyn MetaStore>,
+    keys: &Keys,
+    config: &SchedulerConfig,
+) -> Result<Vec<ExpertSpec>, SchedulerError> {
+    let mut experts: BTreeMap<String, ExpertSpec> = config
+        .experts
+        .iter()
+        .map(|e| (e.expert.clone(), e.clone()))
+        .collect();
+    for model in ModelRegistry::new(store.clone(), keys.clone())
+        .list()
+        .await?
+    {
+        if let Some(base) = model.base {
+            experts
+                .entry(model.id.clone())
+                .or_insert_with(|| ExpertSpec::new(model.id, base, config.default_pool_size));
+        }
+    }
+    Ok(experts.into_values().collect())
+}
+
+async fn run(
+    store: Arc<dyn MetaStore>,
+    keys: Keys,
+    candidate: Arc<Candidate>,
+    nodes: LiveNodes,
+    config: SchedulerConfig,
+) {
+    let mut leadership = candidate.subscribe();
+    let mut members = nodes.subscribe();
+    let mut job_events = None;
+    loop {
+        let current = leadership.borrow_and_update().clone();
+        let guard = match current {
+            Leadership::Leader(guard) => guard,
+            Leadership::Follower { .. } => {
+                job_events = None;
+                if leadership.changed().await.is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        if job_events.is_none() {
+            job_events = store.watch_prefix(&keys.jobs_prefix(), 0).await.ok();
+        }
+        let snapshot = members.borrow_and_update().clone();
+        let pass = match experts_for(&store, &keys, &config).await {
+            Ok(experts) => {
+                reconcile(&store, &keys, &guard, &snapshot, &experts, config.retention).await
+            }
+            Err(e) => Err(e),
+        };
+        match pass {
+            Ok(report) if report != ReconcileReport::default() => {
+                tracing::debug!(?report, "reconciled")
+            }
+            Ok(_) => {}
+            Err(SchedulerError::NotLeader) => tracing::info!("lost leadership during a pass"),
+            Err(e) => tracing::warn!(error = %e, "reconciliation failed; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(config.reconcile_every) => {}
+            _ = members.changed() => {}
+            _ = leadership.changed() => {}
+            event = next_job_event(&mut job_events) => {
+                if event.is_none() {
+                    job_events = None;
+                }
+                // Let a burst of job writes settle into one pass.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if let Some(w) = job_events.as_mut() {
+                    while let Ok(Some(_)) = tokio::time::timeout(Duration::ZERO, w.next()).await {}
+                }
+            }
+        }
+    }
+}
+
+async fn next_job_event(
+    watch: &mut Option<crate::store::WatchStream>,
+) -> Option<Result<crate::store::WatchEvent, StoreError>> {
+    match watch {
+        Some(w) => w.next().await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,394 @@
+//! The etcd `MetaStore`, over etcd-client. Every unary call has a deadline; watches run in a
+//! driver task that re-creates the etcd watch from the last seen revision whenever the stream
+//! breaks (etcd restarting, a dropped connection), so consumers see each event exactly once.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, CompactionOptions, Compare as EtcdCompare, CompareOp, ConnectOptions,
+    Error as EtcdError, EventType, GetOptions, LeaseGrantOptions, PutOptions, Txn as EtcdTxn,
+    TxnOp as EtcdTxnOp, WatchOptions,
+};
+use tokio::sync::mpsc;
+
+use super::{
+    ttl_secs, Compare, CompareTarget, EventKind, KeyValue, Lease, LeaseId, Listing, MetaStore,
+    StoreError, Txn, TxnOp, TxnOutcome, WatchEvent, WatchStream, WATCH_CHANNEL_CAPACITY,
+};
+
+/// Deadline of one unary request.
+const OP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Backoff between attempts to re-create a broken watch.
+const WATCH_RETRY_MIN: Duration = Duration::from_millis(50);
+const WATCH_RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// A `MetaStore` backed by an etcd cluster.
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    endpoints: Vec<String>,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("endpoints", &self.endpoints)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdStore {
+    /// Connects to etcd. The connection is lazy underneath: a store created while etcd is down
+    /// starts working when it comes up.
+    pub async fn connect(endpoints: &[String]) -> Result<Self, StoreError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            // HTTP/2 pings notice a dead server on an idle watch or keep-alive stream.
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let client = deadline("connect", Client::connect(endpoints, Some(options))).await?;
+        Ok(Self {
+            client,
+            endpoints: endpoints.to_vec(),
+        })
+    }
+
+    /// The endpoints this store talks to.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+}
+
+async fn deadline<T>(
+    op: &'static str,
+    fut: impl std::future::Future<Output = Result<T, EtcdError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(OP_TIMEOUT, fut).await {
+        Ok(result) => result.map_err(|source| StoreError::Etcd { op, source }),
+        Err(_) => Err(StoreError::Timeout {
+            op,
+            after: OP_TIMEOUT,
+        }),
+    }
+}
+
+/// etcd reports a missing lease as a gRPC status with this text.
+fn is_lease_not_found(e: &StoreError) -> bool {
+    match e {
+        StoreError::Etcd {
+            source: EtcdError::GRpcStatus(s),
+            ..
+        } => s.message().contains("lease not found"),
+        StoreError::Etcd {
+            source: EtcdError::LeaseKeepAliveError(m),
+            ..
+        } => m.contains("lease not found"),
+        _ => false,
+    }
+}
+
+fn convert_kv(kv: &etcd_client::KeyValue) -> Result<KeyValue, StoreError> {
+    let key =
+        std::str::from_utf8(kv.key()).map_err(|_| StoreError::NonUtf8Key(kv.key().to_vec()))?;
+    Ok(KeyValue {
+        key: key.to_string(),
+        value: kv.value().to_vec(),
+        create_revision: kv.create_revision(),
+        mod_revision: kv.mod_revision(),
+        version: kv.version(),
+        lease: kv.lease(),
+    })
+}
+
+fn convert_compare(c: &Compare) -> EtcdCompare {
+    let key = c.key.as_bytes().to_vec();
+    match &c.target {
+        CompareTarget::Version(v) => EtcdCompare::version(key, CompareOp::Equal, *v),
+        CompareTarget::ModRevision(r) => EtcdCompare::mod_revision(key, CompareOp::Equal, *r),
+        CompareTarget::CreateRevision(r) => EtcdCompare::create_revision(key, CompareOp::Equal, *r),
+        CompareTarget::Value(v) => EtcdCompare::value(key, CompareOp::Equal, v.clone()),
+    }
+}
+
+fn convert_op(op: &TxnOp) -> EtcdTxnOp {
+    match op {
+        TxnOp::Put { key, value, lease } => EtcdTxnOp::put(
+            key.as_bytes(),
+            value.clone(),
+            lease.map(|l| PutOptions::new().with_lease(l)),
+        ),
+        TxnOp::Delete { key } => EtcdTxnOp::delete(key.as_bytes(), None),
+    }
+}
+
+fn lease_of(ops: &[TxnOp]) -> Option<LeaseId> {
+    ops.iter().find_map(|op| match op {
+        TxnOp::Put { lease, .. } => *lease,
+        TxnOp::Delete { .. } => None,
+    })
+}
+
+fn map_compaction(e: StoreError, requested: i64) -> StoreError {
+    match &e {
+        StoreError::Etcd {
+            source: EtcdError::GRpcStatus(s),
+            ..
+        } if s.message().contains("compacted") => StoreError::Compacted {
+            requested,
+            compact_revision: requested,
+        },
+        StoreError::Etcd {
+            source: EtcdError::GRpcStatus(s),
+            ..
+        } if s.message().contains("future revision") => {
+            StoreError::Invalid(format!("cannot compact at future revision {requested}"))
+        }
+        _ => e,
+    }
+}
+
+#[async_trait]
+impl MetaStore for EtcdStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
+        let mut client = self.client.clone();
+        let resp = deadline("get", client.get(key, None)).await?;
+        resp.kvs().first().map(convert_kv).transpose()
+    }
+
+    async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
+        let mut client = self.client.clone();
+        let resp = deadline(
+            "get_prefix",
+            client.get(prefix, Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
+        let kvs = resp
+            .kvs()
+            .iter()
+            .map(convert_kv)
+            .collect::<Result<Vec<_>, _>>()?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        Ok(Listing { kvs, revision })
+    }
+
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    ) -> Result<i64, StoreError> {
+        if key.is_empty() {
+            return Err(StoreError::Invalid("empty key".into()));
+        }
+        let mut client = self.client.clone();
+        let options = lease.map(|l| PutOptions::new().with_lease(l));
+        let resp = deadline("put", client.put(key, value, options))
+            .await
+            .map_err(|e| match lease {
+                Some(l) if is_lease_not_found(&e) => StoreError::LeaseNotFound(l),
+                _ => e,
+            })?;
+        Ok(resp.header().map_or(0, |h| h.revision()))
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        let mut client = self.client.clone();
+        let resp = deadline("delete", client.delete(key, None)).await?;
+        Ok(resp.deleted() > 0)
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
+        for op in txn.success.iter().chain(&txn.failure) {
+            let (TxnOp::Put { key, .. } | TxnOp::Delete { key }) = op;
+            if key.is_empty() {
+                return Err(StoreError::Invalid("empty key".into()));
+            }
+        }
+        let etcd_txn = EtcdTxn::new()
+            .when(txn.compares.iter().map(convert_compare).collect::<Vec<_>>())
+            .and_then(txn.success.iter().map(convert_op).collect::<Vec<_>>())
+            .or_else(txn.failure.iter().map(convert_op).collect::<Vec<_>>());
+        let mut client = self.client.clone();
+        let resp = deadline("txn", client.txn(etcd_txn)).await.map_err(|e| {
+            match lease_of(&txn.success).or_else(|| lease_of(&txn.failure)) {
+                Some(l) if is_lease_not_found(&e) => StoreError::LeaseNotFound(l),
+                _ => e,
+            }
+        })?;
+        Ok(TxnOutcome {
+            succeeded: resp.succeeded(),
+            revision: resp.header().map_or(0, |h| h.revision()),
+        })
+    }
+
+    async fn grant_lease(&self, ttl: Duration) -> Result<Lease, StoreError> {
+        let mut client = self.client.clone();
+        let resp = deadline(
+            "lease_grant",
+            client.lease_grant(ttl_secs(ttl), None::<LeaseGrantOptions>),
+        )
+        .await?;
+        if !resp.error().is_empty() {
+            return Err(StoreError::Invalid(format!(
+                "lease grant refused: {}",
+                resp.error()
+            )));
+        }
+        Ok(Lease {
+            id: resp.id(),
+            ttl: Duration::from_secs(resp.ttl().max(1).unsigned_abs()),
+        })
+    }
+
+    async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, StoreError> {
+        let mut client = self.client.clone();
+        // One short-lived keep-alive stream per renewal: renewals are seconds apart, and a fresh
+        // stream never carries a half-broken state over from a previous connection.
+        let ttl = deadline("keep_alive", async move {
+            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
+            keeper.keep_alive().await?;
+            match stream.message().await? {
+                Some(resp) => Ok(resp.ttl()),
+                None => Err(EtcdError::LeaseKeepAliveError(
+                    "keep-alive stream closed".into(),
+                )),
+            }
+        })
+        .await
+        .map_err(|e| {
+            if is_lease_not_found(&e) {
+                StoreError::LeaseNotFound(lease)
+            } else {
+                e
+            }
+        })?;
+        if ttl <= 0 {
+            return Err(StoreError::LeaseNotFound(lease));
+        }
+        Ok(Duration::from_secs(ttl.unsigned_abs()))
+    }
+
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+        let mut client = self.client.clone();
+        deadline("lease_revoke", client.lease_revoke(lease))
+            .await
+            .map_err(|e| {
+                if is_lease_not_found(&e) {
+                    StoreError::LeaseNotFound(lease)
+                } else {
+                    e
+                }
+            })?;
+        Ok(())
+    }
+
+    async fn watch_prefix(
+        &self,
+        prefix: &str,
+        from_revision: i64,
+    ) -> Result<WatchStream, StoreError> {
+        let (tx, rx) = mpsc::channel(WATCH_CHANNEL_CAPACITY);
+        let client = self.client.clone();
+        let prefix = prefix.to_string();
+        let driver = tokio::spawn(drive_watch(client, prefix, from_revision.max(0), tx));
+        Ok(WatchStream::new(rx, driver))
+    }
+
+    async fn compact(&self, revision: i64) -> Result<(), StoreError> {
+        let mut client = self.client.clone();
+        deadline(
+            "compact",
+            client.compact(revision, Some(CompactionOptions::new().with_physical())),
+        )
+        .await
+        .map_err(|e| map_compaction(e, revision))?;
+        Ok(())
+    }
+}
+
+type EventSender = mpsc::Sender<Result<WatchEvent, StoreError>>;
+
+/// Keeps one logical watch alive across broken streams. `next` is the first revision not yet
+/// delivered (0 until the first watch is created, meaning "from now").
+async fn drive_watch(client: Client, prefix: String, mut next: i64, tx: EventSender) {
+    let mut backoff = WATCH_RETRY_MIN;
+    loop {
+        let mut options = WatchOptions::new().with_prefix();
+        if next > 0 {
+            options = options.with_start_revision(next);
+        }
+        let mut watch_client = client.clone();
+        let created = tokio::select! {
+            created = watch_client.watch(prefix.as_bytes(), Some(options)) => created,
+            _ = tx.closed() => return,
+        };
+        match created {
+            Ok(mut stream) => loop {
+                let message = tokio::select! {
+                    message = stream.message() => message,
+                    _ = tx.closed() => return,
+                };
+                match message {
+                    Ok(Some(resp)) => {
+                        if resp.compact_revision() > 0 {
+                            let _ = tx
+                                .send(Err(StoreError::Compacted {
+                                    requested: next,
+                                    compact_revision: resp.compact_revision(),
+                                }))
+                                .await;
+                            return;
+                        }
+                        if resp.created() && next == 0 {
+                            next = resp.header().map_or(0, |h| h.revision()) + 1;
+                        }
+                        for event in resp.events() {
+                            let Some(kv) = event.kv() else { continue };
+                            let kv = match convert_kv(kv) {
+                                Ok(kv) => kv,
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "skipping watch event");
+                                    continue;
+                                }
+                            };
+                            let kind = match event.event_type() {
+                                EventType::Put => EventKind::Put,
+                                EventType::Delete => EventKind::Delete,
+                            };
+                            next = next.max(kv.mod_revision + 1);
+                            if tx.send(Ok(WatchEvent { kind, kv })).await.is_err() {
+                                return;
+                            }
+                        }
+                        backoff = WATCH_RETRY_MIN;
+                        if resp.canceled() {
+                            tracing::warn!(
+                                prefix,
+                                reason = resp.cancel_reason(),
+                                "etcd cancelled a watch; re-creating"
+                            );
+                            break;
+                        }
+                    }
+                    Ok(None) => {
+                        tracing::warn!(prefix, next, "etcd watch stream ended; resuming");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(prefix, next, error = %e, "etcd watch stream failed; resuming");
+                        break;
+                    }
+                }
+            },
+            Err(e) => {
+                tracing::warn!(prefix, next, error = %e, "creating etcd watch failed; retrying")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {},
+            _ = tx.closed() => return,
+        }
+        backoff = (backoff * 2).min(WATCH_RETRY_MAX);
+    }
+}
