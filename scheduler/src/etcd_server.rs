@@ -89,6 +89,17 @@ impl EtcdServer {
         self.spawn().await
     }
 
+    /// Starts it again on the same ports with an empty data directory: everything it held,
+    /// leases included, is gone (a cluster restored without its state).
+    pub async fn restart_empty(&mut self) -> Result<(), EtcdServerError> {
+        self.kill();
+        let data = self.data_dir();
+        if data.exists() {
+            std::fs::remove_dir_all(&data)?;
+        }
+        self.spawn().await
+    }
+
     async fn spawn(&mut self) -> Result<(), EtcdServerError> {
         let client = format!("http://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);

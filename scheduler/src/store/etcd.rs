@@ -288,10 +288,26 @@ impl MetaStore for EtcdStore {
         prefix: &str,
         from_revision: i64,
     ) -> Result<WatchStream, StoreError> {
+        // "From now" is pinned to the revision at the time of the call, so that a write made
+        // after this returns is seen even though the etcd watch is created asynchronously.
+        let start = if from_revision > 0 {
+            from_revision
+        } else {
+            let mut client = self.client.clone();
+            let resp = deadline(
+                "watch",
+                client.get(
+                    prefix,
+                    Some(GetOptions::new().with_prefix().with_count_only()),
+                ),
+            )
+            .await?;
+            resp.header().map_or(0, |h| h.revision()) + 1
+        };
         let (tx, rx) = mpsc::channel(WATCH_CHANNEL_CAPACITY);
         let client = self.client.clone();
         let prefix = prefix.to_string();
-        let driver = tokio::spawn(drive_watch(client, prefix, from_revision.max(0), tx));
+        let driver = tokio::spawn(drive_watch(client, prefix, start, tx));
         Ok(WatchStream::new(rx, driver))
     }
 
