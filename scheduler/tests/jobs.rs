@@ -1,0 +1,444 @@
+//! Durable jobs: compare-and-swap updates under contention, the state machine through the
+//! store, retention, and the leader retrying a job whose producer vanished.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{eventually, within, Backend, TTL};
+use scd_scheduler::jobs::now_ms;
+use scd_scheduler::service::read_pools;
+use scd_scheduler::{
+    ElectionConfig, ExpertSpec, JobError, JobRecord, JobState, JobStore, ModelRecord,
+    ModelRegistry, NodeInfo, Registration, RegistrationConfig, Scheduler, SchedulerConfig,
+};
+
+async fn concurrent_updates_lose_nothing(b: Backend) {
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("j1", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let jobs = JobStore::new(b.client().await, b.keys.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..6 {
+                jobs.update("j1", |j| {
+                    j.timings_ms
+                        .insert(format!("t{t}-{i}"), f64::from(t * 10 + i));
+                    j.payload_bytes += 1;
+                    Ok(())
+                })
+                .await
+                .unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        within("updates", t).await.unwrap();
+    }
+    let job = jobs.get("j1").await.unwrap().unwrap();
+    assert_eq!(job.timings_ms.len(), 48);
+    assert_eq!(job.payload_bytes, 48);
+    for t in 0..8 {
+        for i in 0..6 {
+            assert_eq!(job.timings_ms[&format!("t{t}-{i}")], f64::from(t * 10 + i));
+        }
+    }
+}
+
+async fn the_state_machine_guards_the_record(b: Backend) {
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let job = JobRecord::new("j2", "sotu", "scd", 3);
+    jobs.create(&job).await.unwrap();
+    assert!(matches!(
+        jobs.create(&job).await,
+        Err(JobError::AlreadyExists(_))
+    ));
+    let err = jobs.transition("j2", JobState::Decoding).await.unwrap_err();
+    assert!(matches!(
+        err,
+        JobError::InvalidTransition {
+            from: JobState::Queued,
+            to: JobState::Decoding,
+            ..
+        }
+    ));
+    // A refused change is not written.
+    assert_eq!(jobs.get("j2").await.unwrap().unwrap(), job);
+    jobs.update("j2", |j| j.assign("p1", "c1", now_ms()))
+        .await
+        .unwrap();
+    for s in [
+        JobState::Prefilling,
+        JobState::Transferring,
+        JobState::Decoding,
+        JobState::Done,
+    ] {
+        assert_eq!(jobs.transition("j2", s).await.unwrap().state, s);
+    }
+    let done = jobs.get("j2").await.unwrap().unwrap();
+    let states: Vec<JobState> = done.history.iter().map(|h| h.state).collect();
+    assert_eq!(
+        states,
+        [
+            JobState::Queued,
+            JobState::Assigned,
+            JobState::Prefilling,
+            JobState::Transferring,
+            JobState::Decoding,
+            JobState::Done
+        ]
+    );
+    assert!(matches!(
+        jobs.transition("missing", JobState::Done).await,
+        Err(JobError::NotFound(_))
+    ));
+}
+
+async fn finished_records_are_kept_for_the_retention_only(b: Backend) {
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    for id in ["done", "failed", "running"] {
+        jobs.create(&JobRecord::new(id, "sotu", "scd", 3))
+            .await
+            .unwrap();
+    }
+    jobs.update("done", |j| {
+        j.assign("p", "c", now_ms())?;
+        for s in [
+            JobState::Prefilling,
+            JobState::Transferring,
+            JobState::Decoding,
+            JobState::Done,
+        ] {
+            j.transition(s, now_ms())?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    jobs.update("failed", |j| j.fail("no expert", now_ms()))
+        .await
+        .unwrap();
+    let retention = Duration::from_secs(3600);
+    // Within the retention nothing goes.
+    assert_eq!(jobs.sweep_finished(now_ms(), retention).await.unwrap(), 0);
+    // Past it, the finished ones go and the running one stays.
+    let later = now_ms() + 3600 * 1000 + 1;
+    assert_eq!(jobs.sweep_finished(later, retention).await.unwrap(), 2);
+    let left: Vec<String> = jobs
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(j, _)| j.id)
+        .collect();
+    assert_eq!(left, ["running"]);
+}
+
+fn producer(id: &str) -> NodeInfo {
+    let mut n = NodeInfo::new(id, "127.0.0.1:1", 4);
+    n.producer_models = vec!["base".into()];
+    n
+}
+
+fn consumer(id: &str) -> NodeInfo {
+    let mut n = NodeInfo::new(id, "127.0.0.1:2", 4);
+    n.consumer_models = vec!["sotu".into()];
+    n
+}
+
+fn scheduler_config(retention: Duration) -> SchedulerConfig {
+    SchedulerConfig {
+        experts: vec![ExpertSpec::new("sotu", "base", 2)],
+        default_pool_size: 2,
+        reconcile_every: Duration::from_millis(200),
+        retention,
+        election: ElectionConfig { ttl: TTL },
+    }
+}
+
+async fn register(b: &Backend, info: NodeInfo) -> Registration {
+    Registration::register(
+        b.client().await,
+        &b.keys,
+        info,
+        RegistrationConfig {
+            ttl: TTL,
+            renewals_per_ttl: 3,
+        },
+    )
+    .await
+    .unwrap()
+}
+
+async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
+    let mut producers = vec![
+        register(&b, producer("p1")).await,
+        register(&b, producer("p2")).await,
+    ];
+    let _consumer = register(&b, consumer("c1")).await;
+    let _scheduler = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("job", "sotu", "scd", 3))
+        .await
+        .unwrap();
+
+    let first = within("the job is assigned", async {
+        loop {
+            let job = jobs.get("job").await.unwrap().unwrap();
+            if job.state == JobState::Assigned {
+                break job.producer.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let job = jobs.get("job").await.unwrap().unwrap();
+    assert_eq!((job.attempts, job.consumer.as_deref()), (1, Some("c1")));
+    // The producer starts working on it, then crashes.
+    jobs.transition("job", JobState::Prefilling).await.unwrap();
+    let index = producers.iter().position(|r| r.node_id() == first).unwrap();
+    drop(producers.remove(index));
+
+    let survivor = producers[0].node_id();
+    eventually(
+        "the job is reassigned to the surviving producer",
+        || async {
+            let job = jobs.get("job").await.unwrap().unwrap();
+            job.state == JobState::Assigned && job.producer.as_deref() == Some(survivor.as_str())
+        },
+    )
+    .await;
+    let job = jobs.get("job").await.unwrap().unwrap();
+    assert_eq!(job.attempts, 2);
+    assert_eq!(job.failed_producers, vec![first.clone()]);
+    assert!(job.error.as_deref().unwrap_or("").contains(&first));
+    let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
+    assert_eq!(
+        states,
+        [
+            JobState::Queued,
+            JobState::Assigned,
+            JobState::Prefilling,
+            JobState::Queued,
+            JobState::Assigned
+        ]
+    );
+    // The pool no longer lists the dead producer.
+    eventually("the pool drops the dead producer", || async {
+        read_pools(b.store.as_ref(), &b.keys)
+            .await
+            .unwrap()
+            .get("sotu")
+            == Some(&vec![survivor.clone()])
+    })
+    .await;
+}
+
+async fn a_job_fails_when_attempts_run_out(b: Backend) {
+    let p = register(&b, producer("p1")).await;
+    let _consumer = register(&b, consumer("c1")).await;
+    let _scheduler = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("once", "sotu", "scd", 1))
+        .await
+        .unwrap();
+    eventually("assigned", || async {
+        jobs.get("once").await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    p.deregister().await.unwrap();
+    eventually("failed", || async {
+        jobs.get("once").await.unwrap().unwrap().state == JobState::Failed
+    })
+    .await;
+    let job = jobs.get("once").await.unwrap().unwrap();
+    assert!(job.error.unwrap().contains("gave up after 1 attempts"));
+}
+
+async fn prefix_affinity_picks_the_producer_holding_the_prompt(b: Backend) {
+    let hashes = scd_scheduler::prefix::block_hashes("base", &(0..96).collect::<Vec<u32>>(), 32);
+    let mut warm = producer("warm");
+    warm.prefix_hashes = hashes[..2].to_vec();
+    warm.load = 3;
+    let _p = [
+        register(&b, producer("cold")).await,
+        register(&b, warm).await,
+    ];
+    let _c = register(&b, consumer("c1")).await;
+    let _scheduler = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let mut job = JobRecord::new("affine", "sotu", "scd", 3);
+    job.prefix_hashes = hashes.clone();
+    jobs.create(&job).await.unwrap();
+    jobs.create(&JobRecord::new("plain", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    eventually("both assigned", || async {
+        let a = jobs.get("affine").await.unwrap().unwrap();
+        let p = jobs.get("plain").await.unwrap().unwrap();
+        a.state == JobState::Assigned && p.state == JobState::Assigned
+    })
+    .await;
+    assert_eq!(
+        jobs.get("affine")
+            .await
+            .unwrap()
+            .unwrap()
+            .producer
+            .as_deref(),
+        Some("warm")
+    );
+    // Without a prefix, the less loaded producer wins.
+    assert_eq!(
+        jobs.get("plain")
+            .await
+            .unwrap()
+            .unwrap()
+            .producer
+            .as_deref(),
+        Some("cold")
+    );
+}
+
+async fn finished_jobs_are_swept_after_a_short_retention(b: Backend) {
+    let _p = register(&b, producer("p1")).await;
+    let _scheduler = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("quick", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    // No consumer hosts the expert: the job waits, and waiting jobs are never swept.
+    jobs.create(&JobRecord::new("waiting", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    jobs.update("quick", |j| j.fail("cancelled by user", now_ms()))
+        .await
+        .unwrap();
+    eventually("the finished job is swept", || async {
+        jobs.get("quick").await.unwrap().is_none()
+    })
+    .await;
+    assert_eq!(
+        jobs.get("waiting").await.unwrap().unwrap().state,
+        JobState::Queued
+    );
+}
+
+async fn scheduler_failover_keeps_assigning(b: Backend) {
+    let _p = register(&b, producer("p1")).await;
+    let _c = register(&b, consumer("c1")).await;
+    let config = scheduler_config(Duration::from_secs(3600));
+    let s1 = Scheduler::start(b.client().await, b.keys.clone(), "s1", config.clone())
+        .await
+        .unwrap();
+    let s2 = Scheduler::start(b.client().await, b.keys.clone(), "s2", config)
+        .await
+        .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("before", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    eventually("assigned", || async {
+        jobs.get("before").await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    let (leader, follower) = if s1.is_leader() { (s1, s2) } else { (s2, s1) };
+    drop(leader);
+    within("the follower takes over", async {
+        let mut rx = follower.leadership();
+        rx.wait_for(|l| l.is_leader()).await.unwrap();
+    })
+    .await;
+    jobs.create(&JobRecord::new("after", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    eventually("assigned by the new leader", || async {
+        jobs.get("after").await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+}
+
+async fn experts_come_from_model_records_too(b: Backend) {
+    let mut p = producer("p1");
+    p.producer_models = vec!["smol".into()];
+    let _p = register(&b, p).await;
+    let models = ModelRegistry::new(b.store.clone(), b.keys.clone());
+    models
+        .put(&ModelRecord {
+            id: "law".into(),
+            architecture: "llama".into(),
+            weights_hash: "w".into(),
+            base: Some("smol".into()),
+        })
+        .await
+        .unwrap();
+    models
+        .put(&ModelRecord {
+            id: "smol".into(),
+            architecture: "llama".into(),
+            weights_hash: "b".into(),
+            base: None,
+        })
+        .await
+        .unwrap();
+    let mut config = scheduler_config(Duration::from_secs(3600));
+    config.experts.clear();
+    let _s = Scheduler::start(b.client().await, b.keys.clone(), "s1", config)
+        .await
+        .unwrap();
+    eventually("a pool for the expert found in /models", || async {
+        read_pools(b.store.as_ref(), &b.keys)
+            .await
+            .unwrap()
+            .get("law")
+            == Some(&vec!["p1".to_string()])
+    })
+    .await;
+    assert!(!read_pools(b.store.as_ref(), &b.keys)
+        .await
+        .unwrap()
+        .contains_key("smol"));
+    assert_eq!(models.list().await.unwrap().len(), 2);
+}
+
+on_both_stores!(
+    concurrent_updates_lose_nothing,
+    the_state_machine_guards_the_record,
+    finished_records_are_kept_for_the_retention_only,
+    a_job_is_retried_when_its_producer_disappears,
+    a_job_fails_when_attempts_run_out,
+    prefix_affinity_picks_the_producer_holding_the_prompt,
+    finished_jobs_are_swept_after_a_short_retention,
+    scheduler_failover_keeps_assigning,
+    experts_come_from_model_records_too,
+);
