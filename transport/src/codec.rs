@@ -1,0 +1,362 @@
+//! Framing and validation: pure functions over byte buffers, no I/O.
+//!
+//! A frame is a 16-byte header followed by an rkyv archive of a [`Message`]:
+//!
+//! ```text
+//! 0..4   magic "SCDF"
+//! 4..6   protocol version, u16 little-endian
+//! 6..8   flags, must be zero
+//! 8..12  body length, u32 little-endian
+//! 12..16 reserved, must be zero
+//! 16..   body: the rkyv archive
+//! ```
+//!
+//! The header is 16 bytes so that an archive written straight after it in an aligned buffer stays
+//! aligned for its widest field. Readers check the header first and refuse oversized frames before
+//! allocating; the body is validated with bytecheck from an aligned buffer before anything in it
+//! is used. No input makes these functions panic.
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+
+use crate::wire::{ArchivedMessage, Message, PROTOCOL_VERSION};
+
+/// Length of the frame header in bytes.
+pub const HEADER_LEN: usize = 16;
+/// The first four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"SCDF";
+/// Default cap on one frame's body (64 MiB): a layer's codes fit with room to spare.
+pub const DEFAULT_MAX_FRAME_BYTES: u32 = 64 << 20;
+
+/// A buffer aligned for rkyv archives.
+pub type FrameBuf = AlignedVec<16>;
+
+/// A checked frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// The sender's protocol version (equal to [`PROTOCOL_VERSION`] once checked).
+    pub version: u16,
+    /// Length of the body that follows the header.
+    pub body_len: u32,
+}
+
+impl FrameHeader {
+    /// Header plus body.
+    pub fn frame_len(&self) -> usize {
+        HEADER_LEN + self.body_len as usize
+    }
+}
+
+/// Why bytes are not (yet) a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// More bytes are needed; not an error for a reader that can wait for them.
+    #[error("incomplete frame: {needed} more bytes needed")]
+    Incomplete {
+        /// How many more bytes, at least.
+        needed: usize,
+    },
+    /// The bytes do not start with the frame magic: not an scd peer, or the stream lost sync.
+    #[error("bad frame magic {0:02x?}")]
+    BadMagic([u8; 4]),
+    /// The frame was written by another protocol version.
+    #[error("protocol version mismatch: frame has version {got}, this node speaks {supported}")]
+    UnsupportedVersion {
+        /// The frame's version.
+        got: u16,
+        /// Ours.
+        supported: u16,
+    },
+    /// Flag or reserved bits that this version does not define are set.
+    #[error("reserved header bits set")]
+    ReservedBits,
+    /// The frame is larger than the configured cap.
+    #[error("frame of {len} bytes exceeds the cap of {max} bytes")]
+    TooLarge {
+        /// Announced body length.
+        len: u64,
+        /// The cap.
+        max: u64,
+    },
+    /// The body is not a valid archive of a [`Message`].
+    #[error("invalid frame body: {0}")]
+    Invalid(String),
+}
+
+impl DecodeError {
+    /// Whether waiting for more bytes could help.
+    pub fn is_incomplete(&self) -> bool {
+        matches!(self, DecodeError::Incomplete { .. })
+    }
+}
+
+/// Why a message could not be framed.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// The archive would exceed the frame cap.
+    #[error("encoded frame of {len} bytes exceeds the cap of {max} bytes")]
+    TooLarge {
+        /// The archive's length.
+        len: u64,
+        /// The cap.
+        max: u64,
+    },
+    /// rkyv failed to serialise (it does not, for these types, short of allocation failure).
+    #[error("serialising a frame: {0}")]
+    Serialize(String),
+}
+
+/// Upper bound of a message's archive, used to allocate once when encoding.
+fn size_hint(msg: &Message) -> usize {
+    let trace = |t: &crate::wire::TraceContext| {
+        t.iter()
+            .map(|e| e.key.len() + e.value.len() + 32)
+            .sum::<usize>()
+    };
+    256 + match msg {
+        Message::Code(f) => f.payload.len() + f.shape.len() * 4 + trace(&f.trace),
+        Message::Control(crate::wire::Control::PrefillRequest(r)) => {
+            let prompt = match &r.prompt {
+                crate::wire::Prompt::Tokens(t) => t.len() * 4,
+                crate::wire::Prompt::Text(s) => s.len(),
+            };
+            prompt + r.base_model.len() + r.expert.len() + r.mode.len() + trace(&r.trace)
+        }
+        Message::Control(_) => 256,
+    }
+}
+
+/// Encode a message as one frame (header and archive) into a fresh aligned buffer.
+pub fn encode(msg: &Message, max_frame_bytes: u32) -> Result<FrameBuf, EncodeError> {
+    let mut buf = FrameBuf::with_capacity(HEADER_LEN + size_hint(msg));
+    encode_into(msg, max_frame_bytes, &mut buf)?;
+    Ok(buf)
+}
+
+/// Encode a message as one frame into `buf`, which is cleared first (reuse it to save
+/// allocations).
+pub fn encode_into(
+    msg: &Message,
+    max_frame_bytes: u32,
+    buf: &mut FrameBuf,
+) -> Result<(), EncodeError> {
+    buf.clear();
+    buf.extend_from_slice(&[0u8; HEADER_LEN]);
+    let taken = std::mem::take(buf);
+    let mut out = rkyv::api::high::to_bytes_in::<_, rancor::Error>(msg, taken)
+        .map_err(|e| EncodeError::Serialize(e.to_string()))?;
+    let body_len = out.len() - HEADER_LEN;
+    if body_len as u64 > u64::from(max_frame_bytes) {
+        return Err(EncodeError::TooLarge {
+            len: body_len as u64,
+            max: u64::from(max_frame_bytes),
+        });
+    }
+    let header = header_bytes(body_len as u32);
+    out.as_mut_slice()[..HEADER_LEN].copy_from_slice(&header);
+    *buf = out;
+    Ok(())
+}
+
+/// The header for a body of `body_len` bytes.
+pub fn header_bytes(body_len: u32) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&body_len.to_le_bytes());
+    h
+}
+
+/// Check a frame header at the start of `buf`: magic, version, reserved bits and the size cap.
+/// Needs only the first [`HEADER_LEN`] bytes, so a reader can refuse a frame before allocating.
+pub fn check_header(buf: &[u8], max_frame_bytes: u32) -> Result<FrameHeader, DecodeError> {
+    let Some(h) = buf.get(..HEADER_LEN) else {
+        return Err(DecodeError::Incomplete {
+            needed: HEADER_LEN - buf.len(),
+        });
+    };
+    let magic = [h[0], h[1], h[2], h[3]];
+    if magic != MAGIC {
+        return Err(DecodeError::BadMagic(magic));
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != PROTOCOL_VERSION {
+        return Err(DecodeError::UnsupportedVersion {
+            got: version,
+            supported: PROTOCOL_VERSION,
+        });
+    }
+    if h[6..8] != [0, 0] || h[12..16] != [0, 0, 0, 0] {
+        return Err(DecodeError::ReservedBits);
+    }
+    let body_len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    if body_len > max_frame_bytes {
+        return Err(DecodeError::TooLarge {
+            len: u64::from(body_len),
+            max: u64::from(max_frame_bytes),
+        });
+    }
+    Ok(FrameHeader { version, body_len })
+}
+
+/// Check that `buf` starts with a whole frame; returns its header (and so its length).
+pub fn check(buf: &[u8], max_frame_bytes: u32) -> Result<FrameHeader, DecodeError> {
+    let header = check_header(buf, max_frame_bytes)?;
+    if buf.len() < header.frame_len() {
+        return Err(DecodeError::Incomplete {
+            needed: header.frame_len() - buf.len(),
+        });
+    }
+    Ok(header)
+}
+
+/// Validate an archive body that is already in an aligned buffer, without copying it.
+pub fn access_body(body: &[u8]) -> Result<&ArchivedMessage, DecodeError> {
+    rkyv::access::<ArchivedMessage, rancor::Error>(body)
+        .map_err(|e| DecodeError::Invalid(e.to_string()))
+}
+
+/// Validate an archive body and turn it into an owned message. A body that is not aligned is
+/// copied into an aligned buffer first.
+pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
+    if (body.as_ptr() as usize) % 16 == 0 {
+        to_owned(access_body(body)?)
+    } else {
+        let mut aligned = FrameBuf::with_capacity(body.len());
+        aligned.extend_from_slice(body);
+        to_owned(access_body(&aligned)?)
+    }
+}
+
+fn to_owned(archived: &ArchivedMessage) -> Result<Message, DecodeError> {
+    rkyv::deserialize::<Message, rancor::Error>(archived)
+        .map_err(|e| DecodeError::Invalid(e.to_string()))
+}
+
+/// Decode the frame at the start of `buf`; returns the message and the bytes it used.
+pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(Message, usize), DecodeError> {
+    let header = check(buf, max_frame_bytes)?;
+    let msg = decode_body(&buf[HEADER_LEN..header.frame_len()])?;
+    Ok((msg, header.frame_len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{CodeFrame, CodeKind, Control, DType, JobId, TraceEntry};
+
+    fn frame() -> Message {
+        Message::Code(CodeFrame {
+            job_id: JobId(0xdead_beef),
+            layer: 7,
+            kind: CodeKind::REUSE_K,
+            dtype: DType::F16,
+            shape: vec![3, 4],
+            translator: [9; 32],
+            trace: vec![TraceEntry {
+                key: "traceparent".into(),
+                value: "00-abc-def-01".into(),
+            }],
+            payload: (0..24).collect(),
+        })
+    }
+
+    #[test]
+    fn round_trip() {
+        let msg = frame();
+        let buf = encode(&msg, DEFAULT_MAX_FRAME_BYTES).unwrap();
+        let (back, used) = decode(&buf, DEFAULT_MAX_FRAME_BYTES).unwrap();
+        assert_eq!(back, msg);
+        assert_eq!(used, buf.len());
+    }
+
+    #[test]
+    fn every_prefix_is_incomplete() {
+        let buf = encode(&frame(), DEFAULT_MAX_FRAME_BYTES).unwrap();
+        for n in 0..buf.len() {
+            let err = decode(&buf[..n], DEFAULT_MAX_FRAME_BYTES).unwrap_err();
+            assert_eq!(
+                err,
+                DecodeError::Incomplete {
+                    needed: if n < HEADER_LEN {
+                        HEADER_LEN - n
+                    } else {
+                        buf.len() - n
+                    }
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn unaligned_input_is_copied_not_refused() {
+        let buf = encode(&frame(), DEFAULT_MAX_FRAME_BYTES).unwrap();
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&buf);
+        let (back, _) = decode(&shifted[1..], DEFAULT_MAX_FRAME_BYTES).unwrap();
+        assert_eq!(back, frame());
+    }
+
+    #[test]
+    fn header_errors() {
+        let buf = encode(&frame(), DEFAULT_MAX_FRAME_BYTES).unwrap();
+        let mut bad = buf.as_slice().to_vec();
+        bad[0] = b'X';
+        assert!(matches!(
+            decode(&bad, u32::MAX),
+            Err(DecodeError::BadMagic(_))
+        ));
+        let mut bad = buf.as_slice().to_vec();
+        bad[4] = 2;
+        assert_eq!(
+            decode(&bad, u32::MAX).unwrap_err(),
+            DecodeError::UnsupportedVersion {
+                got: 2,
+                supported: 1
+            }
+        );
+        let mut bad = buf.as_slice().to_vec();
+        bad[13] = 1;
+        assert_eq!(
+            decode(&bad, u32::MAX).unwrap_err(),
+            DecodeError::ReservedBits
+        );
+        let body = (buf.len() - HEADER_LEN) as u32;
+        assert_eq!(
+            check_header(&buf, body - 1).unwrap_err(),
+            DecodeError::TooLarge {
+                len: body.into(),
+                max: (body - 1).into()
+            }
+        );
+    }
+
+    #[test]
+    fn encode_refuses_oversized() {
+        assert!(matches!(
+            encode(&frame(), 16),
+            Err(EncodeError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_body_is_invalid() {
+        let mut buf = header_bytes(64).to_vec();
+        buf.extend_from_slice(&[0xff; 64]);
+        assert!(matches!(
+            decode(&buf, u32::MAX),
+            Err(DecodeError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn control_round_trip() {
+        let msg = Message::Control(Control::Error {
+            job_id: None,
+            code: 3,
+            message: "x".into(),
+        });
+        let buf = encode(&msg, DEFAULT_MAX_FRAME_BYTES).unwrap();
+        assert_eq!(decode(&buf, DEFAULT_MAX_FRAME_BYTES).unwrap().0, msg);
+    }
+}
