@@ -354,10 +354,7 @@ impl Campaign {
             }
         };
         self.state.send_replace(Leadership::Follower { leader });
-        let mut watch = match self.store.watch_prefix(&self.key, revision + 1).await {
-            Ok(w) => Some(w),
-            Err(_) => None,
-        };
+        let mut watch = self.store.watch_prefix(&self.key, revision + 1).await.ok();
         let mut next_renewal = Instant::now() + period;
         loop {
             tokio::select! {

@@ -234,16 +234,24 @@ impl TranslatorRegistry {
         version: &str,
     ) -> Result<ActiveTranslator, TranslatorError> {
         self.swap_active(producer, consumer, |current| {
-            let mut history = current.map(|c| c.history.clone()).unwrap_or_default();
-            match current {
-                Some(c) if c.version == version => return Ok(None),
-                Some(c) => history.push(c.version.clone()),
-                None => {}
+            let Some(current) = current else {
+                return Ok(Goal::Set {
+                    version: version.to_string(),
+                    history: Vec::new(),
+                });
+            };
+            if current.version == version {
+                return Ok(Goal::AlreadyThere(current));
             }
+            let mut history = current.history;
+            history.push(current.version);
             if history.len() > HISTORY_LIMIT {
                 history.drain(..history.len() - HISTORY_LIMIT);
             }
-            Ok(Some((version.to_string(), history)))
+            Ok(Goal::Set {
+                version: version.to_string(),
+                history,
+            })
         })
         .await
     }
@@ -259,24 +267,21 @@ impl TranslatorRegistry {
                 producer: producer.into(),
                 consumer: consumer.into(),
             };
-            let current = current.ok_or_else(no_history)?;
-            let mut history = current.history.clone();
-            let previous = history.pop().ok_or_else(no_history)?;
-            Ok(Some((previous, history)))
+            let mut history = current.ok_or_else(no_history)?.history;
+            let version = history.pop().ok_or_else(no_history)?;
+            Ok(Goal::Set { version, history })
         })
         .await
     }
 
-    /// Compare-and-swap on the active key. `decide` returns the version to make live and the
-    /// new history, or `None` when the current state already is the goal. The transaction also
-    /// checks that the target manifest is unchanged since it was read.
+    /// Compare-and-swap on the active key. `decide` looks at the live version and says what
+    /// should be live. The transaction also checks that the target manifest is unchanged
+    /// since it was read.
     async fn swap_active(
         &self,
         producer: &str,
         consumer: &str,
-        decide: impl Fn(
-            Option<&ActiveTranslator>,
-        ) -> Result<Option<(String, Vec<String>)>, TranslatorError>,
+        decide: impl Fn(Option<ActiveTranslator>) -> Result<Goal, TranslatorError>,
     ) -> Result<ActiveTranslator, TranslatorError> {
         let active_key = self.keys.translator_active(producer, consumer)?;
         for attempt in 0..CAS_ATTEMPTS {
@@ -285,11 +290,9 @@ impl TranslatorRegistry {
                 Some(kv) => Some(codec::decode(&kv.key, &kv.value)?),
                 None => None,
             };
-            let Some((version, history)) = decide(current.as_ref())? else {
-                if let Some(c) = current {
-                    return Ok(c);
-                }
-                continue;
+            let (version, history) = match decide(current)? {
+                Goal::AlreadyThere(current) => return Ok(current),
+                Goal::Set { version, history } => (version, history),
             };
             let version_key = self.keys.translator_version(producer, consumer, &version)?;
             let Some(manifest_kv) = self.store.get(&version_key).await? else {
@@ -331,6 +334,17 @@ impl TranslatorRegistry {
             attempts: CAS_ATTEMPTS,
         })
     }
+}
+
+/// What an activation or rollback wants live.
+enum Goal {
+    /// The live version already is the goal.
+    AlreadyThere(ActiveTranslator),
+    /// Make `version` live with this history.
+    Set {
+        version: String,
+        history: Vec<String>,
+    },
 }
 
 /// Capped exponential backoff with a little per-attempt spread.

@@ -16,7 +16,7 @@ use super::{
 };
 
 /// Events kept for watches that start in the past; older ones are compacted automatically.
-const DEFAULT_HISTORY: usize = 100_000;
+const DEFAULT_HISTORY: usize = 10_000;
 /// How often expired leases are looked for.
 const REAP_EVERY: Duration = Duration::from_millis(50);
 
@@ -54,8 +54,11 @@ impl std::fmt::Debug for EmbeddedStore {
 }
 
 impl EmbeddedStore {
-    /// A new, empty store. Must be called inside a tokio runtime: it spawns the task that
-    /// expires leases (the task ends when the last clone is dropped).
+    /// A new, empty store that keeps the last 10 000 events for watches.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime: it spawns the task that expires leases (the task ends when the
+    /// last clone is dropped).
     pub fn new() -> Self {
         Self::with_history(DEFAULT_HISTORY)
     }
