@@ -1,14 +1,18 @@
 # The two commands: `make demo` and `make test`. Everything else is a helper for them.
 SHELL := /bin/bash
 export SCD_MODEL_DIR ?= $(CURDIR)/.cache/models
+export SCD_DATA_DIR ?= $(CURDIR)/.cache/data
 
-.PHONY: demo test setup model build lint fmt bench
+.PHONY: demo test setup model data build lint fmt bench
 
 setup:
 	ops/setup.sh
 
 model:
 	ops/fetch-model.sh
+
+data:
+	ops/fetch-corpora.sh
 
 build: setup
 	cargo build --release
@@ -17,7 +21,7 @@ demo: setup model build
 	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
 		--prompt "In one sentence, what is a cache?" --max-tokens 48
 
-test: setup model
+test: setup model data
 	cargo test --workspace --all-targets --no-fail-fast
 
 lint:
