@@ -373,7 +373,8 @@ impl JobStore {
     }
 
     /// Applies `change` by compare-and-swap, retrying on conflicts with capped backoff. `change`
-    /// may run several times, each time on the freshest record; an error from it aborts.
+    /// may run several times, each time on the freshest record; an error from it aborts, and a
+    /// change that leaves the record as it was writes nothing.
     pub async fn update(
         &self,
         id: &str,
@@ -408,8 +409,13 @@ impl JobStore {
             let Some(kv) = self.store.get(&key).await? else {
                 return Err(JobError::NotFound(id.to_string()));
             };
-            let mut job: JobRecord = codec::decode(&kv.key, &kv.value)?;
+            let before: JobRecord = codec::decode(&kv.key, &kv.value)?;
+            let mut job = before.clone();
             change(&mut job)?;
+            if job == before {
+                // Nothing to write: a write would only wake every watcher of the job for nothing.
+                return Ok(job);
+            }
             job.updated_at_ms = job.updated_at_ms.max(now_ms());
             let mut compares = vec![Compare::mod_revision(key.clone(), kv.mod_revision)];
             compares.extend(guard.map(LeaderGuard::compare));

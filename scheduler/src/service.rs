@@ -147,6 +147,9 @@ pub async fn reconcile(
         report.pools_written += 1;
     }
 
+    // Assignments made in this pass count as load at once, so a burst of queued jobs spreads
+    // over the pool instead of piling onto whoever advertised the lowest load last.
+    let mut view = nodes.clone();
     let jobs = JobStore::new(store.clone(), keys.clone());
     let leader_only = |e: JobError| match e {
         JobError::NotLeader(_) => SchedulerError::NotLeader,
@@ -190,7 +193,7 @@ pub async fn reconcile(
         let Some(pool) = pools.get(&job.expert) else {
             continue;
         };
-        let Some(consumer) = choose_consumer(&job.expert, nodes) else {
+        let Some(consumer) = choose_consumer(&job.expert, &view) else {
             continue;
         };
         let assigned = jobs
@@ -206,7 +209,7 @@ pub async fn reconcile(
                 } else {
                     Vec::new()
                 };
-                match choose_producer(pool, nodes, &j.prefix_hashes, &excluded) {
+                match choose_producer(pool, &view, &j.prefix_hashes, &excluded) {
                     Some(choice) => j.assign(&choice.producer, &consumer, now_ms()),
                     None => Ok(()),
                 }
@@ -214,6 +217,14 @@ pub async fn reconcile(
             .await
             .map_err(leader_only)?;
         if assigned.state == JobState::Assigned {
+            for id in [assigned.producer.as_ref(), assigned.consumer.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Some(n) = view.get_mut(id) {
+                    n.load = n.load.saturating_add(1);
+                }
+            }
             tracing::info!(job = assigned.id, producer = ?assigned.producer, consumer = ?assigned.consumer, attempt = assigned.attempts, "job assigned");
             report.jobs_assigned += 1;
         }
@@ -374,8 +385,8 @@ async fn run(
         }
         tokio::select! {
             _ = tokio::time::sleep(config.reconcile_every) => {}
-            _ = members.changed() => {}
-            _ = leadership.changed() => {}
+            changed = members.changed() => if changed.is_err() { return },
+            changed = leadership.changed() => if changed.is_err() { return },
             event = next_job_event(&mut job_events) => {
                 if event.is_none() {
                     job_events = None;

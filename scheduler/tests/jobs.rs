@@ -431,7 +431,62 @@ async fn experts_come_from_model_records_too(b: Backend) {
     assert_eq!(models.list().await.unwrap().len(), 2);
 }
 
+async fn a_no_op_update_writes_nothing(b: Backend) {
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("idle", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    let key = b.keys.job("idle").unwrap();
+    let before = b.store.get(&key).await.unwrap().unwrap().mod_revision;
+    jobs.update("idle", |_| Ok(())).await.unwrap();
+    assert_eq!(
+        b.store.get(&key).await.unwrap().unwrap().mod_revision,
+        before
+    );
+}
+
+async fn a_burst_of_jobs_spreads_over_the_pool(b: Backend) {
+    let _p = [
+        register(&b, producer("p1")).await,
+        register(&b, producer("p2")).await,
+    ];
+    let _c = register(&b, consumer("c1")).await;
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    // Queued before any scheduler runs: the first pass assigns them all at once.
+    for i in 0..4 {
+        jobs.create(&JobRecord::new(format!("burst{i}"), "sotu", "scd", 3))
+            .await
+            .unwrap();
+    }
+    let _s = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    eventually("all assigned", || async {
+        jobs.list()
+            .await
+            .unwrap()
+            .iter()
+            .all(|(j, _)| j.state == JobState::Assigned)
+    })
+    .await;
+    let on_p1 = jobs
+        .list()
+        .await
+        .unwrap()
+        .iter()
+        .filter(|(j, _)| j.producer.as_deref() == Some("p1"))
+        .count();
+    assert_eq!(on_p1, 2);
+}
+
 on_both_stores!(
+    a_no_op_update_writes_nothing,
+    a_burst_of_jobs_spreads_over_the_pool,
     concurrent_updates_lose_nothing,
     the_state_machine_guards_the_record,
     finished_records_are_kept_for_the_retention_only,

@@ -244,7 +244,8 @@ impl MetaStore for EtcdStore {
     async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, StoreError> {
         let mut client = self.client.clone();
         // One short-lived keep-alive stream per renewal: renewals are seconds apart, and a fresh
-        // stream never carries a half-broken state over from a previous connection.
+        // stream never carries a half-broken state over from a previous connection. Opening it
+        // renews once (and reports a missing lease); the second exchange reads the TTL.
         let ttl = deadline("keep_alive", async move {
             let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
             keeper.keep_alive().await?;
