@@ -104,7 +104,7 @@ async fn bench(name: &str, store: Arc<dyn MetaStore>, clients: Vec<Arc<dyn MetaS
     let failover = t.elapsed();
 
     println!(
-        "| {name} | {:.0} | {:.0} | {:.0} | {:.2} |",
+        "| {name} | {:.1} | {:.1} | {:.0} | {:.2} |",
         median_us(puts),
         median_us(updates),
         total as f64 / contended.as_secs_f64(),
