@@ -497,3 +497,47 @@ on_both_stores!(
     scheduler_failover_keeps_assigning,
     experts_come_from_model_records_too,
 );
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restart_keeps_jobs_and_scheduling_resumes() {
+    let mut b = Backend::etcd().await;
+    let _p = register(&b, producer("p1")).await;
+    let _c = register(&b, consumer("c1")).await;
+    let config = scheduler_config(Duration::from_secs(3600));
+    let s1 = Scheduler::start(b.client().await, b.keys.clone(), "s1", config.clone())
+        .await
+        .unwrap();
+    let s2 = Scheduler::start(b.client().await, b.keys.clone(), "s2", config)
+        .await
+        .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("before", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    eventually("assigned", || async {
+        jobs.get("before").await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    let assigned = jobs.get("before").await.unwrap().unwrap();
+
+    b.etcd.as_mut().unwrap().restart().await.unwrap();
+    eventually("the store answers again", || async {
+        jobs.get("before").await.is_ok()
+    })
+    .await;
+    // Nothing was lost or changed by the restart.
+    assert_eq!(jobs.get("before").await.unwrap().unwrap(), assigned);
+    // One replica leads again and keeps assigning.
+    eventually("exactly one leader", || async {
+        u8::from(s1.is_leader()) + u8::from(s2.is_leader()) == 1
+    })
+    .await;
+    jobs.create(&JobRecord::new("after", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    eventually("assigned after the restart", || async {
+        jobs.get("after").await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    assert_eq!(jobs.get("before").await.unwrap().unwrap().attempts, 1);
+}
