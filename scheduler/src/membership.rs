@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::codec::{self, CodecError};
 use crate::keys::{InvalidId, Keys};
-use crate::store::{EventKind, LeaseId, MetaStore, StoreError};
+use crate::store::{EventKind, LeaseId, MetaStore, StoreError, WatchEvent};
 
 /// What a node advertises about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -335,8 +335,8 @@ async fn reregister(shared: &RegShared, ttl: Duration, first_backoff: Duration) 
 /// The set of live nodes, by id, kept current by a watch.
 pub type NodeMap = BTreeMap<String, NodeInfo>;
 
-/// A live view of `/nodes/`: a read, then a watch from the next revision; after compaction or
-/// a broken stream it reads again. Dropping it stops the watch.
+/// A live view of `/nodes/`: a read, then a watch from the next revision; after compaction, a
+/// history reset, or every minute, it reads again. Dropping it stops the watch.
 pub struct LiveNodes {
     rx: watch::Receiver<NodeMap>,
     task: JoinHandle<()>,
@@ -405,6 +405,11 @@ async fn list_nodes(
     Ok((nodes, listing.revision))
 }
 
+/// Even a watch that never fails is re-read now and then: a full read is cheap for the node set,
+/// and it bounds how long any missed change (an etcd restored from a backup behind our revision,
+/// say) can linger in the view.
+const RESYNC_EVERY: Duration = Duration::from_secs(60);
+
 async fn follow_nodes(
     store: Arc<dyn MetaStore>,
     prefix: String,
@@ -414,35 +419,20 @@ async fn follow_nodes(
     loop {
         match store.watch_prefix(&prefix, revision + 1).await {
             Ok(mut stream) => {
-                while let Some(event) = stream.next().await {
+                let resync = tokio::time::sleep(RESYNC_EVERY);
+                tokio::pin!(resync);
+                loop {
+                    let event = tokio::select! {
+                        event = stream.next() => event,
+                        _ = &mut resync => break,
+                    };
                     match event {
-                        Ok(event) => {
-                            let Some(id) = Keys::id_under(&prefix, &event.kv.key) else {
-                                continue;
-                            };
-                            match event.kind {
-                                EventKind::Put => {
-                                    match codec::decode::<NodeInfo>(&event.kv.key, &event.kv.value)
-                                    {
-                                        Ok(info) => {
-                                            tx.send_modify(|m| {
-                                                m.insert(id.to_string(), info);
-                                            });
-                                        }
-                                        Err(e) => {
-                                            tracing::warn!(error = %e, "ignoring unreadable node record")
-                                        }
-                                    }
-                                }
-                                EventKind::Delete => {
-                                    tx.send_if_modified(|m| m.remove(id).is_some());
-                                }
-                            }
-                        }
-                        Err(e) => {
+                        Some(Ok(event)) => apply_node_event(&prefix, event, &tx),
+                        Some(Err(e)) => {
                             tracing::warn!(error = %e, "node watch lost its history; reading again");
                             break;
                         }
+                        None => break,
                     }
                 }
             }
@@ -465,6 +455,25 @@ async fn follow_nodes(
                     tokio::time::sleep(Duration::from_millis(250)).await;
                 }
             }
+        }
+    }
+}
+
+fn apply_node_event(prefix: &str, event: WatchEvent, tx: &watch::Sender<NodeMap>) {
+    let Some(id) = Keys::id_under(prefix, &event.kv.key) else {
+        return;
+    };
+    match event.kind {
+        EventKind::Put => match codec::decode::<NodeInfo>(&event.kv.key, &event.kv.value) {
+            Ok(info) => {
+                tx.send_modify(|m| {
+                    m.insert(id.to_string(), info);
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "ignoring unreadable node record"),
+        },
+        EventKind::Delete => {
+            tx.send_if_modified(|m| m.remove(id).is_some());
         }
     }
 }

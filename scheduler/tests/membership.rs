@@ -283,6 +283,14 @@ async fn etcd_restarted_empty_every_node_reregisters() {
     for id in ["n1", "n2", "n3"] {
         regs.push(register(&b, id).await);
     }
+    let live = LiveNodes::start(b.client().await, &b.keys).await.unwrap();
+    within("all listed", live.wait_for(|m| m.len() == 3)).await;
+    // Move the view's revision well past what a fresh etcd reaches by re-registering three
+    // nodes (keys nested under the prefix are delivered to the watch but are not nodes).
+    let filler = format!("{}filler/x", b.keys.nodes_prefix());
+    for i in 0..20 {
+        b.store.put(&filler, vec![i], None).await.unwrap();
+    }
     let old: Vec<LeaseId> = regs.iter().map(|r| r.lease()).collect();
     let mut events: Vec<_> = regs.iter().map(|r| r.subscribe()).collect();
     b.etcd.as_mut().unwrap().restart_empty().await.unwrap();
@@ -303,4 +311,11 @@ async fn etcd_restarted_empty_every_node_reregisters() {
         assert_ne!(reg.lease(), old);
         assert!(listing.kvs.iter().any(|kv| kv.lease == reg.lease()));
     }
+    // The live view noticed the reset (revisions went backwards), read again, and follows on.
+    regs[1].update(|n| n.load = 1).await.unwrap();
+    within(
+        "view follows after the reset",
+        live.wait_for(|m| m.len() == 3 && m["n2"].load == 1),
+    )
+    .await;
 }

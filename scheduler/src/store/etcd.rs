@@ -357,8 +357,21 @@ async fn drive_watch(client: Client, prefix: String, mut next: i64, tx: EventSen
                                 .await;
                             return;
                         }
+                        let current = resp.header().map_or(0, |h| h.revision());
                         if resp.created() && next == 0 {
-                            next = resp.header().map_or(0, |h| h.revision()) + 1;
+                            next = current + 1;
+                        }
+                        if resp.created() && current > 0 && current + 1 < next {
+                            // The store is behind what we already delivered: etcd came back
+                            // without its data. Revisions will be reused, so resuming would
+                            // silently skip changes; the consumer must read everything again.
+                            let _ = tx
+                                .send(Err(StoreError::HistoryReset {
+                                    expected: next - 1,
+                                    found: current,
+                                }))
+                                .await;
+                            return;
                         }
                         for event in resp.events() {
                             let Some(kv) = event.kv() else { continue };

@@ -249,6 +249,15 @@ pub enum StoreError {
         /// The oldest revision still available.
         compact_revision: i64,
     },
+    /// The store's revision went backwards (etcd restored or recreated without its data): a
+    /// watch cannot resume and its consumer must read everything again.
+    #[error("the store's history was reset: it is at revision {found}, behind the {expected} already seen; re-read and watch again")]
+    HistoryReset {
+        /// The last revision delivered.
+        expected: i64,
+        /// The store's revision now.
+        found: i64,
+    },
     /// The store returned a key that is not UTF-8 (scd only writes UTF-8 keys).
     #[error("key is not valid UTF-8: {0:?}")]
     NonUtf8Key(Vec<u8>),
@@ -266,8 +275,9 @@ pub enum StoreError {
 }
 
 /// A stream of watch events, fed by a driver task through a bounded channel. The driver resumes
-/// from the last seen revision after a transport error; the only error it yields is
-/// [`StoreError::Compacted`], after which the stream ends. Dropping it stops the driver.
+/// from the last seen revision after a transport error; the only errors it yields are
+/// [`StoreError::Compacted`] and [`StoreError::HistoryReset`], after which the stream ends and
+/// the consumer reads again. Dropping it stops the driver.
 pub struct WatchStream {
     rx: mpsc::Receiver<Result<WatchEvent, StoreError>>,
     driver: JoinHandle<()>,
