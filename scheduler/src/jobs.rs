@@ -270,9 +270,15 @@ impl JobRecord {
         self.transition(JobState::Assigned, at_ms)
     }
 
-    /// Abandons the current attempt because `producer` (or the consumer) was lost: back to
-    /// queued, or failed when no attempts are left.
-    pub fn retry(&mut self, reason: &str, at_ms: u64) -> Result<(), JobError> {
+    /// Abandons the current attempt (its producer or consumer was lost): back to queued, or
+    /// failed when no attempts are left. With `producer_failed`, the producer is remembered so
+    /// the next attempt avoids it while others are available.
+    pub fn retry(
+        &mut self,
+        reason: &str,
+        producer_failed: bool,
+        at_ms: u64,
+    ) -> Result<(), JobError> {
         if !self.state.is_running() {
             return Err(JobError::InvalidTransition {
                 id: self.id.clone(),
@@ -281,7 +287,7 @@ impl JobRecord {
             });
         }
         if let Some(p) = self.producer.take() {
-            if !self.failed_producers.contains(&p) {
+            if producer_failed && !self.failed_producers.contains(&p) {
                 self.failed_producers.push(p);
             }
         }
@@ -540,19 +546,19 @@ mod tests {
         let mut job = JobRecord::new("j", "sotu", "scd", 2);
         job.assign("p1", "c1", 1).unwrap();
         job.transition(Prefilling, 2).unwrap();
-        job.retry("producer p1 lost", 3).unwrap();
+        job.retry("producer p1 lost", true, 3).unwrap();
         assert_eq!(job.state, Queued);
         assert_eq!(job.failed_producers, vec!["p1".to_string()]);
         assert!(job.producer.is_none());
         job.assign("p2", "c1", 4).unwrap();
         assert_eq!(job.attempts, 2);
-        job.retry("producer p2 lost", 5).unwrap();
+        job.retry("producer p2 lost", true, 5).unwrap();
         assert_eq!(job.state, Failed);
         assert!(job
             .error
             .as_deref()
             .unwrap_or("")
             .contains("gave up after 2 attempts"));
-        assert!(job.retry("again", 6).is_err());
+        assert!(job.retry("again", true, 6).is_err());
     }
 }

@@ -162,7 +162,7 @@ pub async fn reconcile(
             job.consumer.as_deref(),
             nodes,
         );
-        if let Some(reason) = lost {
+        if let Some((reason, _)) = lost {
             let updated = jobs
                 .update_as_leader(&job.id, guard, |j| {
                     // Re-check on the fresh record: someone may have moved it on meanwhile.
@@ -172,7 +172,9 @@ pub async fn reconcile(
                         j.consumer.as_deref(),
                         nodes,
                     ) {
-                        Some(reason) => j.retry(&reason, now_ms()),
+                        Some((reason, producer_failed)) => {
+                            j.retry(&reason, producer_failed, now_ms())
+                        }
                         None => Ok(()),
                     }
                 })
@@ -234,13 +236,13 @@ pub async fn reconcile(
     Ok(report)
 }
 
-/// Why a running job's attempt cannot finish, if it cannot.
+/// Why a running job's attempt cannot finish, if it cannot, and whether the producer is to blame.
 fn lost_party(
     state: &JobState,
     producer: Option<&str>,
     consumer: Option<&str>,
     nodes: &NodeMap,
-) -> Option<String> {
+) -> Option<(String, bool)> {
     // Once decoding, the consumer holds everything: the producer no longer matters.
     let needs_producer = matches!(
         state,
@@ -249,15 +251,15 @@ fn lost_party(
     if needs_producer {
         match producer {
             Some(p) if nodes.contains_key(p) => {}
-            Some(p) => return Some(format!("producer {p} left the cluster")),
-            None => return Some("no producer recorded".to_string()),
+            Some(p) => return Some((format!("producer {p} left the cluster"), true)),
+            None => return Some(("no producer recorded".to_string(), false)),
         }
     }
     if state.is_running() {
         match consumer {
             Some(c) if nodes.contains_key(c) => {}
-            Some(c) => return Some(format!("consumer {c} left the cluster")),
-            None => return Some("no consumer recorded".to_string()),
+            Some(c) => return Some((format!("consumer {c} left the cluster"), false)),
+            None => return Some(("no consumer recorded".to_string(), false)),
         }
     }
     None

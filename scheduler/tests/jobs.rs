@@ -485,6 +485,7 @@ async fn a_burst_of_jobs_spreads_over_the_pool(b: Backend) {
 }
 
 on_both_stores!(
+    a_lost_consumer_retries_without_blaming_the_producer,
     a_no_op_update_writes_nothing,
     a_burst_of_jobs_spreads_over_the_pool,
     concurrent_updates_lose_nothing,
@@ -540,4 +541,44 @@ async fn etcd_restart_keeps_jobs_and_scheduling_resumes() {
     })
     .await;
     assert_eq!(jobs.get("before").await.unwrap().unwrap().attempts, 1);
+}
+
+async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
+    let _p = register(&b, producer("p1")).await;
+    let c1 = register(&b, consumer("c1")).await;
+    let _s = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&JobRecord::new("dec", "sotu", "scd", 3))
+        .await
+        .unwrap();
+    eventually("assigned", || async {
+        jobs.get("dec").await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    for s in [
+        JobState::Prefilling,
+        JobState::Transferring,
+        JobState::Decoding,
+    ] {
+        jobs.transition("dec", s).await.unwrap();
+    }
+    // The decoding consumer dies; another one comes up.
+    c1.deregister().await.unwrap();
+    let _c2 = register(&b, consumer("c2")).await;
+    eventually("reassigned to the new consumer", || async {
+        let job = jobs.get("dec").await.unwrap().unwrap();
+        job.state == JobState::Assigned && job.consumer.as_deref() == Some("c2")
+    })
+    .await;
+    let job = jobs.get("dec").await.unwrap().unwrap();
+    assert_eq!((job.attempts, job.producer.as_deref()), (2, Some("p1")));
+    assert!(job.failed_producers.is_empty());
+    assert!(job.error.unwrap().contains("consumer c1"));
 }
