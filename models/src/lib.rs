@@ -9,3 +9,5 @@
 //!
 //! All math is f32 on the CPU; f16/bf16 appear only where tensors are packed for the wire.
 #![warn(missing_docs)]
+
+pub mod tokenizer;

@@ -1,0 +1,509 @@
+//! The tokenizer against reference fixtures produced by llama.cpp and transformers
+//! (`ops/tokenizer-fixtures.py`, provenance inside each fixture), on the real SmolLM2 GGUF.
+
+use std::io::Cursor;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use candle_core::quantized::gguf_file::{self, Content, Value};
+use scd_models::tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
+use serde::Deserialize;
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Deserialize)]
+struct EncodeFixture {
+    generator: serde_json::Value,
+    disagreements: Vec<serde_json::Value>,
+    cases: Vec<EncodeCase>,
+}
+
+#[derive(Deserialize)]
+struct EncodeCase {
+    name: String,
+    text: String,
+    ids: Vec<u32>,
+    ids_plain: Vec<u32>,
+    decoded: String,
+}
+
+#[derive(Deserialize)]
+struct ChatFixture {
+    chat_template: String,
+    disagreements: Vec<serde_json::Value>,
+    conversations: Vec<ChatCase>,
+}
+
+#[derive(Deserialize)]
+struct ChatCase {
+    name: String,
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    rendered: String,
+    ids: Vec<u32>,
+}
+
+fn encode_fixture() -> &'static EncodeFixture {
+    static F: OnceLock<EncodeFixture> = OnceLock::new();
+    F.get_or_init(|| serde_json::from_str(include_str!("fixtures/tokenizer_encode.json")).unwrap())
+}
+
+fn chat_fixture() -> &'static ChatFixture {
+    static F: OnceLock<ChatFixture> = OnceLock::new();
+    F.get_or_init(|| serde_json::from_str(include_str!("fixtures/tokenizer_chat.json")).unwrap())
+}
+
+fn model_path() -> PathBuf {
+    let dir = std::env::var_os("SCD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"));
+    let path = dir.join(MODEL_FILE);
+    assert!(
+        path.exists(),
+        "{} is missing: run `make model` (or set SCD_MODEL_DIR)",
+        path.display()
+    );
+    path
+}
+
+/// A directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("scd-tokenizer-test-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn gguf_tokenizer() -> &'static Tokenizer {
+    static T: OnceLock<Tokenizer> = OnceLock::new();
+    T.get_or_init(|| {
+        let mut file = std::fs::File::open(model_path()).unwrap();
+        let content = Content::read(&mut file).unwrap();
+        Tokenizer::from_gguf(&content).unwrap()
+    })
+}
+
+#[test]
+fn fixtures_come_from_llama_cpp_cross_checked_by_transformers() {
+    let f = encode_fixture();
+    assert!(f.cases.len() >= 40, "only {} cases", f.cases.len());
+    assert!(f.generator["command"]
+        .as_str()
+        .unwrap()
+        .contains("tokenizer-fixtures.py"));
+    assert!(f.generator["primary_reference"]
+        .as_str()
+        .unwrap()
+        .starts_with("llama.cpp"));
+    // transformers' GGUF converter ignores `tokenizer.ggml.pre` (plain ByteLevel, no digit
+    // isolation), so it differs from llama.cpp exactly where a space precedes a non-ASCII
+    // numeric character (½, Ⅰ, ٣ ...). Everything else agrees.
+    let mut disagreeing: Vec<&str> = f
+        .disagreements
+        .iter()
+        .map(|d| d["case"].as_str().unwrap())
+        .collect();
+    disagreeing.dedup();
+    assert_eq!(disagreeing, ["math_unicode", "numeric_symbols"]);
+    assert!(chat_fixture().disagreements.is_empty());
+}
+
+#[test]
+fn exact_ids_for_every_fixture() {
+    let tok = gguf_tokenizer();
+    let mut failures = Vec::new();
+    for c in &encode_fixture().cases {
+        let ids = tok.encode(&c.text, false).unwrap();
+        if ids != c.ids {
+            failures.push(format!("{}: got {:?}, want {:?}", c.name, ids, c.ids));
+        }
+        let plain = tok.encode_plain(&c.text, false).unwrap();
+        if plain != c.ids_plain {
+            failures.push(format!(
+                "{} (plain): got {:?}, want {:?}",
+                c.name, plain, c.ids_plain
+            ));
+        }
+        let decoded = tok.decode(&c.ids, false).unwrap();
+        if decoded != c.decoded {
+            failures.push(format!(
+                "{} (decode): got {decoded:?}, want {:?}",
+                c.name, c.decoded
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn special_tokens_are_single_ids_and_stop_generation() {
+    let tok = gguf_tokenizer();
+    assert_eq!(tok.vocab_size(), 49152);
+    assert_eq!(tok.token_to_id("<|endoftext|>"), Some(0));
+    assert_eq!(tok.token_to_id("<|im_start|>"), Some(1));
+    assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
+    assert_eq!(tok.id_to_token(2).as_deref(), Some("<|im_end|>"));
+    assert_eq!(tok.token_to_id("Ġthe"), Some(260));
+    assert_eq!(tok.id_to_token(260).as_deref(), Some("Ġthe"));
+    assert_eq!(tok.bos_id(), Some(1));
+    assert_eq!(tok.eos_id(), Some(2));
+    assert_eq!(tok.stop_ids(), &[0, 2]);
+    assert!(tok.is_stop(2) && tok.is_stop(0) && !tok.is_stop(1));
+    assert!(tok.is_special(1) && !tok.is_special(260));
+    // SmolLM2's GGUF asks for no bos: add_special_tokens changes nothing.
+    assert_eq!(
+        tok.encode("Hi", true).unwrap(),
+        tok.encode("Hi", false).unwrap()
+    );
+}
+
+#[test]
+fn decode_of_encode_is_the_identity() {
+    let tok = gguf_tokenizer();
+    let extra = [
+        "trailing newline\n",
+        "🦀🦀🦀 crab 蟹",
+        "\u{0}\u{1}\u{7f} control bytes",
+        "a\u{a0}b\u{2003}c", // no-break and em spaces
+        "<|im_start|>assistant\n🙂<|im_end|>",
+    ];
+    let specials: Vec<String> = (0..tok.vocab_size() as u32)
+        .filter(|&id| tok.is_special(id))
+        .map(|id| tok.id_to_token(id).unwrap())
+        .collect();
+    assert_eq!(specials.len(), 17, "{specials:?}");
+    let texts = encode_fixture()
+        .cases
+        .iter()
+        .map(|c| c.text.as_str())
+        .chain(extra);
+    for text in texts {
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        let mut without_special = text.to_owned();
+        for s in &specials {
+            without_special = without_special.replace(s.as_str(), "");
+        }
+        assert_eq!(tok.decode(&ids, true).unwrap(), without_special, "{text:?}");
+        let plain = tok.encode_plain(text, false).unwrap();
+        assert_eq!(
+            tok.decode(&plain, true).unwrap(),
+            text,
+            "plain ids carry no special token"
+        );
+    }
+}
+
+#[test]
+fn unknown_ids_are_errors() {
+    let tok = gguf_tokenizer();
+    assert!(matches!(
+        tok.decode(&[5, 49152], false),
+        Err(TokenizerError::UnknownId {
+            id: 49152,
+            vocab_size: 49152
+        })
+    ));
+    let mut stream = tok.stream_decoder(false);
+    assert!(matches!(
+        stream.step(u32::MAX),
+        Err(TokenizerError::UnknownId { .. })
+    ));
+}
+
+/// Feeds ids one by one; returns the pieces, including the final flush.
+fn stream_pieces(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> Vec<String> {
+    let mut stream = tok.stream_decoder(skip_special);
+    let mut pieces: Vec<String> = ids.iter().map(|&id| stream.step(id).unwrap()).collect();
+    pieces.push(stream.finish());
+    assert!(!stream.has_pending());
+    pieces
+}
+
+#[test]
+fn streaming_decode_concatenates_to_the_full_decode() {
+    let tok = gguf_tokenizer();
+    let mut held_back = 0;
+    for c in &encode_fixture().cases {
+        for skip in [false, true] {
+            let pieces = stream_pieces(tok, &c.ids, skip);
+            assert_eq!(
+                pieces.concat(),
+                tok.decode(&c.ids, skip).unwrap(),
+                "{}",
+                c.name
+            );
+            // The texts are valid UTF-8, so a correct stream never needs a replacement char.
+            assert!(
+                pieces.iter().all(|p| !p.contains('\u{fffd}')),
+                "{}: {pieces:?}",
+                c.name
+            );
+        }
+        let pieces = stream_pieces(tok, &c.ids, false);
+        held_back += pieces[..c.ids.len()]
+            .iter()
+            .filter(|p| p.is_empty())
+            .count();
+    }
+    // Emoji and CJK characters span several byte-level tokens here; the stream held them back.
+    assert!(held_back > 0);
+    let crab = tok.encode("🦀", false).unwrap();
+    assert!(crab.len() > 1, "{crab:?}");
+    let pieces = stream_pieces(tok, &crab, false);
+    assert_eq!(pieces.last().unwrap(), "");
+    assert_eq!(pieces.concat(), "🦀");
+    assert!(pieces[..crab.len() - 1].iter().all(String::is_empty));
+}
+
+#[test]
+fn streaming_decode_replaces_invalid_bytes_like_a_full_decode() {
+    let tok = gguf_tokenizer();
+    // The byte-level tokens for single bytes: 'ł' stands for 0x82 (a lone continuation byte),
+    // 'ð' for 0xF0 (the lead byte of a 4-byte character).
+    let cont = tok.token_to_id("ł").unwrap();
+    let lead = tok.token_to_id("ð").unwrap();
+    let a = tok.token_to_id("a").unwrap();
+    for ids in [
+        vec![a, cont, a],
+        vec![lead, a, a],
+        vec![a, lead],
+        vec![lead, lead, cont],
+        vec![cont],
+    ] {
+        let full = tok.decode(&ids, false).unwrap();
+        assert!(full.contains('\u{fffd}'), "{ids:?} -> {full:?}");
+        assert_eq!(stream_pieces(tok, &ids, false).concat(), full, "{ids:?}");
+    }
+    // A trailing incomplete character is held until the stream ends.
+    let mut stream = tok.stream_decoder(false);
+    assert_eq!(stream.step(a).unwrap(), "a");
+    assert_eq!(stream.step(lead).unwrap(), "");
+    assert!(stream.has_pending());
+    assert_eq!(stream.finish(), "\u{fffd}");
+}
+
+#[test]
+fn chat_template_matches_the_reference_rendering() {
+    let tok = gguf_tokenizer();
+    let f = chat_fixture();
+    let template = tok.chat_template().unwrap();
+    assert_eq!(template.source(), f.chat_template);
+    assert_eq!(
+        template.default_system(),
+        Some("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+    );
+    for c in &f.conversations {
+        let rendered = tok
+            .apply_chat_template(&c.messages, c.add_generation_prompt)
+            .unwrap();
+        assert_eq!(
+            rendered, c.rendered,
+            "{} gen={}",
+            c.name, c.add_generation_prompt
+        );
+        assert_eq!(tok.encode(&rendered, false).unwrap(), c.ids, "{}", c.name);
+    }
+    // An empty conversation renders nothing but the generation prompt (the template's loop
+    // inserts the default system turn only before a first message).
+    assert_eq!(template.render(&[], true), "<|im_start|>assistant\n");
+    assert_eq!(
+        ChatTemplate::chatml().render(&[ChatMessage::user("hi")], true),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn chat_templates_that_are_not_chatml_are_refused() {
+    let err = ChatTemplate::from_source(
+        "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::UnsupportedChatTemplate(_)),
+        "{err}"
+    );
+    // A system turn built from the caller's message is not a default prompt.
+    let t = ChatTemplate::from_source(
+        "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}",
+    )
+    .unwrap();
+    assert_eq!(t.default_system(), None);
+    // Escaped newlines in the Jinja literal count as newlines.
+    let t =
+        ChatTemplate::from_source("{{ '<|im_start|>system\\nBe brief.\\nReally.<|im_end|>\\n' }}")
+            .unwrap();
+    assert_eq!(t.default_system(), Some("Be brief.\nReally."));
+}
+
+#[test]
+fn tokenizer_json_round_trip_agrees() {
+    let tok = gguf_tokenizer();
+    let dir = TempDir::new();
+    let path = dir.path().join("tokenizer.json");
+    tok.save(&path).unwrap();
+    let loaded = Tokenizer::from_file(&path).unwrap();
+    assert_eq!(loaded.vocab_size(), tok.vocab_size());
+    for c in &encode_fixture().cases {
+        assert_eq!(loaded.encode(&c.text, false).unwrap(), c.ids, "{}", c.name);
+        assert_eq!(
+            loaded.encode_plain(&c.text, false).unwrap(),
+            c.ids_plain,
+            "{}",
+            c.name
+        );
+        assert_eq!(
+            loaded.decode(&c.ids, false).unwrap(),
+            c.decoded,
+            "{}",
+            c.name
+        );
+    }
+    // tokenizer.json alone knows no bos/eos and no template; the ChatML stop tokens it knows.
+    assert_eq!(loaded.bos_id(), None);
+    assert_eq!(loaded.eos_id(), None);
+    assert_eq!(loaded.stop_ids(), &[0, 2]);
+    assert!(matches!(
+        loaded.apply_chat_template(&[ChatMessage::user("x")], true),
+        Err(TokenizerError::NoChatTemplate)
+    ));
+
+    // A Hugging Face directory adds them through tokenizer_config.json.
+    let config = serde_json::json!({
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>", "special": true},
+        "chat_template": chat_fixture().chat_template,
+    });
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let hf = Tokenizer::from_hf_dir(dir.path()).unwrap();
+    assert_eq!(hf.bos_id(), Some(1));
+    assert_eq!(hf.eos_id(), Some(2));
+    assert_eq!(hf.stop_ids(), &[0, 2]);
+    for c in &chat_fixture().conversations {
+        let rendered = hf
+            .apply_chat_template(&c.messages, c.add_generation_prompt)
+            .unwrap();
+        assert_eq!(rendered, c.rendered, "{}", c.name);
+    }
+}
+
+#[test]
+fn tokenizer_json_without_byte_level_decoder_is_refused() {
+    let dir = TempDir::new();
+    let path = dir.path().join("tokenizer.json");
+    gguf_tokenizer().save(&path).unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["decoder"] = serde_json::Value::Null;
+    std::fs::write(&path, json.to_string()).unwrap();
+    let err = Tokenizer::from_file(&path).unwrap_err();
+    assert!(
+        matches!(err, TokenizerError::UnsupportedDecoder { .. }),
+        "{err}"
+    );
+    let err = Tokenizer::from_file(dir.path().join("absent.json")).unwrap_err();
+    assert!(matches!(err, TokenizerError::Io { .. }), "{err}");
+}
+
+/// An in-memory GGUF holding only tokenizer metadata: `<s>` (control), a, b, ab, Ġ, Ġab.
+fn tiny_gguf(model: &str, pre: &str, add_bos: bool) -> Content {
+    let strings = |v: &[&str]| Value::Array(v.iter().map(|s| Value::String((*s).into())).collect());
+    let tokens = strings(&["<s>", "a", "b", "ab", "Ġ", "Ġab"]);
+    let merges = strings(&["a b", "Ġ ab"]);
+    let types = Value::Array([3, 1, 1, 1, 1, 1].into_iter().map(Value::I32).collect());
+    let model = Value::String(model.into());
+    let pre = Value::String(pre.into());
+    let bos = Value::U32(0);
+    let add_bos = Value::Bool(add_bos);
+    let metadata: Vec<(&str, &Value)> = vec![
+        ("tokenizer.ggml.model", &model),
+        ("tokenizer.ggml.pre", &pre),
+        ("tokenizer.ggml.tokens", &tokens),
+        ("tokenizer.ggml.merges", &merges),
+        ("tokenizer.ggml.token_type", &types),
+        ("tokenizer.ggml.bos_token_id", &bos),
+        ("tokenizer.ggml.add_bos_token", &add_bos),
+    ];
+    let mut file = Cursor::new(Vec::new());
+    gguf_file::write(&mut file, &metadata, &[]).unwrap();
+    file.set_position(0);
+    Content::read(&mut file).unwrap()
+}
+
+#[test]
+fn unsupported_gguf_tokenizers_give_typed_errors() {
+    let err = Tokenizer::from_gguf(&tiny_gguf("llama", "default", false)).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::UnsupportedModel(m) if m == "llama"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("llama"));
+    let err = Tokenizer::from_gguf(&tiny_gguf("gpt2", "qwen2", false)).unwrap_err();
+    assert!(
+        matches!(&err, TokenizerError::UnsupportedPreTokenizer(p) if p == "qwen2"),
+        "{err}"
+    );
+    let mut content = tiny_gguf("gpt2", "gpt-2", false);
+    content.metadata.remove("tokenizer.ggml.merges");
+    let err = Tokenizer::from_gguf(&content).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TokenizerError::MissingMetadata("tokenizer.ggml.merges")
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn gguf_add_bos_token_prepends_bos() {
+    let tok = Tokenizer::from_gguf(&tiny_gguf("gpt2", "gpt-2", true)).unwrap();
+    assert_eq!(tok.encode("ab ab", false).unwrap(), vec![3, 5]);
+    assert_eq!(tok.encode("ab ab", true).unwrap(), vec![0, 3, 5]);
+    assert_eq!(tok.encode("<s>a", false).unwrap(), vec![0, 1]);
+    assert_eq!(tok.decode(&[0, 3, 5], true).unwrap(), "ab ab");
+    assert_eq!(tok.decode(&[0, 3, 5], false).unwrap(), "<s>ab ab");
+    assert_eq!(tok.bos_id(), Some(0));
+    assert_eq!(tok.eos_id(), None);
+    assert!(tok.stop_ids().is_empty());
+}
+
+/// Encoding throughput on a few thousand tokens; run with `--ignored --nocapture`.
+#[test]
+#[ignore]
+fn encode_speed() {
+    let tok = gguf_tokenizer();
+    let paragraph = &encode_fixture()
+        .cases
+        .iter()
+        .find(|c| c.name == "wikitext_paragraph")
+        .unwrap()
+        .text;
+    let text = std::iter::repeat_n(paragraph.as_str(), 20)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let n = tok.encode(&text, false).unwrap().len();
+    let start = std::time::Instant::now();
+    let rounds = 20;
+    for _ in 0..rounds {
+        std::hint::black_box(tok.encode(&text, false).unwrap());
+    }
+    let per = start.elapsed() / rounds;
+    println!("encode: {n} tokens ({} bytes) in {per:?}", text.len());
+}
