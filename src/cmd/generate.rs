@@ -1,13 +1,141 @@
-//! `scd generate`: load a model, apply the chat template, and stream a reply.
+//! `scd generate`: load a model (GGUF file or Hugging Face directory), optionally with a LoRA
+//! adapter, apply the chat template, and stream a reply to stdout; a summary goes to stderr.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use scd_models::tokenizer::{ChatMessage, Tokenizer};
+use scd_models::{AdapterMode, GenerateParams, GgufFile, Llama, LoraAdapter, Sampling};
 
 /// Arguments of `scd generate`.
 #[derive(clap::Args)]
 pub struct Args {
+    /// A llama GGUF file, or a Hugging Face directory (config.json, *.safetensors,
+    /// tokenizer.json).
+    #[arg(long, env = "SCD_MODEL")]
+    pub model: PathBuf,
+    /// A LoRA adapter (PEFT safetensors) to apply.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// The prompt (a user message; the model's chat template is applied).
     #[arg(long)]
     pub prompt: String,
+    /// A system message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 0.9)]
+    pub top_p: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Send the prompt as it is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+}
+
+/// Loads a model and its tokenizer from a GGUF file or a Hugging Face directory.
+pub fn load(path: &Path) -> anyhow::Result<(Llama, Tokenizer)> {
+    if path.is_dir() {
+        let model = Llama::from_hf_dir(path)
+            .with_context(|| format!("loading the model directory {}", path.display()))?;
+        let tok = Tokenizer::from_hf_dir(path)
+            .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
+        Ok((model, tok))
+    } else {
+        let file = GgufFile::open(path).context("opening the model")?;
+        let tok = Tokenizer::from_gguf(file.content())
+            .with_context(|| format!("reading the tokenizer from {}", path.display()))?;
+        let model = file.load_model().context("loading the model")?;
+        Ok((model, tok))
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("model loading is not built yet (prompt: {:?})", args.prompt)
+    let sampling = Sampling::from_params(args.temperature, args.top_p)?;
+    let t0 = Instant::now();
+    let (mut model, tok) = load(&args.model)?;
+    if let Some(path) = &args.adapter {
+        let adapter = LoraAdapter::load(path, model.config())
+            .with_context(|| format!("loading the adapter {}", path.display()))?;
+        model = model
+            .with_adapter(&adapter, AdapterMode::Merge)
+            .context("applying the adapter")?;
+    }
+    let load_time = t0.elapsed();
+    let text = if args.raw {
+        args.prompt.clone()
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::system(s.clone()));
+        }
+        messages.push(ChatMessage::user(args.prompt.clone()));
+        tok.apply_chat_template(&messages, true)
+            .context("applying the chat template")?
+    };
+    let prompt = tok.encode(&text, false).context("tokenising the prompt")?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenisation");
+    }
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        sampling,
+        seed: args.seed,
+        stop_tokens: tok.stop_ids().to_vec(),
+    };
+    let mut decoder = tok.stream_decoder(true);
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err = None;
+    let generation = scd_models::generate(&model, &prompt, &params, |id| {
+        let piece = match decoder.step(id) {
+            Ok(p) => p,
+            Err(e) => {
+                write_err = Some(anyhow::Error::new(e).context("decoding a token"));
+                return ControlFlow::Break(());
+            }
+        };
+        if let Err(e) = stdout
+            .write_all(piece.as_bytes())
+            .and_then(|_| stdout.flush())
+        {
+            write_err = Some(anyhow::Error::new(e).context("writing to stdout"));
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    })
+    .context("generating")?;
+    if let Some(e) = write_err {
+        return Err(e);
+    }
+    writeln!(stdout, "{}", decoder.finish()).context("writing to stdout")?;
+    let n = generation.tokens.len();
+    let decode_s = generation.decode.as_secs_f64();
+    eprintln!(
+        "[scd] model {} (sha256 {}…) loaded in {:.2}s | prompt {} tokens, prefill {:.2}s | \
+         generated {} tokens in {:.2}s ({:.1} tok/s) | stop: {:?}",
+        args.model.display(),
+        &model.identity().sha256[..12],
+        load_time.as_secs_f64(),
+        generation.prompt_tokens,
+        generation.prefill.as_secs_f64(),
+        n,
+        decode_s,
+        if decode_s > 0.0 {
+            n as f64 / decode_s
+        } else {
+            0.0
+        },
+        generation.stop,
+    );
+    Ok(())
 }

@@ -1,0 +1,264 @@
+//! The per-layer key/value cache: mutable state kept outside the model's immutable weights.
+//!
+//! Inside, each layer holds K (after RoPE) and V as `(kv_heads, capacity, head_dim)` buffers, the
+//! layout attention multiplies with, filled up to `len`. Decode steps write into spare capacity
+//! instead of re-concatenating the whole cache each token. At the boundary (injection and
+//! export) K and V use the capture layout `(T, kv_heads * head_dim)`, one row per token.
+//!
+//! A cache can be injected: from post-RoPE K (what another model's cache holds) or from pre-RoPE
+//! K plus the positions to rotate it to (what SCD rebuilds and what SemPIC re-positions).
+
+use candle_core::{DType, Tensor};
+
+use crate::config::LlamaConfig;
+use crate::error::ForwardError;
+use crate::rope::Rope;
+
+/// Spare rows allocated beyond what is needed when a layer's buffer grows.
+const GROW_ROWS: usize = 256;
+
+#[derive(Debug, Clone)]
+struct LayerKv {
+    /// `(kv_heads, capacity, head_dim)`.
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+/// Keys and values of the positions a model has seen, per layer.
+///
+/// Not `Clone`: decode steps write into the buffers in place, so a copy must not share them;
+/// use [`KvCache::try_clone`].
+#[derive(Debug)]
+pub struct KvCache {
+    layers: Vec<Option<LayerKv>>,
+    kv_heads: usize,
+    head_dim: usize,
+    next_position: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `cfg`'s model.
+    pub fn new(cfg: &LlamaConfig) -> Self {
+        Self {
+            layers: vec![None; cfg.num_layers],
+            kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            next_position: 0,
+        }
+    }
+
+    /// A cache from per-layer `(K after RoPE, V)`, each `(T, kv_heads * head_dim)`, one pair per
+    /// layer of the model. New tokens will be placed from `next_position` on (usually `T`).
+    pub fn from_post_rope(
+        cfg: &LlamaConfig,
+        layers: &[(Tensor, Tensor)],
+        next_position: usize,
+    ) -> Result<Self, ForwardError> {
+        if layers.len() != cfg.num_layers {
+            return Err(ForwardError::Shape {
+                what: "injected cache (layers)".into(),
+                got: vec![layers.len()],
+                expected: vec![cfg.num_layers],
+            });
+        }
+        let mut cache = Self::new(cfg);
+        for (l, (k, v)) in layers.iter().enumerate() {
+            let k = cache.rows_to_heads(k, &format!("injected K of layer {l}"))?;
+            let v = cache.rows_to_heads(v, &format!("injected V of layer {l}"))?;
+            if k.dim(1)? != v.dim(1)? {
+                return Err(ForwardError::Shape {
+                    what: format!("injected V of layer {l}"),
+                    got: v.dims().to_vec(),
+                    expected: k.dims().to_vec(),
+                });
+            }
+            cache.append(l, &k, &v, false)?;
+        }
+        cache.next_position = next_position;
+        Ok(cache)
+    }
+
+    /// A cache from per-layer `(K before RoPE, V)`, each `(T, kv_heads * head_dim)`; row `t` of K
+    /// is rotated to `positions[t]`. New tokens go after the largest position.
+    pub fn from_pre_rope(
+        cfg: &LlamaConfig,
+        rope: &Rope,
+        layers: &[(Tensor, Tensor)],
+        positions: &[u32],
+    ) -> Result<Self, ForwardError> {
+        let rotated = layers
+            .iter()
+            .map(|(k, v)| Ok((rope.apply(k, positions)?, v.clone())))
+            .collect::<Result<Vec<_>, ForwardError>>()?;
+        let next = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        Self::from_post_rope(cfg, &rotated, next)
+    }
+
+    /// A deep copy whose buffers are independent of this cache's.
+    pub fn try_clone(&self) -> Result<Self, ForwardError> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                Some(l) => Some(LayerKv {
+                    k: l.k.copy()?,
+                    v: l.v.copy()?,
+                    len: l.len,
+                }),
+                None => None,
+            });
+        }
+        Ok(Self {
+            layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            next_position: self.next_position,
+        })
+    }
+
+    /// Tokens held by layer 0 (every layer after a full forward pass).
+    pub fn len(&self) -> usize {
+        self.layer_len(0)
+    }
+
+    /// Whether layer 0 holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tokens held by `layer`.
+    pub fn layer_len(&self, layer: usize) -> usize {
+        self.layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .map_or(0, |l| l.len)
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The position the next token gets by default.
+    pub fn next_position(&self) -> usize {
+        self.next_position
+    }
+
+    /// Overrides the position of the next token (e.g. after injecting a re-positioned block).
+    pub fn set_next_position(&mut self, position: usize) {
+        self.next_position = position;
+    }
+
+    /// Drops every token from index `len` on, in every layer (to reuse a shared prefix).
+    pub fn truncate(&mut self, len: usize) {
+        for l in self.layers.iter_mut().flatten() {
+            l.len = l.len.min(len);
+        }
+        self.next_position = self.next_position.min(len);
+    }
+
+    /// `(K after RoPE, V)` of `layer` in the capture layout `(T, kv_heads * head_dim)`.
+    pub fn layer(&self, layer: usize) -> Result<Option<(Tensor, Tensor)>, ForwardError> {
+        let Some(Some(l)) = self.layers.get(layer) else {
+            return Ok(None);
+        };
+        let to_rows = |x: &Tensor| -> candle_core::Result<Tensor> {
+            x.narrow(1, 0, l.len)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((l.len, self.kv_heads * self.head_dim))
+        };
+        Ok(Some((to_rows(&l.k)?, to_rows(&l.v)?)))
+    }
+
+    /// Views of `layer`'s filled K and V, `(kv_heads, len, head_dim)`.
+    pub(crate) fn views(&self, layer: usize) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        match self.layers.get(layer) {
+            Some(Some(l)) => Ok(Some((l.k.narrow(1, 0, l.len)?, l.v.narrow(1, 0, l.len)?))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Appends `(kv_heads, T, head_dim)` keys (after RoPE) and values to `layer`.
+    ///
+    /// In differentiable mode the buffers are rebuilt by concatenation so that gradients flow
+    /// into the cache; otherwise rows are written in place into spare capacity.
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+        differentiable: bool,
+    ) -> candle_core::Result<()> {
+        let t = k.dim(1)?;
+        let slot = &mut self.layers[layer];
+        match slot {
+            Some(l) if differentiable => {
+                let k_all = Tensor::cat(&[&l.k.narrow(1, 0, l.len)?, k], 1)?;
+                let v_all = Tensor::cat(&[&l.v.narrow(1, 0, l.len)?, v], 1)?;
+                l.len += t;
+                l.k = k_all;
+                l.v = v_all;
+            }
+            None if differentiable => {
+                *slot = Some(LayerKv {
+                    k: k.clone(),
+                    v: v.clone(),
+                    len: t,
+                });
+            }
+            Some(l) => {
+                let cap = l.k.dim(1)?;
+                let needed = l.len + t;
+                if needed > cap || !l.k.is_contiguous() || !l.v.is_contiguous() {
+                    let k_new = grow(&l.k, l.len, needed + GROW_ROWS)?;
+                    let v_new = grow(&l.v, l.len, needed + GROW_ROWS)?;
+                    l.k = k_new;
+                    l.v = v_new;
+                }
+                l.k.slice_set(&k.contiguous()?, 1, l.len)?;
+                l.v.slice_set(&v.contiguous()?, 1, l.len)?;
+                l.len = needed;
+            }
+            None => {
+                let (h, _, d) = k.dims3()?;
+                let cap = t + GROW_ROWS;
+                let kb = Tensor::zeros((h, cap, d), DType::F32, k.device())?;
+                let vb = Tensor::zeros((h, cap, d), DType::F32, v.device())?;
+                kb.slice_set(&k.contiguous()?, 1, 0)?;
+                vb.slice_set(&v.contiguous()?, 1, 0)?;
+                *slot = Some(LayerKv {
+                    k: kb,
+                    v: vb,
+                    len: t,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn rows_to_heads(&self, x: &Tensor, what: &str) -> Result<Tensor, ForwardError> {
+        let width = self.kv_heads * self.head_dim;
+        match x.dims() {
+            &[t, w] if w == width => Ok(x
+                .reshape((t, self.kv_heads, self.head_dim))?
+                .transpose(0, 1)?
+                .contiguous()?),
+            dims => Err(ForwardError::Shape {
+                what: what.into(),
+                got: dims.to_vec(),
+                expected: vec![dims.first().copied().unwrap_or(0), width],
+            }),
+        }
+    }
+}
+
+/// A buffer of `capacity` rows holding the first `len` rows of `old`.
+fn grow(old: &Tensor, len: usize, capacity: usize) -> candle_core::Result<Tensor> {
+    let (h, _, d) = old.dims3()?;
+    let new = Tensor::zeros((h, capacity, d), DType::F32, old.device())?;
+    if len > 0 {
+        new.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+    }
+    Ok(new)
+}

@@ -1,0 +1,198 @@
+//! Loading a llama model from a GGUF file (llama.cpp's format), dequantised to f32 at load.
+//!
+//! The file is memory-mapped once: the same pages are hashed (the model's identity) and parsed,
+//! so it is read from disk once. GGUF llama models already use the interleaved RoPE layout this
+//! crate runs, so their weights are taken as they are.
+
+use std::fs::File;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use sha2::{Digest, Sha256};
+
+use crate::config::LlamaConfig;
+use crate::error::LoadError;
+use crate::llama::{check_shape, Block, Linear, Llama, ModelIdentity};
+use crate::rope::Rope;
+
+/// An opened, validated GGUF file: its parsed header and its bytes.
+pub struct GgufFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    content: gguf_file::Content,
+    sha256: String,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("len", &self.map.len())
+            .field("tensors", &self.content.tensor_infos.len())
+            .field("sha256", &self.sha256)
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Opens `path`, checks the magic bytes, parses the header and checks that every tensor's
+    /// data lies inside the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => LoadError::NotFound { path: path.clone() },
+            _ => LoadError::Io {
+                path: path.clone(),
+                source: e,
+            },
+        })?;
+        let io = |e| LoadError::Io {
+            path: path.clone(),
+            source: e,
+        };
+        if file.metadata().map_err(io)?.is_dir() {
+            return Err(LoadError::Io {
+                path: path.clone(),
+                source: std::io::Error::other("is a directory, expected a .gguf file"),
+            });
+        }
+        // SAFETY: the map is read-only and private to this struct; a file changed underneath by
+        // another process could show torn data, which the parser and the hash then see as
+        // corruption rather than as undefined behaviour in safe code we rely on.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        if map.len() < 4 || &map[..4] != b"GGUF" {
+            return Err(LoadError::NotGguf {
+                path,
+                magic: map[..map.len().min(4)].to_vec(),
+            });
+        }
+        let content = gguf_file::Content::read(&mut Cursor::new(&map[..])).map_err(|e| {
+            LoadError::BadHeader {
+                path: path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        let len = map.len() as u64;
+        for (name, info) in &content.tensor_infos {
+            let elems = info.shape.elem_count();
+            let block = info.ggml_dtype.block_size();
+            let bytes = (elems / block * info.ggml_dtype.type_size()) as u64;
+            let end = content.tensor_data_offset + info.offset + bytes;
+            if end > len {
+                return Err(LoadError::Truncated {
+                    path,
+                    tensor: name.clone(),
+                    needed: end,
+                    len,
+                });
+            }
+        }
+        let sha256 = hex::encode(Sha256::digest(&map[..]));
+        Ok(Self {
+            path,
+            map,
+            content,
+            sha256,
+        })
+    }
+
+    /// The parsed header: metadata (hyperparameters, tokenizer) and tensor directory.
+    pub fn content(&self) -> &gguf_file::Content {
+        &self.content
+    }
+
+    /// Hex SHA-256 of the whole file.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The model's hyperparameters from the metadata.
+    pub fn config(&self) -> Result<LlamaConfig, LoadError> {
+        LlamaConfig::from_gguf(
+            &self.content,
+            &self.path,
+            self.content.tensor_infos.contains_key("output.weight"),
+        )
+    }
+
+    /// Reads and dequantises one tensor to f32.
+    pub fn tensor(&self, name: &str) -> Result<Tensor, LoadError> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(LoadError::MissingTensor {
+                path: self.path.clone(),
+                name: name.into(),
+            });
+        }
+        let wrap = |source| LoadError::Tensor {
+            path: self.path.clone(),
+            source,
+        };
+        let q = self
+            .content
+            .tensor(&mut Cursor::new(&self.map[..]), name, &Device::Cpu)
+            .map_err(wrap)?;
+        q.dequantize(&Device::Cpu).map_err(wrap)
+    }
+
+    /// Builds the f32 model.
+    pub fn load_model(&self) -> Result<Llama, LoadError> {
+        let cfg = self.config()?;
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor, LoadError> {
+            let t = self.tensor(name)?;
+            check_shape(name, &t, shape)?;
+            Ok(t)
+        };
+        let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
+        let embed = get("token_embd.weight", &[cfg.vocab_size, h])?;
+        let mut blocks = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let lin = |s: &str, out: usize, inp: usize| -> Result<Linear, LoadError> {
+                Ok(Linear::new(get(&p(s), &[out, inp])?))
+            };
+            blocks.push(Block {
+                attn_norm: get(&p("attn_norm"), &[h])?,
+                q: lin("attn_q", cfg.q_dim(), h)?,
+                k: lin("attn_k", cfg.kv_dim(), h)?,
+                v: lin("attn_v", cfg.kv_dim(), h)?,
+                o: lin("attn_output", h, cfg.q_dim())?,
+                ffn_norm: get(&p("ffn_norm"), &[h])?,
+                gate: lin("ffn_gate", ffn, h)?,
+                up: lin("ffn_up", ffn, h)?,
+                down: lin("ffn_down", h, ffn)?,
+            });
+        }
+        let norm = get("output_norm.weight", &[h])?;
+        let lm_head = if cfg.tie_embeddings {
+            embed.clone()
+        } else {
+            get("output.weight", &[cfg.vocab_size, h])?
+        };
+        Ok(Llama {
+            rope: Rope::new(&cfg),
+            cfg,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            identity: ModelIdentity {
+                sha256: self.sha256.clone(),
+                source: self.path.clone(),
+            },
+        })
+    }
+}
+
+impl Llama {
+    /// Loads a llama GGUF file, dequantised to f32.
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        GgufFile::open(path)?.load_model()
+    }
+}

@@ -1,0 +1,675 @@
+//! The llama transformer, read top-down: weights (linear, block, model), then the forward pass
+//! with its state hooks (what to capture, which cache to continue from), attention, MLP.
+//!
+//! Weights are immutable f32 tensors; everything that changes per request (the KV cache, the
+//! positions, what to capture) is passed in explicitly. Cloning a [`Llama`] shares its weight
+//! storage, so several experts (base + different adapters) cost one base in memory.
+//!
+//! Layouts at the boundary, one row per token, batch size 1:
+//! - hidden states and `H_in` (the RMS-normalised input of the attention block): `(T, hidden)`;
+//! - K (before or after RoPE) and V: `(T, kv_heads * head_dim)`, head-major within a row;
+//! - logits: `(1, vocab)` for the last position or `(T, vocab)` for all.
+//!
+//! K "before RoPE" is the key projection's output in this crate's internal layout, in which RoPE
+//! pairs adjacent dimensions (see [`crate::config::RopeVariant`]); for a model loaded from a
+//! half-split Hugging Face checkpoint it is a per-head permutation of that checkpoint's keys.
+
+use std::ops::Range;
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::cache::KvCache;
+use crate::config::LlamaConfig;
+use crate::error::ForwardError;
+use crate::rope::{rotate_heads, Rope};
+
+/// Query rows per attention chunk: bounds the score matrix at `heads * CHUNK * keys` floats
+/// (about 19 MB at 2,048 keys for 9 heads) and lets each chunk skip the keys its causal mask
+/// hides.
+const ATTN_CHUNK: usize = 256;
+
+/// The LoRA term of one projection, applied on the fly: `scale * (x A^T) B^T`.
+#[derive(Debug, Clone)]
+pub(crate) struct LoraDelta {
+    /// `(rank, in)`.
+    pub a: Tensor,
+    /// `(out, rank)`, rows in the model's internal layout.
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+/// A projection `y = x W^T` (no bias in llama), optionally with a LoRA term.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    /// `(out, in)`.
+    pub weight: Tensor,
+    pub lora: Option<LoraDelta>,
+}
+
+impl Linear {
+    pub(crate) fn new(weight: Tensor) -> Self {
+        Self { weight, lora: None }
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&self.weight.t()?)?;
+        match &self.lora {
+            None => Ok(y),
+            Some(l) => {
+                let delta = x.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+                y + (delta * l.scale)?
+            }
+        }
+    }
+}
+
+/// The projections of a block that LoRA can adapt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Proj {
+    /// Query projection.
+    Q,
+    /// Key projection.
+    K,
+    /// Value projection.
+    V,
+    /// Attention output projection.
+    O,
+    /// MLP gate.
+    Gate,
+    /// MLP up.
+    Up,
+    /// MLP down.
+    Down,
+}
+
+impl Proj {
+    /// All seven, in block order.
+    pub const ALL: [Proj; 7] = [
+        Proj::Q,
+        Proj::K,
+        Proj::V,
+        Proj::O,
+        Proj::Gate,
+        Proj::Up,
+        Proj::Down,
+    ];
+
+    /// The Hugging Face module path inside a decoder layer (`self_attn.q_proj`, `mlp.up_proj`..).
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Proj::Q => "self_attn.q_proj",
+            Proj::K => "self_attn.k_proj",
+            Proj::V => "self_attn.v_proj",
+            Proj::O => "self_attn.o_proj",
+            Proj::Gate => "mlp.gate_proj",
+            Proj::Up => "mlp.up_proj",
+            Proj::Down => "mlp.down_proj",
+        }
+    }
+
+    /// `(out, in)` of the projection's weight for `cfg`.
+    pub fn shape(self, cfg: &LlamaConfig) -> (usize, usize) {
+        let h = cfg.hidden_size;
+        match self {
+            Proj::Q => (cfg.q_dim(), h),
+            Proj::K | Proj::V => (cfg.kv_dim(), h),
+            Proj::O => (h, cfg.q_dim()),
+            Proj::Gate | Proj::Up => (cfg.intermediate_size, h),
+            Proj::Down => (h, cfg.intermediate_size),
+        }
+    }
+}
+
+/// One transformer block's weights.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub attn_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub ffn_norm: Tensor,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Block {
+    pub(crate) fn proj(&self, p: Proj) -> &Linear {
+        match p {
+            Proj::Q => &self.q,
+            Proj::K => &self.k,
+            Proj::V => &self.v,
+            Proj::O => &self.o,
+            Proj::Gate => &self.gate,
+            Proj::Up => &self.up,
+            Proj::Down => &self.down,
+        }
+    }
+
+    pub(crate) fn proj_mut(&mut self, p: Proj) -> &mut Linear {
+        match p {
+            Proj::Q => &mut self.q,
+            Proj::K => &mut self.k,
+            Proj::V => &mut self.v,
+            Proj::O => &mut self.o,
+            Proj::Gate => &mut self.gate,
+            Proj::Up => &mut self.up,
+            Proj::Down => &mut self.down,
+        }
+    }
+}
+
+/// Where the weights came from, for manifests and logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelIdentity {
+    /// Hex SHA-256 of the weight file (of config and weights for a directory).
+    pub sha256: String,
+    /// The path the model was loaded from.
+    pub source: std::path::PathBuf,
+}
+
+/// A llama-family model with f32 weights.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    pub(crate) cfg: LlamaConfig,
+    /// `(vocab, hidden)`.
+    pub(crate) embed: Tensor,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) norm: Tensor,
+    /// `(vocab, hidden)`; shares the embedding's storage when tied.
+    pub(crate) lm_head: Tensor,
+    pub(crate) rope: Rope,
+    pub(crate) identity: ModelIdentity,
+}
+
+/// What a forward pass records, per layer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Capture {
+    /// K before RoPE, `(T, kv_heads * head_dim)`.
+    pub k_pre_rope: bool,
+    /// V, `(T, kv_heads * head_dim)`.
+    pub v: bool,
+    /// `H_in`, the RMS-normalised input of the attention block, `(T, hidden)`.
+    pub h_in: bool,
+    /// The residual stream entering the layer, `(T, hidden)`: the input of
+    /// [`Llama::forward_layers`] for a run that starts at this layer.
+    pub hidden: bool,
+    /// Which layers; `None` means all.
+    pub layers: Option<Vec<usize>>,
+}
+
+impl Capture {
+    /// Capture nothing.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Capture everything at every layer.
+    pub fn all() -> Self {
+        Self {
+            k_pre_rope: true,
+            v: true,
+            h_in: true,
+            hidden: true,
+            layers: None,
+        }
+    }
+
+    fn wants(&self, layer: usize) -> bool {
+        (self.k_pre_rope || self.v || self.h_in || self.hidden)
+            && self.layers.as_ref().is_none_or(|ls| ls.contains(&layer))
+    }
+}
+
+/// What one layer recorded.
+#[derive(Debug, Clone)]
+pub struct LayerCapture {
+    /// The layer index.
+    pub layer: usize,
+    /// K before RoPE, `(T, kv_heads * head_dim)`.
+    pub k_pre_rope: Option<Tensor>,
+    /// V, `(T, kv_heads * head_dim)`.
+    pub v: Option<Tensor>,
+    /// `H_in`, `(T, hidden)`.
+    pub h_in: Option<Tensor>,
+    /// Residual stream entering the layer, `(T, hidden)`.
+    pub hidden: Option<Tensor>,
+}
+
+/// Which logits a forward pass computes. The output projection is as wide as the vocabulary, so
+/// computing it for every position of a long prompt costs more than a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitsWanted {
+    /// Only the last position: `(1, vocab)`.
+    #[default]
+    Last,
+    /// Every position: `(T, vocab)`.
+    All,
+    /// None (prefill of a cache, capture runs).
+    None,
+}
+
+/// One forward pass: tokens, where they go, and the hooks.
+#[derive(Debug)]
+pub struct Input<'a> {
+    /// The new tokens.
+    pub tokens: &'a [u32],
+    /// Position of the first new token; the rest follow contiguously.
+    pub start_pos: usize,
+    /// A cache to attend to and extend; without one the tokens attend only to each other.
+    pub cache: Option<&'a mut KvCache>,
+    /// What to record.
+    pub capture: Capture,
+    /// Which logits to compute.
+    pub logits: LogitsWanted,
+    /// Use only ops with gradients (slower), for training through the model.
+    pub differentiable: bool,
+}
+
+impl<'a> Input<'a> {
+    /// `tokens` at positions `0..T`, no cache, no capture, last logits.
+    pub fn new(tokens: &'a [u32]) -> Self {
+        Self {
+            tokens,
+            start_pos: 0,
+            cache: None,
+            capture: Capture::none(),
+            logits: LogitsWanted::Last,
+            differentiable: false,
+        }
+    }
+
+    /// Continue from `cache` (positions start at its next position) and extend it.
+    pub fn with_cache(mut self, cache: &'a mut KvCache) -> Self {
+        self.start_pos = cache.next_position();
+        self.cache = Some(cache);
+        self
+    }
+
+    /// Place the first token at `pos`.
+    pub fn at(mut self, pos: usize) -> Self {
+        self.start_pos = pos;
+        self
+    }
+
+    /// Record `capture`.
+    pub fn capture(mut self, capture: Capture) -> Self {
+        self.capture = capture;
+        self
+    }
+
+    /// Compute `logits`.
+    pub fn logits(mut self, logits: LogitsWanted) -> Self {
+        self.logits = logits;
+        self
+    }
+
+    /// Use only differentiable ops.
+    pub fn differentiable(mut self, on: bool) -> Self {
+        self.differentiable = on;
+        self
+    }
+}
+
+/// The result of a forward pass.
+#[derive(Debug)]
+pub struct Output {
+    /// Logits as asked for; `None` with [`LogitsWanted::None`].
+    pub logits: Option<Tensor>,
+    /// Recorded layers in increasing layer order.
+    pub captured: Vec<LayerCapture>,
+    /// The residual stream after the last layer (before the final norm), `(T, hidden)`; kept
+    /// only when `capture.hidden` is set.
+    pub final_hidden: Option<Tensor>,
+}
+
+impl Output {
+    /// The capture of `layer`, if recorded.
+    pub fn layer(&self, layer: usize) -> Option<&LayerCapture> {
+        self.captured.iter().find(|c| c.layer == layer)
+    }
+}
+
+impl Llama {
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// The RoPE of this model, for re-positioning captured or injected keys.
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    /// Where the weights came from.
+    pub fn identity(&self) -> &ModelIdentity {
+        &self.identity
+    }
+
+    /// The token embedding, `(vocab, hidden)`.
+    pub fn embedding(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// A fresh cache for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(&self.cfg)
+    }
+
+    /// Runs the model over `input.tokens`.
+    pub fn forward(&self, input: Input<'_>) -> Result<Output, ForwardError> {
+        let Input {
+            tokens,
+            start_pos,
+            mut cache,
+            capture,
+            logits,
+            differentiable,
+        } = input;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyInput);
+        }
+        if let Some(&id) = tokens
+            .iter()
+            .find(|&&id| id as usize >= self.cfg.vocab_size)
+        {
+            return Err(ForwardError::TokenOutOfRange {
+                id,
+                vocab: self.cfg.vocab_size,
+            });
+        }
+        let ids = Tensor::new(tokens, &Device::Cpu)?;
+        let x = self.embed.index_select(&ids, 0)?;
+        let mut captured = Vec::new();
+        let x = self.run_layers(
+            x,
+            0..self.cfg.num_layers,
+            start_pos,
+            cache.as_deref_mut(),
+            &capture,
+            &mut captured,
+            differentiable,
+        )?;
+        let logits = self.logits(&x, logits, differentiable)?;
+        Ok(Output {
+            logits,
+            captured,
+            final_hidden: capture.hidden.then_some(x),
+        })
+    }
+
+    /// Runs `layers` from the residual stream `hidden` `(T, hidden_size)` whose first row sits at
+    /// `start_pos`, attending to and extending `cache` if given. Returns the residual stream
+    /// after the last layer of the range; [`Llama::logits`] turns a full run into logits.
+    pub fn forward_layers(
+        &self,
+        hidden: &Tensor,
+        layers: Range<usize>,
+        start_pos: usize,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor, ForwardError> {
+        let mut sink = Vec::new();
+        self.forward_layers_capture(
+            hidden,
+            layers,
+            start_pos,
+            cache,
+            &Capture::none(),
+            &mut sink,
+        )
+    }
+
+    /// [`Llama::forward_layers`] that also records `capture` into `captured`.
+    pub fn forward_layers_capture(
+        &self,
+        hidden: &Tensor,
+        layers: Range<usize>,
+        start_pos: usize,
+        cache: Option<&mut KvCache>,
+        capture: &Capture,
+        captured: &mut Vec<LayerCapture>,
+    ) -> Result<Tensor, ForwardError> {
+        let width = self.cfg.hidden_size;
+        match hidden.dims() {
+            &[t, w] if t > 0 && w == width => {}
+            dims => {
+                return Err(ForwardError::Shape {
+                    what: "hidden state".into(),
+                    got: dims.to_vec(),
+                    expected: vec![dims.first().copied().unwrap_or(1).max(1), width],
+                })
+            }
+        }
+        self.run_layers(
+            hidden.clone(),
+            layers,
+            start_pos,
+            cache,
+            capture,
+            captured,
+            false,
+        )
+    }
+
+    /// Final norm and output projection of a residual stream `(T, hidden)`.
+    pub fn logits(
+        &self,
+        hidden: &Tensor,
+        wanted: LogitsWanted,
+        differentiable: bool,
+    ) -> Result<Option<Tensor>, ForwardError> {
+        let t = hidden.dim(0)?;
+        let x = match wanted {
+            LogitsWanted::None => return Ok(None),
+            LogitsWanted::Last => hidden.narrow(0, t - 1, 1)?,
+            LogitsWanted::All => hidden.clone(),
+        };
+        let x = rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, differentiable)?;
+        Ok(Some(x.matmul(&self.lm_head.t()?)?))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_layers(
+        &self,
+        mut x: Tensor,
+        layers: Range<usize>,
+        start_pos: usize,
+        mut cache: Option<&mut KvCache>,
+        capture: &Capture,
+        captured: &mut Vec<LayerCapture>,
+        differentiable: bool,
+    ) -> Result<Tensor, ForwardError> {
+        if layers.start > layers.end || layers.end > self.cfg.num_layers {
+            return Err(ForwardError::LayerRange {
+                start: layers.start,
+                end: layers.end,
+                layers: self.cfg.num_layers,
+            });
+        }
+        let t = x.dim(0)?;
+        let needed = start_pos + t;
+        if needed > self.cfg.context_length {
+            return Err(ForwardError::ContextOverflow {
+                needed,
+                context: self.cfg.context_length,
+            });
+        }
+        let positions: Vec<u32> = (start_pos..needed).map(|p| p as u32).collect();
+        let (cos, sin) = self.rope.cos_sin(&positions, &Device::Cpu)?;
+        for l in layers {
+            let block = &self.blocks[l];
+            let mut rec = capture.wants(l).then(|| LayerCapture {
+                layer: l,
+                k_pre_rope: None,
+                v: None,
+                h_in: None,
+                hidden: capture.hidden.then(|| x.clone()),
+            });
+            let h = rms_norm(&x, &block.attn_norm, self.cfg.rms_norm_eps, differentiable)?;
+            let attn = self.attention(
+                block,
+                l,
+                &h,
+                (&cos, &sin),
+                cache.as_deref_mut(),
+                rec.as_mut().map(|r| (r, capture)),
+                differentiable,
+            )?;
+            if let Some(r) = rec.as_mut() {
+                if capture.h_in {
+                    r.h_in = Some(h);
+                }
+            }
+            x = (x + attn)?;
+            let h = rms_norm(&x, &block.ffn_norm, self.cfg.rms_norm_eps, differentiable)?;
+            let gate = block.gate.forward(&h)?;
+            let up = block.up.forward(&h)?;
+            let mlp = block.down.forward(&(gate.silu()? * up)?)?;
+            x = (x + mlp)?;
+            if let Some(r) = rec {
+                captured.push(r);
+            }
+        }
+        if let Some(c) = cache {
+            c.set_next_position(c.next_position().max(needed));
+        }
+        Ok(x)
+    }
+
+    /// Grouped-query attention of one block over `h` `(T, hidden)`.
+    ///
+    /// Queries of the heads that share a key/value head are stacked into one matrix per KV head,
+    /// `(kv_heads, groups * T, head_dim)`, so keys and values are never repeated per query head.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        block: &Block,
+        layer: usize,
+        h: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        cache: Option<&mut KvCache>,
+        rec: Option<(&mut LayerCapture, &Capture)>,
+        differentiable: bool,
+    ) -> Result<Tensor, ForwardError> {
+        let cfg = &self.cfg;
+        let (t, _) = h.dims2()?;
+        let (n_h, n_kv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let groups = n_h / n_kv;
+        let q = block.q.forward(h)?;
+        let k = block.k.forward(h)?;
+        let v = block.v.forward(h)?;
+        let heads = |x: &Tensor, n: usize| -> candle_core::Result<Tensor> {
+            x.reshape((t, n, d))?.transpose(0, 1)?.contiguous()
+        };
+        // Scaling q before the product costs T * q_dim multiplications instead of one per score.
+        let q = (rotate_heads(&heads(&q, n_h)?, cos, sin, differentiable)?
+            * (1.0 / (d as f64).sqrt()))?;
+        let k_rot = rotate_heads(&heads(&k, n_kv)?, cos, sin, differentiable)?;
+        let v_heads = heads(&v, n_kv)?;
+        if let Some((r, c)) = rec {
+            if c.k_pre_rope {
+                r.k_pre_rope = Some(k);
+            }
+            if c.v {
+                r.v = Some(v);
+            }
+        }
+        let (keys, values, past) = match cache {
+            Some(cache) => {
+                let past = cache.layer_len(layer);
+                cache.append(layer, &k_rot, &v_heads, differentiable)?;
+                let (k_all, v_all) = cache
+                    .views(layer)?
+                    .ok_or_else(|| candle_core::Error::Msg("cache layer vanished".into()))?;
+                (k_all, v_all, past)
+            }
+            None => (k_rot, v_heads, 0),
+        };
+        // (n_h, T, d) -> (n_kv, groups, T, d): head h uses KV head h / groups.
+        let q = q.reshape((n_kv, groups, t, d))?;
+        let keys_t = keys.transpose(1, 2)?;
+        let mut outs = Vec::with_capacity(t.div_ceil(ATTN_CHUNK));
+        let mut start = 0;
+        while start < t {
+            let rows = ATTN_CHUNK.min(t - start);
+            // Causality: the chunk's last query sees the past plus new keys up to itself.
+            let n_keys = past + start + rows;
+            let qc = q
+                .narrow(2, start, rows)?
+                .contiguous()?
+                .reshape((n_kv, groups * rows, d))?;
+            let kc = keys_t.narrow(2, 0, n_keys)?;
+            let vc = values.narrow(1, 0, n_keys)?;
+            let scores = qc.matmul(&kc)?.reshape((n_kv, groups, rows, n_keys))?;
+            let scores = if rows > 1 {
+                let mask = causal_mask(rows, n_keys, past + start)?;
+                scores.broadcast_add(&mask)?
+            } else {
+                scores
+            };
+            let probs = if differentiable {
+                candle_nn::ops::softmax(&scores, D::Minus1)?
+            } else {
+                candle_nn::ops::softmax_last_dim(&scores)?
+            };
+            let probs = probs.reshape((n_kv, groups * rows, n_keys))?;
+            let out = probs.matmul(&vc)?.reshape((n_h, rows, d))?;
+            outs.push(out);
+            start += rows;
+        }
+        let out = if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 1)?
+        };
+        let out = out.transpose(0, 1)?.contiguous()?.reshape((t, n_h * d))?;
+        Ok(block.o.forward(&out)?)
+    }
+}
+
+/// `(rows, n_keys)` additive mask: query `i` (at key index `first + i`) sees keys `0..=first + i`.
+fn causal_mask(rows: usize, n_keys: usize, first: usize) -> candle_core::Result<Tensor> {
+    let mut m = vec![0f32; rows * n_keys];
+    for i in 0..rows {
+        for v in &mut m[i * n_keys + first + i + 1..(i + 1) * n_keys] {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    Tensor::from_vec(m, (rows, n_keys), &Device::Cpu)
+}
+
+fn rms_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    differentiable: bool,
+) -> candle_core::Result<Tensor> {
+    if differentiable {
+        candle_nn::ops::rms_norm_slow(x, weight, eps as f32)
+    } else {
+        candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32)
+    }
+}
+
+/// Checks a loaded weight's shape against what the configuration implies.
+pub(crate) fn check_shape(
+    name: &str,
+    t: &Tensor,
+    expected: &[usize],
+) -> Result<(), crate::error::LoadError> {
+    if t.dims() != expected {
+        return Err(crate::error::LoadError::TensorShape {
+            name: name.into(),
+            got: t.dims().to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    if t.dtype() != DType::F32 {
+        return Err(crate::error::LoadError::Config(format!(
+            "tensor {name} is {:?}, expected f32 after conversion",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}

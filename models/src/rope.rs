@@ -1,0 +1,131 @@
+//! Rotary position embedding, interleaved variant (dimensions `2i` and `2i+1` rotate together by
+//! `pos * theta^(-2i/d)`), at arbitrary, possibly non-contiguous positions.
+//!
+//! The angles are computed per call from the positions (a few thousand sines for a long
+//! prompt), so there is no table and no maximum position here; the model enforces its context
+//! window. Inverse rotation is rotation by the negated angle, so `inverse(apply(x)) == x` up to
+//! float rounding.
+
+use candle_core::{Device, Tensor};
+
+use crate::config::LlamaConfig;
+use crate::error::ForwardError;
+
+/// The rotation of one model: head width and base frequency.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    head_dim: usize,
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    /// The rotation that `cfg`'s model uses.
+    pub fn new(cfg: &LlamaConfig) -> Self {
+        Self::with_params(cfg.head_dim, cfg.rope_theta)
+    }
+
+    /// A rotation for heads of width `head_dim` (even) and base `theta`.
+    pub fn with_params(head_dim: usize, theta: f64) -> Self {
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
+            .collect();
+        Self { head_dim, inv_freq }
+    }
+
+    /// Width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// `(cos, sin)` tables of shape `(positions.len(), head_dim / 2)`, angles in f64.
+    pub fn cos_sin(
+        &self,
+        positions: &[u32],
+        device: &Device,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = f64::from(p) * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        Ok((
+            Tensor::from_vec(cos, (positions.len(), half), device)?,
+            Tensor::from_vec(sin, (positions.len(), half), device)?,
+        ))
+    }
+
+    /// Rotates `x` of shape `(T, n_heads * head_dim)` (the layout of captured K) so that row
+    /// `t` sits at position `positions[t]`.
+    pub fn apply(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor, ForwardError> {
+        self.rotate_rows(x, positions, false)
+    }
+
+    /// Undoes [`Rope::apply`]: rotates row `t` of `x` back from position `positions[t]`.
+    pub fn inverse(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor, ForwardError> {
+        self.rotate_rows(x, positions, true)
+    }
+
+    fn rotate_rows(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        inverse: bool,
+    ) -> Result<Tensor, ForwardError> {
+        let (t, width) = x.dims2()?;
+        if t != positions.len() {
+            return Err(ForwardError::Positions {
+                what: "rope input".into(),
+                positions: positions.len(),
+                rows: t,
+            });
+        }
+        if !width.is_multiple_of(self.head_dim) {
+            return Err(ForwardError::Shape {
+                what: "rope input (T, n_heads * head_dim)".into(),
+                got: vec![t, width],
+                expected: vec![t, self.head_dim],
+            });
+        }
+        let heads = width / self.head_dim;
+        let (cos, sin) = self.cos_sin(positions, x.device())?;
+        let sin = if inverse { sin.neg()? } else { sin };
+        let per_head = x
+            .reshape((t, heads, self.head_dim))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let y = rotate_heads(&per_head, &cos, &sin, false)?;
+        Ok(y.transpose(0, 1)?.reshape((t, width))?)
+    }
+}
+
+/// Rotates `x` of shape `(heads, T, head_dim)` with tables `(T, head_dim / 2)`.
+///
+/// The fast path is candle's fused kernel, which has no gradient; `differentiable` selects a
+/// composition of elementary ops instead, for training through the model.
+pub(crate) fn rotate_heads(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    differentiable: bool,
+) -> candle_core::Result<Tensor> {
+    let (h, t, d) = x.dims3()?;
+    if differentiable {
+        let pairs = x.reshape((h, t, d / 2, 2))?;
+        let x0 = pairs.narrow(3, 0, 1)?;
+        let x1 = pairs.narrow(3, 1, 1)?;
+        let cos = cos.reshape((1, t, d / 2, 1))?;
+        let sin = sin.reshape((1, t, d / 2, 1))?;
+        let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+        let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
+        Tensor::cat(&[y0, y1], 3)?.reshape((h, t, d))
+    } else {
+        let x4 = x.contiguous()?.reshape((1, h, t, d))?;
+        candle_nn::rotary_emb::rope_i(&x4, &cos.contiguous()?, &sin.contiguous()?)?
+            .reshape((h, t, d))
+    }
+}

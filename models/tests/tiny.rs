@@ -1,0 +1,303 @@
+//! A tiny random llama (written as a Hugging Face directory): LoRA adapters, the half-split to
+//! interleaved RoPE permutation, sampling.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+
+use candle_core::{Device, Tensor};
+use common::{all_logits, max_abs, max_abs_diff, tiny_config, tiny_model};
+use scd_models::hf::to_interleaved_rows;
+use scd_models::lora::peft_name;
+use scd_models::sampling::{argmax, nucleus};
+use scd_models::{
+    AdapterError, AdapterMode, Capture, Input, LogitsWanted, LoraAdapter, Proj, Sampler, Sampling,
+};
+
+const TOKENS: [u32; 12] = [3, 17, 42, 5, 9, 63, 0, 21, 21, 8, 30, 11];
+
+fn random_adapter(seed: u64, rank: usize) -> LoraAdapter {
+    let cfg = tiny_config();
+    let init = LoraAdapter::init(&cfg, rank, 2.0 * rank as f64, &Proj::ALL, seed).unwrap();
+    // Give B random values so that the adapter actually edits the model.
+    let mut weights = BTreeMap::new();
+    for (layer, proj) in init.targets().collect::<Vec<_>>() {
+        let (a, b) = init.get(layer, proj).unwrap();
+        let b = Tensor::randn(0f32, 0.2, b.dims(), &Device::Cpu).unwrap();
+        weights.insert((layer, proj), (a.clone(), b));
+    }
+    LoraAdapter::from_parts(&cfg, rank, 2.0 * rank as f64, weights).unwrap()
+}
+
+#[test]
+fn zero_b_adapter_leaves_logits_unchanged() {
+    let (_dir, model) = tiny_model(1);
+    let base = all_logits(&model, &TOKENS);
+    let adapter = LoraAdapter::init(model.config(), 4, 8.0, &Proj::ALL, 7).unwrap();
+    for mode in [AdapterMode::Merge, AdapterMode::OnTheFly] {
+        let expert = model.with_adapter(&adapter, mode).unwrap();
+        assert!(
+            max_abs_diff(&all_logits(&expert, &TOKENS), &base) < 1e-5,
+            "{mode:?}"
+        );
+    }
+}
+
+#[test]
+fn random_adapter_changes_logits_and_merged_equals_on_the_fly() {
+    let (_dir, model) = tiny_model(1);
+    let base = all_logits(&model, &TOKENS);
+    let adapter = random_adapter(3, 4);
+    let merged = all_logits(
+        &model.with_adapter(&adapter, AdapterMode::Merge).unwrap(),
+        &TOKENS,
+    );
+    let fly = all_logits(
+        &model.with_adapter(&adapter, AdapterMode::OnTheFly).unwrap(),
+        &TOKENS,
+    );
+    assert!(
+        max_abs_diff(&merged, &base) > 1e-2,
+        "the adapter changed nothing"
+    );
+    assert!(max_abs_diff(&merged, &fly) < 1e-4 * max_abs(&merged).max(1.0));
+    // The base model is untouched by building experts from it.
+    assert!(max_abs_diff(&all_logits(&model, &TOKENS), &base) < 1e-6);
+}
+
+#[test]
+fn adapter_save_load_round_trip_in_peft_layout() {
+    let (dir, model) = tiny_model(1);
+    let cfg = model.config().clone();
+    let adapter = random_adapter(5, 2);
+    let path = dir.path().join("adapter.safetensors");
+    adapter.save(&path, &cfg).unwrap();
+    let loaded = LoraAdapter::load(&path, &cfg).unwrap();
+    assert_eq!((loaded.rank(), loaded.alpha()), (2, 4.0));
+    for (layer, proj) in adapter.targets() {
+        let (a0, b0) = adapter.get(layer, proj).unwrap();
+        let (a1, b1) = loaded.get(layer, proj).unwrap();
+        assert!(max_abs_diff(a0, a1) == 0.0 && max_abs_diff(b0, b1) == 0.0);
+    }
+    // On disk, q/k B rows are in PEFT's half-split layout: permuting them gives ours back.
+    let raw = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let b_q = &raw[&peft_name(0, Proj::Q, 'B')];
+    let (_, ours) = adapter.get(0, Proj::Q).unwrap();
+    assert!(max_abs_diff(&to_interleaved_rows(b_q, cfg.num_heads).unwrap(), ours) == 0.0);
+    assert!(max_abs_diff(b_q, ours) > 0.0);
+    // adapter_config.json beside the file wins over the metadata.
+    std::fs::write(
+        dir.path().join("adapter_config.json"),
+        r#"{"r": 2, "lora_alpha": 16, "target_modules": ["q_proj"]}"#,
+    )
+    .unwrap();
+    assert_eq!(LoraAdapter::load(&path, &cfg).unwrap().alpha(), 16.0);
+}
+
+#[test]
+fn adapter_with_a_wrong_shape_is_a_typed_error_naming_the_tensor() {
+    let cfg = tiny_config();
+    let name_a = peft_name(1, Proj::Up, 'A');
+    let name_b = peft_name(1, Proj::Up, 'B');
+    let tensors = HashMap::from([
+        (
+            name_a.clone(),
+            Tensor::zeros(
+                (4, cfg.hidden_size + 1),
+                candle_core::DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap(),
+        ),
+        (
+            name_b,
+            Tensor::zeros(
+                (cfg.intermediate_size, 4),
+                candle_core::DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap(),
+        ),
+    ]);
+    let err = LoraAdapter::from_peft_tensors(&cfg, 4, 8.0, tensors).unwrap_err();
+    match &err {
+        AdapterError::Shape {
+            tensor,
+            got,
+            expected,
+        } => {
+            assert_eq!(tensor, &name_a);
+            assert_eq!(got, &[4, cfg.hidden_size + 1]);
+            assert_eq!(expected, &[4, cfg.hidden_size]);
+        }
+        other => panic!("unexpected {other}"),
+    }
+    assert!(err.to_string().contains(&name_a), "{err}");
+
+    // B without A, a layer the model does not have, and an adapter built for another model.
+    let lonely = HashMap::from([(
+        peft_name(0, Proj::V, 'B'),
+        Tensor::zeros((cfg.kv_dim(), 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    )]);
+    let err = LoraAdapter::from_peft_tensors(&cfg, 4, 8.0, lonely).unwrap_err();
+    assert!(matches!(err, AdapterError::Unpaired { .. }), "{err}");
+    let far = HashMap::from([(
+        peft_name(9, Proj::V, 'A'),
+        Tensor::zeros((4, cfg.hidden_size), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    )]);
+    let err = LoraAdapter::from_peft_tensors(&cfg, 4, 8.0, far).unwrap_err();
+    assert!(matches!(err, AdapterError::UnknownTensor { .. }), "{err}");
+    let mut bigger = cfg.clone();
+    bigger.intermediate_size += 8;
+    let other = LoraAdapter::init(&bigger, 2, 2.0, &[Proj::Down], 0).unwrap();
+    let (_dir, model) = tiny_model(1);
+    let err = model
+        .with_adapter(&other, AdapterMode::OnTheFly)
+        .unwrap_err();
+    assert!(
+        matches!(&err, AdapterError::Shape { tensor, .. } if tensor.contains("mlp.down_proj.lora_A")),
+        "{err}"
+    );
+}
+
+#[test]
+fn adapter_without_rank_or_alpha_is_an_error() {
+    let cfg = tiny_config();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.safetensors");
+    let t = HashMap::from([(
+        peft_name(0, Proj::Q, 'A'),
+        Tensor::zeros((2, cfg.hidden_size), candle_core::DType::F32, &Device::Cpu).unwrap(),
+    )]);
+    candle_core::safetensors::save(&t, &path).unwrap();
+    let err = LoraAdapter::load(&path, &cfg).unwrap_err();
+    assert!(
+        matches!(err, AdapterError::MissingConfig { what: "rank", .. }),
+        "{err}"
+    );
+    let err = LoraAdapter::load(dir.path().join("none.safetensors"), &cfg).unwrap_err();
+    assert!(matches!(err, AdapterError::Io { .. }), "{err}");
+}
+
+#[test]
+fn on_the_fly_adapter_is_differentiable() {
+    let (_dir, model) = tiny_model(1);
+    let cfg = model.config().clone();
+    let a = candle_core::Var::randn(0f32, 0.1, (2, cfg.hidden_size), &Device::Cpu).unwrap();
+    let b = candle_core::Var::randn(0f32, 0.1, (cfg.q_dim(), 2), &Device::Cpu).unwrap();
+    let weights = BTreeMap::from([((0, Proj::Q), (a.as_tensor().clone(), b.as_tensor().clone()))]);
+    let adapter = LoraAdapter::from_parts(&cfg, 2, 2.0, weights).unwrap();
+    let expert = model.with_adapter(&adapter, AdapterMode::OnTheFly).unwrap();
+    let logits = expert
+        .forward(
+            Input::new(&TOKENS)
+                .logits(LogitsWanted::All)
+                .differentiable(true),
+        )
+        .unwrap()
+        .logits
+        .unwrap();
+    // The differentiable path computes the same function as the fast one.
+    let fast = all_logits(&expert, &TOKENS);
+    assert!(max_abs_diff(&logits, &fast) < 1e-4);
+    let loss = logits.sqr().unwrap().mean_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let ga = grads.get(a.as_tensor()).expect("gradient for A");
+    let gb = grads.get(b.as_tensor()).expect("gradient for B");
+    assert!(max_abs(ga) > 0.0 && max_abs(gb) > 0.0);
+}
+
+#[test]
+fn half_split_checkpoint_rotates_like_neox_after_the_permutation() {
+    // Independent check of the load-time permutation: K from the Hugging Face weights, rotated
+    // with candle's half-split (NeoX) kernel, must equal our cache's K up to the same column
+    // permutation.
+    let (dir, model) = tiny_model(2);
+    let cfg = model.config().clone();
+    let raw =
+        candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu).unwrap();
+    let w_k_hf = &raw["model.layers.1.self_attn.k_proj.weight"];
+    let mut cache = model.new_cache();
+    let out = model
+        .forward(Input::new(&TOKENS).with_cache(&mut cache).capture(Capture {
+            h_in: true,
+            ..Capture::none()
+        }))
+        .unwrap();
+    let h_in = out.layer(1).unwrap().h_in.clone().unwrap();
+    let t = TOKENS.len();
+    let (kv, d) = (cfg.num_kv_heads, cfg.head_dim);
+    let k_hf = h_in.matmul(&w_k_hf.t().unwrap()).unwrap();
+    let k_heads = k_hf
+        .reshape((1, t, kv, d))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let rope = scd_models::Rope::new(&cfg);
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let (cos, sin) = rope.cos_sin(&positions, &Device::Cpu).unwrap();
+    let k_neox = candle_nn::rotary_emb::rope(&k_heads, &cos, &sin).unwrap();
+    let k_neox = k_neox
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((t, kv * d))
+        .unwrap();
+    let expected = to_interleaved_rows(&k_neox.t().unwrap().contiguous().unwrap(), kv)
+        .unwrap()
+        .t()
+        .unwrap();
+    let (k_ours, _) = cache.layer(1).unwrap().unwrap();
+    assert!(max_abs_diff(&k_ours, &expected) < 1e-4);
+}
+
+#[test]
+fn exported_hf_dir_loads_back_to_the_same_model() {
+    let (_dir, model) = tiny_model(4);
+    let out = tempfile::tempdir().unwrap();
+    model.save_hf_dir(out.path()).unwrap();
+    let again = scd_models::Llama::from_hf_dir(out.path()).unwrap();
+    assert_eq!(again.config(), model.config());
+    assert!(max_abs_diff(&all_logits(&again, &TOKENS), &all_logits(&model, &TOKENS)) < 1e-6);
+}
+
+#[test]
+fn sampling_is_seeded_greedy_is_argmax_and_top_p_restricts_support() {
+    let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
+    let mut greedy = Sampler::new(Sampling::Greedy, 0);
+    assert_eq!(greedy.sample(&logits), argmax(&logits));
+    assert_eq!(argmax(&[0.0, 3.0, -1.0, 3.0]), 1);
+
+    let sampling = Sampling::TopP {
+        temperature: 1.0,
+        top_p: 0.9,
+    };
+    let draw = |seed| {
+        let mut s = Sampler::new(sampling, seed);
+        (0..64).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+    };
+    assert_eq!(draw(11), draw(11));
+    assert_ne!(draw(11), draw(12));
+
+    // top_p = 0.5 keeps only the few most likely tokens; every draw comes from them.
+    let kept = nucleus(&logits, 1.0, 0.5);
+    assert!(kept.len() < logits.len() / 2, "kept {}", kept.len());
+    let support: Vec<u32> = kept.iter().map(|k| k.0).collect();
+    let mut s = Sampler::new(
+        Sampling::TopP {
+            temperature: 1.0,
+            top_p: 0.5,
+        },
+        3,
+    );
+    for _ in 0..500 {
+        assert!(support.contains(&s.sample(&logits)));
+    }
+    // A tiny top_p is greedy; a low temperature concentrates the mass.
+    assert_eq!(nucleus(&logits, 1.0, 1e-6).len(), 1);
+    assert!(nucleus(&logits, 0.05, 0.99).len() <= nucleus(&logits, 1.0, 0.99).len());
+    assert!(Sampling::from_params(-1.0, 0.9).is_err());
+    assert!(Sampling::from_params(0.7, 0.0).is_err());
+    assert_eq!(Sampling::from_params(0.0, 0.9).unwrap(), Sampling::Greedy);
+}
