@@ -1,1 +1,428 @@
-//! placeholder
+//! Measurements behind `scd bench transport`: loopback goodput of our job streams next to plain
+//! quinn with default settings, frame encode + validate throughput, and pacing accuracy. They
+//! live here (not in the binary) because the plain-quinn baseline needs quinn and rustls
+//! directly.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+
+use crate::codec::{self, FrameBuf};
+use crate::pacing::PacingOptions;
+use crate::pki::{ClusterCa, Identity, Role};
+use crate::wire::{CodeFrame, CodeKind, DType, JobId, Message};
+use crate::{Endpoint, TransportOptions};
+
+/// Errors while benchmarking.
+#[derive(Debug, thiserror::Error)]
+#[error("benchmark: {0}")]
+pub struct BenchError(String);
+
+fn err(e: impl std::fmt::Display) -> BenchError {
+    BenchError(e.to_string())
+}
+
+/// Largest payload per code frame in the goodput runs (a large layer's codes).
+pub const GOODPUT_FRAME_BYTES: usize = 4 << 20;
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn code_frame(job: JobId, layer: u16, len: usize) -> CodeFrame {
+    CodeFrame {
+        job_id: job,
+        layer,
+        kind: CodeKind::REUSE_K,
+        dtype: DType::F16,
+        shape: vec![(len / 2) as u32],
+        translator: [7; 32],
+        trace: vec![],
+        payload: vec![0x5a; len],
+    }
+}
+
+/// A connected pair of our endpoints on loopback.
+pub struct OurPair {
+    server: Endpoint,
+    client: Endpoint,
+    to_server: crate::Connection,
+    to_client: crate::Connection,
+}
+
+impl OurPair {
+    /// Two nodes of a fresh cluster, connected.
+    pub async fn new(opts: TransportOptions) -> Result<Self, BenchError> {
+        let ca = ClusterCa::generate("bench").map_err(err)?;
+        let server = Endpoint::bind(
+            loopback(),
+            &ca.issue("bench-a", Role::Node).map_err(err)?,
+            opts.clone(),
+        )
+        .map_err(err)?;
+        let client = Endpoint::bind(
+            loopback(),
+            &ca.issue("bench-b", Role::Node).map_err(err)?,
+            opts,
+        )
+        .map_err(err)?;
+        let addr = server.local_addr().map_err(err)?;
+        let s = server.clone();
+        let accept = tokio::spawn(async move {
+            match s.accept().await {
+                Some(a) => a.complete().await.map_err(err),
+                None => Err(err("endpoint closed")),
+            }
+        });
+        let to_server = client.connect(addr, "bench-a").await.map_err(err)?;
+        let to_client = accept.await.map_err(err)??;
+        Ok(Self {
+            server,
+            client,
+            to_server,
+            to_client,
+        })
+    }
+
+    /// Send `total` payload bytes as one job of code frames; returns the wall time from opening
+    /// the job to the sender's confirmed finish (the receiver has read everything).
+    pub async fn transfer(&self, job: u128, total: usize) -> Result<Duration, BenchError> {
+        let start = Instant::now();
+        let mut tx = self
+            .to_server
+            .open_job(JobId(job), vec![])
+            .await
+            .map_err(err)?;
+        let conn = self.to_client.clone();
+        let receiver = tokio::spawn(async move {
+            let mut rx = conn.accept_job().await.map_err(err)?;
+            let mut got = 0usize;
+            while let Some(m) = rx.next().await.map_err(err)? {
+                if let Message::Code(f) = m {
+                    got += f.payload.len();
+                }
+            }
+            Ok::<usize, BenchError>(got)
+        });
+        let mut sent = 0usize;
+        let mut layer = 0u16;
+        while sent < total {
+            let n = (total - sent).min(GOODPUT_FRAME_BYTES);
+            tx.send(code_frame(JobId(job), layer, n))
+                .await
+                .map_err(err)?;
+            sent += n;
+            layer += 1;
+        }
+        tx.finish().await.map_err(err)?;
+        let got = receiver.await.map_err(err)??;
+        let elapsed = start.elapsed();
+        if got != total {
+            return Err(err(format!("received {got} of {total} bytes")));
+        }
+        Ok(elapsed)
+    }
+
+    /// Close both endpoints.
+    pub fn close(&self) {
+        self.client.close();
+        self.server.close();
+    }
+}
+
+/// A connected pair of plain quinn endpoints, default transport settings, TLS 1.3 with a server
+/// certificate from a throwaway CA (handshake cost is outside the timed part either way).
+pub struct PlainPair {
+    server: quinn::Endpoint,
+    client: quinn::Endpoint,
+    to_server: quinn::Connection,
+    to_client: quinn::Connection,
+}
+
+impl PlainPair {
+    /// Two plain quinn endpoints, connected.
+    pub async fn new() -> Result<Self, BenchError> {
+        let ca = ClusterCa::generate("plain").map_err(err)?;
+        let id: Identity = ca.issue("plain", Role::Node).map_err(err)?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(err)?
+            .with_no_client_auth()
+            .with_single_cert(id.cert_chain.clone(), id.key.clone_key())
+            .map_err(err)?;
+        server_tls.alpn_protocols = vec![b"plain".to_vec()];
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(id.ca.clone()).map_err(err)?;
+        let mut client_tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(err)?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        client_tls.alpn_protocols = vec![b"plain".to_vec()];
+        let server_cfg = quinn::ServerConfig::with_crypto(Arc::new(
+            QuicServerConfig::try_from(server_tls).map_err(err)?,
+        ));
+        let server = quinn::Endpoint::server(server_cfg, loopback()).map_err(err)?;
+        let mut client = quinn::Endpoint::client(loopback()).map_err(err)?;
+        client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+            QuicClientConfig::try_from(client_tls).map_err(err)?,
+        )));
+        let addr = server.local_addr().map_err(err)?;
+        let s = server.clone();
+        let accept = tokio::spawn(async move {
+            match s.accept().await {
+                Some(i) => i.await.map_err(err),
+                None => Err(err("endpoint closed")),
+            }
+        });
+        let to_server = client
+            .connect(addr, "plain")
+            .map_err(err)?
+            .await
+            .map_err(err)?;
+        let to_client = accept.await.map_err(err)??;
+        Ok(Self {
+            server,
+            client,
+            to_server,
+            to_client,
+        })
+    }
+
+    /// Send `total` bytes on one unidirectional stream; returns the time until the receiver
+    /// has read them all.
+    pub async fn transfer(&self, total: usize) -> Result<Duration, BenchError> {
+        let start = Instant::now();
+        let conn = self.to_client.clone();
+        let receiver = tokio::spawn(async move {
+            let mut recv = conn.accept_uni().await.map_err(err)?;
+            let mut got = 0usize;
+            while let Some(chunk) = recv.read_chunk(usize::MAX, true).await.map_err(err)? {
+                got += chunk.bytes.len();
+            }
+            Ok::<usize, BenchError>(got)
+        });
+        let mut send = self.to_server.open_uni().await.map_err(err)?;
+        let block = vec![0x5au8; GOODPUT_FRAME_BYTES.min(total)];
+        let mut sent = 0;
+        while sent < total {
+            let n = (total - sent).min(block.len());
+            send.write_all(&block[..n]).await.map_err(err)?;
+            sent += n;
+        }
+        send.finish().map_err(err)?;
+        let got = receiver.await.map_err(err)??;
+        let elapsed = start.elapsed();
+        if got != total {
+            return Err(err(format!("received {got} of {total} bytes")));
+        }
+        Ok(elapsed)
+    }
+
+    /// Close both endpoints.
+    pub fn close(&self) {
+        self.client.close(0u32.into(), b"");
+        self.server.close(0u32.into(), b"");
+    }
+}
+
+/// One goodput comparison row.
+#[derive(Debug, Clone, Copy)]
+pub struct GoodputRow {
+    /// Transfer size in bytes.
+    pub bytes: usize,
+    /// Our job streams, best of the runs, bytes per second.
+    pub ours_bps: f64,
+    /// Plain quinn, best of the runs, bytes per second.
+    pub plain_bps: f64,
+}
+
+/// Goodput for each size, ours and plain quinn alternating, best of `runs`.
+pub async fn goodput(sizes: &[usize], runs: usize) -> Result<Vec<GoodputRow>, BenchError> {
+    let ours = OurPair::new(TransportOptions::default()).await?;
+    let plain = PlainPair::new().await?;
+    // Warm both connections up (congestion windows, allocator).
+    ours.transfer(u128::MAX, 8 << 20).await?;
+    plain.transfer(8 << 20).await?;
+    let mut rows = vec![];
+    let mut job = 0u128;
+    for &bytes in sizes {
+        let (mut best_ours, mut best_plain) = (Duration::MAX, Duration::MAX);
+        for _ in 0..runs.max(1) {
+            job += 1;
+            best_ours = best_ours.min(ours.transfer(job, bytes).await?);
+            best_plain = best_plain.min(plain.transfer(bytes).await?);
+        }
+        rows.push(GoodputRow {
+            bytes,
+            ours_bps: bytes as f64 / best_ours.as_secs_f64(),
+            plain_bps: bytes as f64 / best_plain.as_secs_f64(),
+        });
+    }
+    ours.close();
+    plain.close();
+    Ok(rows)
+}
+
+/// Frame codec throughput for one payload size, in payload bytes per second.
+#[derive(Debug, Clone, Copy)]
+pub struct CodecRow {
+    /// Payload bytes per frame.
+    pub payload: usize,
+    /// Encode into a reused aligned buffer, then validate the archive (bytecheck).
+    pub encode_validate_bps: f64,
+    /// The same plus deserialising into an owned frame (what a receiver does).
+    pub full_decode_bps: f64,
+}
+
+/// Measure encode + validate, and encode + validate + deserialise, for `payload` bytes.
+pub fn codec_throughput(payload: usize, min_time: Duration) -> Result<CodecRow, BenchError> {
+    let msg = Message::Code(code_frame(JobId(1), 0, payload));
+    let max = u32::MAX;
+    let mut buf = FrameBuf::new();
+    let time = |full: bool, buf: &mut FrameBuf| -> Result<f64, BenchError> {
+        let start = Instant::now();
+        let mut n = 0u64;
+        while start.elapsed() < min_time || n < 3 {
+            codec::encode_into(&msg, max, buf).map_err(err)?;
+            let header = codec::check(buf, max).map_err(err)?;
+            let body = &buf[codec::HEADER_LEN..header.frame_len()];
+            if full {
+                std::hint::black_box(codec::decode_body(body).map_err(err)?);
+            } else {
+                std::hint::black_box(codec::access_body(body).map_err(err)?);
+            }
+            n += 1;
+        }
+        Ok(n as f64 * payload as f64 / start.elapsed().as_secs_f64())
+    };
+    let encode_validate_bps = time(false, &mut buf)?;
+    let full_decode_bps = time(true, &mut buf)?;
+    Ok(CodecRow {
+        payload,
+        encode_validate_bps,
+        full_decode_bps,
+    })
+}
+
+/// One pacing accuracy row.
+#[derive(Debug, Clone, Copy)]
+pub struct PacingRow {
+    /// The set rate, bits per second.
+    pub set_bps: u64,
+    /// The achieved rate of frame bytes at the receiver, bits per second.
+    pub achieved_bps: f64,
+}
+
+/// Send about `duration` worth of data at `rate_bps` over a paced loopback connection and
+/// measure the rate the receiver sees (the initial burst excluded).
+pub async fn pacing_accuracy(rate_bps: u64, duration: Duration) -> Result<PacingRow, BenchError> {
+    let pacing = PacingOptions::rate(rate_bps);
+    let opts = TransportOptions {
+        pacing: Some(pacing),
+        ..TransportOptions::default()
+    };
+    let pair = OurPair::new(opts).await?;
+    let total = ((rate_bps as f64 / 8.0) * duration.as_secs_f64()) as usize;
+    let frame = (total / 64).clamp(4 << 10, 1 << 20);
+    let job = JobId(1);
+    let conn = pair.to_client.clone();
+    let receiver = tokio::spawn(async move {
+        let mut rx = conn.accept_job().await.map_err(err)?;
+        // Time from the end of the first frame, which the burst may have carried early.
+        let mut first: Option<(Instant, u64)> = None;
+        while let Some(_m) = rx.next().await.map_err(err)? {
+            if first.is_none() {
+                first = Some((Instant::now(), rx.bytes()));
+            }
+        }
+        let (t0, b0) = first.ok_or_else(|| err("no frames"))?;
+        Ok::<f64, BenchError>((rx.bytes() - b0) as f64 * 8.0 / t0.elapsed().as_secs_f64())
+    });
+    let mut tx = pair.to_server.open_job(job, vec![]).await.map_err(err)?;
+    let mut sent = 0;
+    let mut layer = 0;
+    while sent < total {
+        tx.send(code_frame(job, layer, frame)).await.map_err(err)?;
+        sent += frame;
+        layer += 1;
+    }
+    tx.finish().await.map_err(err)?;
+    let achieved_bps = receiver.await.map_err(err)??;
+    pair.close();
+    Ok(PacingRow {
+        set_bps: rate_bps,
+        achieved_bps,
+    })
+}
+
+/// What `scd bench transport` runs.
+#[derive(Debug, Clone)]
+pub struct ReportOptions {
+    /// Transfer sizes in bytes for the goodput comparison.
+    pub sizes: Vec<usize>,
+    /// Runs per size (the best is reported).
+    pub runs: usize,
+    /// Payload sizes for the codec benchmark.
+    pub codec_payloads: Vec<usize>,
+    /// Pacing rates in bits per second.
+    pub pacing_rates: Vec<u64>,
+    /// Traffic per pacing rate.
+    pub pacing_time: Duration,
+}
+
+impl Default for ReportOptions {
+    fn default() -> Self {
+        Self {
+            sizes: vec![1 << 20, 4 << 20, 16 << 20, 64 << 20],
+            runs: 3,
+            codec_payloads: vec![64 << 10, 1 << 20, 16 << 20],
+            pacing_rates: vec![10_000_000, 100_000_000, 1_000_000_000],
+            pacing_time: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Run every transport benchmark and print Markdown tables to stdout.
+pub async fn report(opts: &ReportOptions) -> Result<(), BenchError> {
+    println!("## goodput on loopback (best of {} runs)", opts.runs);
+    println!("| size | scd job stream | plain quinn (defaults) | ratio |");
+    println!("|---:|---:|---:|---:|");
+    for row in goodput(&opts.sizes, opts.runs).await? {
+        println!(
+            "| {} MB | {:.0} MB/s | {:.0} MB/s | {:.0}% |",
+            row.bytes >> 20,
+            row.ours_bps / 1e6,
+            row.plain_bps / 1e6,
+            100.0 * row.ours_bps / row.plain_bps
+        );
+    }
+    println!("\n## frame codec (payload bytes per second)");
+    println!("| payload | encode + validate | encode + validate + deserialise |");
+    println!("|---:|---:|---:|");
+    for &payload in &opts.codec_payloads {
+        let row = codec_throughput(payload, Duration::from_millis(500))?;
+        println!(
+            "| {} KiB | {:.2} GB/s | {:.2} GB/s |",
+            payload >> 10,
+            row.encode_validate_bps / 1e9,
+            row.full_decode_bps / 1e9
+        );
+    }
+    println!("\n## pacing accuracy over loopback QUIC");
+    println!("| set | achieved | error |");
+    println!("|---:|---:|---:|");
+    for &rate in &opts.pacing_rates {
+        let row = pacing_accuracy(rate, opts.pacing_time).await?;
+        println!(
+            "| {} Mbit/s | {:.1} Mbit/s | {:+.2}% |",
+            rate / 1_000_000,
+            row.achieved_bps / 1e6,
+            100.0 * (row.achieved_bps / rate as f64 - 1.0)
+        );
+    }
+    Ok(())
+}

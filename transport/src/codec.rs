@@ -219,7 +219,7 @@ pub fn access_body(body: &[u8]) -> Result<&ArchivedMessage, DecodeError> {
 /// Validate an archive body and turn it into an owned message. A body that is not aligned is
 /// copied into an aligned buffer first.
 pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
-    if (body.as_ptr() as usize) % 16 == 0 {
+    if (body.as_ptr() as usize).is_multiple_of(16) {
         to_owned(access_body(body)?)
     } else {
         let mut aligned = FrameBuf::with_capacity(body.len());

@@ -32,7 +32,7 @@ fn trace(rng: &mut StdRng) -> Vec<TraceEntry> {
 fn message(rng: &mut StdRng) -> Message {
     let job = JobId(rng.gen());
     match rng.gen_range(0..7) {
-        0 | 1 | 2 => Message::Code(CodeFrame {
+        0..=2 => Message::Code(CodeFrame {
             job_id: job,
             layer: rng.gen(),
             kind: CodeKind(rng.gen()),
