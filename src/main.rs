@@ -18,6 +18,10 @@ struct Cli {
 enum Command {
     /// Load a model and generate a reply to a prompt (single process, no cluster).
     Generate(cmd::generate::Args),
+    /// Create the cluster CA and issue node and admin certificates.
+    Cert(cmd::cert::Args),
+    /// Run benchmarks (build with --release).
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -31,5 +35,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Generate(args) => cmd::generate::run(args),
+        Command::Cert(args) => cmd::cert::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
     }
 }

@@ -1,3 +1,6 @@
 //! One module per subcommand.
 
 pub mod generate;
+pub mod bench;
+pub mod bench_transport;
+pub mod cert;
