@@ -99,8 +99,10 @@ impl OurPair {
         let receiver = tokio::spawn(async move {
             let mut rx = conn.accept_job().await.map_err(err)?;
             let mut got = 0usize;
-            while let Some(m) = rx.next().await.map_err(err)? {
-                if let Message::Code(f) = m {
+            // Read frames in place, as a consumer that copies payloads straight into its
+            // tensors would.
+            while let Some(frame) = rx.next_frame().await.map_err(err)? {
+                if let crate::wire::ArchivedMessage::Code(f) = frame.archived() {
                     got += f.payload.len();
                 }
             }

@@ -233,6 +233,38 @@ fn to_owned(archived: &ArchivedMessage) -> Result<Message, DecodeError> {
         .map_err(|e| DecodeError::Invalid(e.to_string()))
 }
 
+/// A frame body that passed validation, kept in its aligned buffer: the receiver can read the
+/// archive (payload bytes included) in place, without deserialising a copy.
+#[derive(Debug)]
+pub struct ValidatedFrame {
+    body: FrameBuf,
+}
+
+impl ValidatedFrame {
+    /// Validate `body` (an archive without its header).
+    pub fn new(body: FrameBuf) -> Result<Self, DecodeError> {
+        access_body(&body)?;
+        Ok(Self { body })
+    }
+
+    /// The archived message, read in place.
+    pub fn archived(&self) -> &ArchivedMessage {
+        // SAFETY: `new` validated exactly these bytes with bytecheck, and `body` is private and
+        // never mutated afterwards, so the unchecked access sees a valid archive.
+        unsafe { rkyv::access_unchecked::<ArchivedMessage>(&self.body) }
+    }
+
+    /// Deserialise into an owned message (copies the payload).
+    pub fn to_message(&self) -> Result<Message, DecodeError> {
+        to_owned(self.archived())
+    }
+
+    /// Length of the frame on the wire, header included.
+    pub fn frame_len(&self) -> usize {
+        HEADER_LEN + self.body.len()
+    }
+}
+
 /// Decode the frame at the start of `buf`; returns the message and the bytes it used.
 pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(Message, usize), DecodeError> {
     let header = check(buf, max_frame_bytes)?;

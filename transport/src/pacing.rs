@@ -19,11 +19,12 @@ pub struct PacingOptions {
 }
 
 impl PacingOptions {
-    /// A rate with a burst of 5 ms worth of bytes (at least 16 KiB).
+    /// A rate with a burst of 20 ms worth of bytes (at least 16 KiB): enough that a writer
+    /// delayed by a busy scheduler catches up instead of losing rate for good.
     pub fn rate(rate_bps: u64) -> Self {
         Self {
             rate_bps,
-            burst_bytes: (rate_bps / 8 / 200).max(16 << 10),
+            burst_bytes: (rate_bps / 8 / 50).max(16 << 10),
         }
     }
 }

@@ -2,7 +2,57 @@
 //! ordering, and how a job ended. The async drivers in [`crate::stream`] feed every frame they
 //! send or receive through a [`JobTracker`].
 
-use crate::wire::{CodeKind, Control, JobId, Message};
+use crate::wire::{ArchivedControl, ArchivedMessage, CodeKind, Control, JobId, Message};
+
+/// What the job stream rules need to know about a frame, read from an owned or an archived
+/// message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameFacts {
+    /// The job the frame names, if any.
+    pub job_id: Option<JobId>,
+    /// Whether it is an Open frame.
+    pub is_open: bool,
+    /// Layer and kind, for a code frame.
+    pub code: Option<(u16, CodeKind)>,
+}
+
+impl FrameFacts {
+    /// Facts of an owned message.
+    pub fn of(msg: &Message) -> Self {
+        Self {
+            job_id: msg.job_id(),
+            is_open: matches!(msg, Message::Control(Control::Open { .. })),
+            code: match msg {
+                Message::Code(f) => Some((f.layer, f.kind)),
+                Message::Control(_) => None,
+            },
+        }
+    }
+
+    /// Facts of an archived message, read in place.
+    pub fn of_archived(msg: &ArchivedMessage) -> Self {
+        let job = |j: &crate::wire::ArchivedJobId| JobId(j.0.to_native());
+        match msg {
+            ArchivedMessage::Code(f) => Self {
+                job_id: Some(job(&f.job_id)),
+                is_open: false,
+                code: Some((f.layer.to_native(), CodeKind(f.kind.0))),
+            },
+            ArchivedMessage::Control(c) => Self {
+                job_id: match c {
+                    ArchivedControl::Hello { .. } => None,
+                    ArchivedControl::Open { job_id, .. }
+                    | ArchivedControl::JobStatus { job_id, .. }
+                    | ArchivedControl::Cancel { job_id, .. } => Some(job(job_id)),
+                    ArchivedControl::PrefillRequest(r) => Some(job(&r.job_id)),
+                    ArchivedControl::Error { job_id, .. } => job_id.as_ref().map(job),
+                },
+                is_open: matches!(c, ArchivedControl::Open { .. }),
+                code: None,
+            },
+        }
+    }
+}
 
 /// QUIC application error codes used to reset or stop job streams and close connections.
 pub mod error_code {
@@ -139,11 +189,24 @@ impl JobTracker {
     /// Admit a message of `frame_len` bytes, or say which rule it breaks. A refused frame
     /// changes nothing.
     pub fn admit(&mut self, msg: &Message, frame_len: usize) -> Result<(), ProtocolViolation> {
+        self.admit_facts(FrameFacts::of(msg), frame_len)
+    }
+
+    /// [`admit`](Self::admit) from the facts of a frame (owned or archived).
+    pub fn admit_facts(
+        &mut self,
+        facts: FrameFacts,
+        frame_len: usize,
+    ) -> Result<(), ProtocolViolation> {
         let Some(job) = self.job else {
-            return match msg {
-                Message::Control(Control::Open { job_id, .. }) => {
-                    self.charge(*job_id, frame_len)?;
-                    self.job = Some(*job_id);
+            return match facts {
+                FrameFacts {
+                    is_open: true,
+                    job_id: Some(job_id),
+                    ..
+                } => {
+                    self.charge(job_id, frame_len)?;
+                    self.job = Some(job_id);
                     self.frames += 1;
                     Ok(())
                 }
@@ -153,10 +216,10 @@ impl JobTracker {
         if self.end.is_some() {
             return Err(ProtocolViolation::AfterEnd(job));
         }
-        if let Message::Control(Control::Open { .. }) = msg {
+        if facts.is_open {
             return Err(ProtocolViolation::DuplicateOpen(job));
         }
-        match msg.job_id() {
+        match facts.job_id {
             Some(id) if id == job => {}
             other => {
                 return Err(ProtocolViolation::WrongJob {
@@ -165,14 +228,14 @@ impl JobTracker {
                 })
             }
         }
-        if let Message::Code(f) = msg {
-            self.check_order(job, f.layer, f.kind)?;
+        if let Some((layer, kind)) = facts.code {
+            self.check_order(job, layer, kind)?;
             self.charge(job, frame_len)?;
-            if self.layer != Some(f.layer) {
-                self.layer = Some(f.layer);
+            if self.layer != Some(layer) {
+                self.layer = Some(layer);
                 self.kinds_at_layer = [0; 4];
             }
-            self.kinds_at_layer[usize::from(f.kind.0 / 64)] |= 1 << (f.kind.0 % 64);
+            self.kinds_at_layer[usize::from(kind.0 / 64)] |= 1 << (kind.0 % 64);
         } else {
             self.charge(job, frame_len)?;
         }
@@ -301,6 +364,33 @@ mod tests {
         assert_eq!(t.bytes(), 90);
         // The refused layer 1 did not move the layer cursor.
         t.admit(&code(J, 0, CodeKind::RAW_V), 10).unwrap();
+    }
+
+    #[test]
+    fn facts_agree_between_owned_and_archived() {
+        let msgs = [
+            open(J),
+            code(J, 9, CodeKind(201)),
+            Message::Control(Control::Error {
+                job_id: None,
+                code: 1,
+                message: "x".into(),
+            }),
+            Message::Control(Control::Cancel {
+                job_id: J,
+                reason: "r".into(),
+            }),
+        ];
+        for m in msgs {
+            let buf = crate::codec::encode(&m, u32::MAX).unwrap();
+            let body = crate::codec::ValidatedFrame::new({
+                let mut b = crate::codec::FrameBuf::new();
+                b.extend_from_slice(&buf[crate::codec::HEADER_LEN..]);
+                b
+            })
+            .unwrap();
+            assert_eq!(FrameFacts::of_archived(body.archived()), FrameFacts::of(&m));
+        }
     }
 
     #[test]

@@ -15,16 +15,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use quinn::{ConnectionError, ReadError, RecvStream, SendStream, VarInt, WriteError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::codec::{
-    self, check_header, decode_body, DecodeError, EncodeError, FrameBuf, HEADER_LEN,
+    self, check_header, DecodeError, EncodeError, FrameBuf, ValidatedFrame, HEADER_LEN,
 };
 use crate::endpoint::{Connection, TaskGuard};
 use crate::pacing::Pacer;
-use crate::session::{error_code, JobTracker, ProtocolViolation};
+use crate::session::{error_code, FrameFacts, JobTracker, ProtocolViolation};
 use crate::wire::{Control, JobId, Message, TraceContext};
 
 /// Chunk size of paced writes: small enough that the pacer's waits stay short.
@@ -86,19 +87,29 @@ impl FrameReader {
         }
     }
 
-    /// The next frame and its length on the wire; `None` at a clean end of stream.
+    /// The next frame, owned, and its length on the wire; `None` at a clean end of stream.
     pub(crate) async fn next(
         &mut self,
         recv: &mut RecvStream,
     ) -> Result<Option<(Message, usize)>, FrameReadError> {
+        match self.next_validated(recv).await? {
+            Some(f) => Ok(Some((f.to_message()?, f.frame_len()))),
+            None => Ok(None),
+        }
+    }
+
+    /// The next frame, validated in place; `None` at a clean end of stream.
+    pub(crate) async fn next_validated(
+        &mut self,
+        recv: &mut RecvStream,
+    ) -> Result<Option<ValidatedFrame>, FrameReadError> {
         loop {
             if let Some(body) = self.body.as_mut() {
                 if self.body_have == body.len() {
                     let body = self.body.take().unwrap_or_default();
                     self.header_have = 0;
                     self.body_have = 0;
-                    let msg = decode_body(&body)?;
-                    return Ok(Some((msg, HEADER_LEN + body.len())));
+                    return Ok(Some(ValidatedFrame::new(body)?));
                 }
                 match recv
                     .read(&mut body.as_mut_slice()[self.body_have..])
@@ -292,7 +303,7 @@ impl Connection {
         let (cancel_tx, cancel_rx) = oneshot::channel();
         // The Open frame goes first through the same queue, so the stream appears at the peer
         // even before the first layer is ready.
-        tx.try_send(buf).map_err(|_| {
+        tx.try_send(Bytes::from_owner(buf)).map_err(|_| {
             OpenJobError::Encode(EncodeError::Serialize("send queue unavailable".into()))
         })?;
         let guard = self.shared.tasks.enter();
@@ -378,7 +389,7 @@ pub struct JobSender {
     job_id: JobId,
     tracker: JobTracker,
     max_frame_bytes: u32,
-    tx: Option<mpsc::Sender<FrameBuf>>,
+    tx: Option<mpsc::Sender<Bytes>>,
     cancel: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<SendReport, SendError>>>,
 }
@@ -411,7 +422,8 @@ impl JobSender {
         let Some(tx) = self.tx.as_ref() else {
             return Err(SendError::Cancelled);
         };
-        if tx.send(buf).await.is_err() {
+        // Handing quinn the encoded buffer itself saves a copy of every payload.
+        if tx.send(Bytes::from_owner(buf)).await.is_err() {
             // The writer ended early; its result says why.
             return Err(self.join().await.err().unwrap_or(SendError::Cancelled));
         }
@@ -459,7 +471,7 @@ impl Drop for JobSender {
 struct Writer {
     send: SendStream,
     back: RecvStream,
-    rx: mpsc::Receiver<FrameBuf>,
+    rx: mpsc::Receiver<Bytes>,
     pacer: Option<Arc<Pacer>>,
     max_frame_bytes: u32,
 }
@@ -509,22 +521,24 @@ async fn watch_back(back: &mut RecvStream, reader: &mut FrameReader) -> BackEven
 
 async fn pump(
     send: &mut SendStream,
-    rx: &mut mpsc::Receiver<FrameBuf>,
+    rx: &mut mpsc::Receiver<Bytes>,
     pacer: Option<&Pacer>,
     report: &mut SendReport,
 ) -> Result<(), WriteError> {
     while let Some(buf) = rx.recv().await {
+        let len = buf.len();
         match pacer {
-            None => send.write_all(&buf).await?,
+            None => send.write_chunk(buf).await?,
             Some(p) => {
-                for chunk in buf.as_slice().chunks(PACED_CHUNK) {
-                    p.pace(chunk.len() as u64).await;
-                    send.write_all(chunk).await?;
+                for start in (0..len).step_by(PACED_CHUNK) {
+                    let end = (start + PACED_CHUNK).min(len);
+                    p.pace((end - start) as u64).await;
+                    send.write_chunk(buf.slice(start..end)).await?;
                 }
             }
         }
         report.frames += 1;
-        report.bytes += buf.len() as u64;
+        report.bytes += len as u64;
     }
     send.finish().map_err(|_| WriteError::ClosedStream)
 }
@@ -611,7 +625,7 @@ async fn writer(
 }
 
 /// Whether the pump drained and closed the queue (the sender finished).
-fn report_complete(rx: &mpsc::Receiver<FrameBuf>) -> bool {
+fn report_complete(rx: &mpsc::Receiver<Bytes>) -> bool {
     rx.is_closed() && rx.is_empty()
 }
 
@@ -653,29 +667,42 @@ impl JobReceiver {
     /// The next frame, as soon as it has arrived and passed validation; `Ok(None)` when the
     /// sender finished the job. Cancel-safe.
     pub async fn next(&mut self) -> Result<Option<Message>, RecvError> {
+        match self.next_frame().await? {
+            Some(f) => Ok(Some(f.to_message()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Like [`next`](Self::next), but the frame stays in its receive buffer: read it in place
+    /// with [`ValidatedFrame::archived`] (no copy of the payload). Cancel-safe.
+    pub async fn next_frame(&mut self) -> Result<Option<ValidatedFrame>, RecvError> {
         if self.ended {
             return Err(RecvError::Ended);
         }
-        let r = self.reader.next(&mut self.recv).await;
+        let r = self.reader.next_validated(&mut self.recv).await;
         match r {
             Ok(None) => {
                 self.ended = true;
                 let _ = self.back.finish();
                 Ok(None)
             }
-            Ok(Some((msg, len))) => {
-                if let Err(v) = self.tracker.admit(&msg, len) {
+            Ok(Some(frame)) => {
+                let facts = FrameFacts::of_archived(frame.archived());
+                if let Err(v) = self.tracker.admit_facts(facts, frame.frame_len()) {
                     self.reject(&v.to_string()).await;
                     return Err(RecvError::Protocol(v));
                 }
-                if let Message::Control(Control::Cancel { reason, .. }) = msg {
+                if let crate::wire::ArchivedMessage::Control(
+                    crate::wire::ArchivedControl::Cancel { reason, .. },
+                ) = frame.archived()
+                {
                     self.ended = true;
                     let _ = self.back.finish();
                     return Err(RecvError::CancelledByPeer {
-                        reason: Some(reason),
+                        reason: Some(reason.as_str().to_owned()),
                     });
                 }
-                Ok(Some(msg))
+                Ok(Some(frame))
             }
             Err(FrameReadError::Decode(e)) => {
                 self.reject(&e.to_string()).await;

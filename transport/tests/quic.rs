@@ -635,3 +635,30 @@ async fn a_paced_connection_delivers_every_byte() {
     assert_eq!(n, 4);
     sender.await.unwrap();
 }
+
+#[tokio::test]
+async fn frames_can_be_read_in_place() {
+    let p = pair().await;
+    let job = JobId(12);
+    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    tx.send(frame(job, 5, CodeKind::PATCH_H, 4096))
+        .await
+        .unwrap();
+    let sender = tokio::spawn(tx.finish());
+    let mut rx = p.to_client.accept_job().await.unwrap();
+    let f = rx.next_frame().await.unwrap().unwrap();
+    let scd_transport::wire::ArchivedMessage::Code(code) = f.archived() else {
+        panic!("not a code frame")
+    };
+    assert_eq!(code.layer.to_native(), 5);
+    assert_eq!(
+        code.payload.as_slice(),
+        frame(job, 5, CodeKind::PATCH_H, 4096).payload.as_slice()
+    );
+    assert_eq!(
+        f.to_message().unwrap(),
+        Message::Code(frame(job, 5, CodeKind::PATCH_H, 4096))
+    );
+    assert!(rx.next_frame().await.unwrap().is_none());
+    sender.await.unwrap().unwrap();
+}
