@@ -484,26 +484,51 @@ fn gguf_add_bos_token_prepends_bos() {
     assert!(tok.stop_ids().is_empty());
 }
 
-/// Encoding throughput on a few thousand tokens; run with `--ignored --nocapture`.
+/// Build and encoding times; run with `--ignored --nocapture`. The text is every fixture string
+/// (about 4,000 distinct tokens' worth): the first encode runs with a cold BPE word cache, the
+/// repeats with a warm one, as a server sees after its first prompts.
 #[test]
 #[ignore]
 fn encode_speed() {
-    let tok = gguf_tokenizer();
-    let paragraph = &encode_fixture()
+    use std::time::Instant;
+    let mut file = std::fs::File::open(model_path()).unwrap();
+    let start = Instant::now();
+    let content = Content::read(&mut file).unwrap();
+    let read = start.elapsed();
+    let start = Instant::now();
+    let tok = Tokenizer::from_gguf(&content).unwrap();
+    let build = start.elapsed();
+    let text: String = encode_fixture()
         .cases
         .iter()
-        .find(|c| c.name == "wikitext_paragraph")
-        .unwrap()
-        .text;
-    let text = std::iter::repeat_n(paragraph.as_str(), 20)
+        .map(|c| c.text.as_str())
+        .chain(
+            chat_fixture()
+                .conversations
+                .iter()
+                .map(|c| c.rendered.as_str()),
+        )
         .collect::<Vec<_>>()
         .join("\n");
-    let n = tok.encode(&text, false).unwrap().len();
-    let start = std::time::Instant::now();
+    let text = std::iter::repeat_n(text.as_str(), 3)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let start = Instant::now();
+    let ids = tok.encode(&text, false).unwrap();
+    let cold = start.elapsed();
     let rounds = 20;
+    let start = Instant::now();
     for _ in 0..rounds {
         std::hint::black_box(tok.encode(&text, false).unwrap());
     }
-    let per = start.elapsed() / rounds;
-    println!("encode: {n} tokens ({} bytes) in {per:?}", text.len());
+    let warm = start.elapsed() / rounds;
+    let start = Instant::now();
+    let mut stream = tok.stream_decoder(false);
+    let streamed: usize = ids.iter().map(|&id| stream.step(id).unwrap().len()).sum();
+    let stream_time = start.elapsed();
+    println!(
+        "gguf read {read:?}, build {build:?}; encode {} tokens ({} bytes): cold {cold:?}, warm {warm:?}; stream-decode {stream_time:?} ({streamed} bytes)",
+        ids.len(),
+        text.len()
+    );
 }
