@@ -362,7 +362,7 @@ impl Llama {
         let Input {
             tokens,
             start_pos,
-            mut cache,
+            cache,
             capture,
             logits,
             differentiable,
@@ -386,7 +386,7 @@ impl Llama {
             x,
             0..self.cfg.num_layers,
             start_pos,
-            cache.as_deref_mut(),
+            cache,
             &capture,
             &mut captured,
             differentiable,

@@ -182,11 +182,7 @@ impl LoraAdapter {
             weights.insert((layer, proj), (a, b));
         }
         // Every A has been paired and removed: a lora tensor left over is a B without its A.
-        if let Some(name) = tensors
-            .keys()
-            .find(|n| n.contains("lora_B"))
-            .map(String::clone)
-        {
+        if let Some(name) = tensors.keys().find(|n| n.contains("lora_B")).cloned() {
             return Err(AdapterError::Unpaired {
                 missing: name.replacen("lora_B", "lora_A", 1),
                 name,

@@ -117,7 +117,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(e) = write_err {
         return Err(e);
     }
-    writeln!(stdout, "{}", decoder.finish()).context("writing to stdout")?;
+    writeln!(stdout, "{}", decoder.finish())
+        .and_then(|_| stdout.flush())
+        .context("writing to stdout")?;
     let n = generation.tokens.len();
     let decode_s = generation.decode.as_secs_f64();
     eprintln!(
