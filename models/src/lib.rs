@@ -40,3 +40,4 @@ pub use llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity
 pub use lora::{AdapterMode, LoraAdapter};
 pub use rope::Rope;
 pub use sampling::{Sampler, Sampling};
+pub mod metrics;
