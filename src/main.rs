@@ -18,6 +18,10 @@ struct Cli {
 enum Command {
     /// Load a model and generate a reply to a prompt (single process, no cluster).
     Generate(cmd::generate::Args),
+    /// Train a LoRA expert of a base model on a text corpus.
+    Finetune(cmd::finetune::Args),
+    /// Compare ways of building an expert's cache against its own prefill (and `eval drift`).
+    Eval(cmd::eval::Args),
     /// Create the cluster CA and issue node and admin certificates.
     Cert(cmd::cert::Args),
     /// Run benchmarks (build with --release).
@@ -35,6 +39,8 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Generate(args) => cmd::generate::run(args),
+        Command::Finetune(args) => cmd::finetune::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
         Command::Cert(args) => cmd::cert::run(args),
         Command::Bench(args) => cmd::bench::run(args),
     }

@@ -41,3 +41,6 @@ pub use lora::{AdapterMode, LoraAdapter};
 pub use rope::Rope;
 pub use sampling::{Sampler, Sampling};
 pub mod metrics;
+pub mod corpus;
+pub mod train;
+pub mod eval;

@@ -1,5 +1,7 @@
 //! One module per subcommand.
 
+pub mod eval;
+pub mod finetune;
 pub mod generate;
 pub mod bench;
 pub mod bench_model;

@@ -1,0 +1,229 @@
+//! The quality harness on the real SmolLM2 base, WikiText-2 and SQuAD: the oracle matches
+//! itself, raw transfer between identical models is lossless, raw transfer into a different
+//! consumer is not, the QA plumbing scores answers, and records are deterministic for a seed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::OnceLock;
+
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use scd_models::corpus;
+use scd_models::eval::{
+    self, CacheMethod, EvalConfig, EvalData, EvalRecord, Oracle, Pair, QaItem, Raw,
+};
+use scd_models::tokenizer::Tokenizer;
+use scd_models::{AdapterMode, GgufFile, Input, Llama, LogitsWanted, LoraAdapter, Proj};
+
+fn base() -> &'static (Llama, Tokenizer) {
+    static M: OnceLock<(Llama, Tokenizer)> = OnceLock::new();
+    M.get_or_init(|| {
+        let p = corpus::model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        assert!(
+            p.exists(),
+            "{} is missing: run ops/fetch-model.sh",
+            p.display()
+        );
+        let g = GgufFile::open(p).unwrap();
+        let tok = Tokenizer::from_gguf(g.content()).unwrap();
+        (g.load_model().unwrap(), tok)
+    })
+}
+
+fn data() -> &'static EvalData {
+    static D: OnceLock<EvalData> = OnceLock::new();
+    D.get_or_init(|| EvalData::load_shared().unwrap())
+}
+
+/// The base with a random adapter whose B is not zero: a consumer that differs from the base.
+fn perturbed() -> &'static Llama {
+    static M: OnceLock<Llama> = OnceLock::new();
+    M.get_or_init(|| {
+        let (model, _) = base();
+        let cfg = model.config();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut parts = BTreeMap::new();
+        for layer in 0..cfg.num_layers {
+            for proj in [Proj::Q, Proj::V, Proj::Up] {
+                let (out, inp) = proj.shape(cfg);
+                let mut mk = |n: usize, s: f32| -> Vec<f32> {
+                    (0..n).map(|_| rng.gen_range(-s..s)).collect()
+                };
+                let a = Tensor::from_vec(mk(4 * inp, 0.05), (4, inp), &Device::Cpu).unwrap();
+                let b = Tensor::from_vec(mk(out * 4, 0.05), (out, 4), &Device::Cpu).unwrap();
+                parts.insert((layer, proj), (a, b));
+            }
+        }
+        let adapter = LoraAdapter::from_parts(cfg, 4, 8.0, parts).unwrap();
+        model.with_adapter(&adapter, AdapterMode::Merge).unwrap()
+    })
+}
+
+fn small_cfg() -> EvalConfig {
+    EvalConfig {
+        methods: vec!["oracle".into(), "raw".into()],
+        seed: 11,
+        wikitext_windows: 2,
+        prefix_tokens: 24,
+        continuation_tokens: 8,
+        greedy_tokens: 6,
+        squad_questions: 2,
+        answer_tokens: 8,
+        ..EvalConfig::default()
+    }
+}
+
+fn run(consumer: &Llama) -> EvalRecord {
+    let (model, tok) = base();
+    eval::evaluate(
+        Pair {
+            producer: model,
+            consumer,
+        },
+        tok,
+        data(),
+        &small_cfg(),
+        None,
+        |_| {},
+    )
+    .unwrap()
+}
+
+#[test]
+fn identical_models_transfer_losslessly_and_records_are_deterministic() {
+    let (model, _) = base();
+    let first = run(model);
+    let second = run(model);
+    let json = |r: &EvalRecord| {
+        let mut r = r.clone();
+        r.seconds = 0.0;
+        serde_json::to_string(&r).unwrap()
+    };
+    assert_eq!(json(&first), json(&second));
+
+    let [oracle, raw] = &first.results[..] else {
+        panic!("two methods expected")
+    };
+    assert_eq!(oracle.method, "oracle");
+    assert_eq!(oracle.positions, 16);
+    for m in [oracle, raw] {
+        assert!(m.kl.abs() < 1e-9, "{}: KL {}", m.method, m.kl);
+        assert!(m.tv.abs() < 1e-6, "{}: TV {}", m.method, m.tv);
+        assert_eq!(m.greedy_agreement, 1.0);
+        assert_eq!(m.qa_agreement, 1.0);
+        assert!((m.perplexity - first.oracle_perplexity).abs() < 1e-9);
+        assert!((0.0..=100.0).contains(&m.qa_f1));
+        assert!(m.qa_exact_match <= m.qa_f1 + 1e-9);
+    }
+    assert!(first.oracle_perplexity > 1.0 && first.oracle_perplexity < 1e4);
+    assert_eq!(first.data.squad_ids.len(), 2);
+    assert_eq!(first.models.producer.sha256, model.identity().sha256);
+    assert_eq!(first.data.wikitext.sha256.len(), 64);
+
+    let md = first.markdown();
+    assert!(md.contains("| oracle |") && md.contains("| raw |"), "{md}");
+    assert!(md.contains("2 answerable questions"), "{md}");
+    assert!(
+        md.contains("Answer the question with a short phrase"),
+        "{md}"
+    );
+}
+
+#[test]
+fn raw_transfer_into_a_different_consumer_loses_quality() {
+    let r = run(perturbed());
+    let [oracle, raw] = &r.results[..] else {
+        panic!("two methods expected")
+    };
+    assert!(oracle.kl.abs() < 1e-9, "oracle KL {}", oracle.kl);
+    assert!(
+        raw.kl > 1e-3,
+        "raw KL {} should be clearly positive",
+        raw.kl
+    );
+    assert!(raw.tv > 1e-3 && raw.tv <= 1.0, "raw TV {}", raw.tv);
+}
+
+#[test]
+fn methods_build_the_prefix_cache_the_consumer_continues_from() {
+    let (model, tok) = base();
+    let prompt = tok
+        .encode("The whale is a large animal that", false)
+        .unwrap();
+    let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
+    let pair = Pair {
+        producer: model,
+        consumer: perturbed(),
+    };
+    // The oracle's cache is the consumer's own prefill: continuing from it equals a full pass.
+    let mut cache = Oracle.build(pair, prefix).unwrap();
+    assert_eq!(cache.len(), prefix.len());
+    let step = perturbed()
+        .forward(Input::new(&[last]).with_cache(&mut cache))
+        .unwrap()
+        .logits
+        .unwrap();
+    let full = perturbed()
+        .forward(Input::new(&prompt).logits(LogitsWanted::Last))
+        .unwrap()
+        .logits
+        .unwrap();
+    let diff = (step - full)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-3, "cached continuation differs by {diff}");
+    // Raw hands over the producer's keys: not the consumer's.
+    let raw = Raw.build(pair, prefix).unwrap();
+    let oracle = Oracle.build(pair, prefix).unwrap();
+    let (kr, _) = raw.layer(5).unwrap().unwrap();
+    let (ko, _) = oracle.layer(5).unwrap().unwrap();
+    assert_eq!(kr.dims(), ko.dims());
+    let d = (kr - ko).unwrap().abs().unwrap().max_all().unwrap();
+    assert!(d.to_scalar::<f32>().unwrap() > 1e-4);
+    assert!(eval::method_by_name("scd-patch").is_err());
+}
+
+#[test]
+fn squad_plumbing_scores_and_samples_deterministically() {
+    let json = br#"{"data":[{"title":"t","paragraphs":[{"context":"Normandy is a region in France.",
+        "qas":[{"id":"a","question":"Where is Normandy?","answers":[{"text":"France","answer_start":24}],"is_impossible":false},
+               {"id":"b","question":"Who ate it?","answers":[],"is_impossible":true}]}]}]}"#;
+    let items = eval::parse_squad(json, Path::new("inline.json")).unwrap();
+    assert_eq!(
+        items,
+        vec![QaItem {
+            id: "a".into(),
+            context: "Normandy is a region in France.".into(),
+            question: "Where is Normandy?".into(),
+            answers: vec!["France".into()],
+        }]
+    );
+    assert_eq!(eval::first_line("\n  In France.\nMore"), "In France.");
+
+    let all = &data().squad;
+    assert!(all.len() > 2000, "{} answerable questions", all.len());
+    let s1 = eval::sample_questions(all, 5, 1);
+    assert_eq!(s1, eval::sample_questions(all, 5, 1));
+    assert_ne!(s1, eval::sample_questions(all, 5, 2));
+
+    let (_, tok) = base();
+    let prompt = eval::qa_prompt(tok, eval::QA_TEMPLATE, &items[0]).unwrap();
+    let text = tok.decode(&prompt, false).unwrap();
+    assert!(
+        text.contains("Context: Normandy is a region in France."),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("<|im_start|>assistant"), "{text}");
+    // The scoring the harness applies to the first line of an answer.
+    let golds = ["France"];
+    assert_eq!(
+        scd_models::metrics::squad_exact_match("the France.", &golds),
+        1.0
+    );
+    assert!((scd_models::metrics::squad_f1("in France", &golds) - 2.0 / 3.0).abs() < 1e-12);
+}

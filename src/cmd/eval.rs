@@ -1,0 +1,230 @@
+//! `scd eval`: the quality harness (methods of building the consumer's cache against the
+//! oracle, on WikiText-2 and SQuAD), and `scd eval drift`, the drift report of shipped experts.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use scd_models::corpus::{self, Corpus};
+use scd_models::eval::{self, DriftOptions, EvalConfig, EvalData, FileInfo, Pair};
+use scd_models::train::Manifest;
+use scd_models::{AdapterMode, Llama, LoraAdapter};
+
+/// Arguments of `scd eval`.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub drift: Option<Sub>,
+    /// The producer (base) model, GGUF or Hugging Face directory.
+    #[arg(long, env = "SCD_MODEL")]
+    pub producer: Option<PathBuf>,
+    /// The consumer's weights (the same base for an expert).
+    #[arg(long)]
+    pub consumer: Option<PathBuf>,
+    /// The consumer's LoRA adapter (an expert).
+    #[arg(long)]
+    pub consumer_adapter: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: Common,
+    /// Where to write the JSON record.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Where to write the Markdown table.
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+}
+
+/// Harness settings shared by `eval` and `eval drift`.
+#[derive(clap::Args, Clone)]
+pub struct Common {
+    /// Cache methods, comma-separated (oracle, raw).
+    #[arg(long, default_value = "oracle,raw", value_delimiter = ',')]
+    pub methods: Vec<String>,
+    /// WikiText-2 windows.
+    #[arg(long, default_value_t = 8)]
+    pub wikitext_windows: usize,
+    /// Prompt tokens per WikiText-2 window.
+    #[arg(long, default_value_t = 256)]
+    pub prefix_tokens: usize,
+    /// Continuation tokens per window (teacher-forced).
+    #[arg(long, default_value_t = 64)]
+    pub continuation_tokens: usize,
+    /// Greedy tokens per window compared with the oracle.
+    #[arg(long, default_value_t = 32)]
+    pub greedy_tokens: usize,
+    /// SQuAD answerable questions.
+    #[arg(long, default_value_t = 50)]
+    pub squad_questions: usize,
+    /// Greedy answer budget (tokens).
+    #[arg(long, default_value_t = 32)]
+    pub answer_tokens: usize,
+    /// Seed of the samples.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `scd eval drift`.
+#[derive(clap::Subcommand)]
+pub enum Sub {
+    /// Base vs expert perplexity and KL on the expert's domain and WikiText-2, and the raw
+    /// transfer against the oracle, for each expert folder (adapter + manifest).
+    Drift(DriftArgs),
+}
+
+/// Arguments of `scd eval drift`.
+#[derive(clap::Args)]
+pub struct DriftArgs {
+    /// The base model.
+    #[arg(long, env = "SCD_MODEL")]
+    pub model: PathBuf,
+    /// Expert folders (adapter.safetensors + manifest.json); repeatable.
+    #[arg(long = "expert", required = true)]
+    pub experts: Vec<PathBuf>,
+    /// Windows per text for perplexity and KL.
+    #[arg(long, default_value_t = 16)]
+    pub windows: usize,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 257)]
+    pub window_tokens: usize,
+    #[command(flatten)]
+    pub common: Common,
+    /// Where to write the JSON reports (one array).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Where to write the Markdown sections.
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+}
+
+impl Common {
+    fn config(&self) -> EvalConfig {
+        EvalConfig {
+            methods: self.methods.clone(),
+            seed: self.seed,
+            wikitext_windows: self.wikitext_windows,
+            prefix_tokens: self.prefix_tokens,
+            continuation_tokens: self.continuation_tokens,
+            greedy_tokens: self.greedy_tokens,
+            squad_questions: self.squad_questions,
+            answer_tokens: self.answer_tokens,
+            qa_template: eval::QA_TEMPLATE.into(),
+        }
+    }
+}
+
+fn adapter_info(path: &Path) -> anyhow::Result<FileInfo> {
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading the adapter {}", path.display()))?;
+    Ok(FileInfo {
+        path: path.display().to_string(),
+        sha256: corpus::sha256_hex(&bytes),
+    })
+}
+
+fn with_adapter(base: &Llama, path: &Path) -> anyhow::Result<Llama> {
+    let adapter = LoraAdapter::load(path, base.config())
+        .with_context(|| format!("loading the adapter {}", path.display()))?;
+    base.with_adapter(&adapter, AdapterMode::Merge)
+        .context("applying the adapter")
+}
+
+fn write(path: &Option<PathBuf>, text: &str) -> anyhow::Result<()> {
+    match path {
+        Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display())),
+        None => Ok(()),
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(Sub::Drift(d)) = args.drift {
+        return run_drift(d);
+    }
+    let Some(producer_path) = &args.producer else {
+        bail!("--producer is required (or use `scd eval drift`)");
+    };
+    let consumer_path = args.consumer.as_ref().unwrap_or(producer_path);
+    let (producer, tok) = super::generate::load(producer_path)?;
+    let consumer_base = if consumer_path == producer_path {
+        producer.clone()
+    } else {
+        super::generate::load(consumer_path)?.0
+    };
+    let (consumer, adapter) = match &args.consumer_adapter {
+        Some(p) => (with_adapter(&consumer_base, p)?, Some(adapter_info(p)?)),
+        None => (consumer_base, None),
+    };
+    let data = EvalData::load_shared().context("reading WikiText-2 and SQuAD")?;
+    let cfg = args.common.config();
+    let record = eval::evaluate(
+        Pair {
+            producer: &producer,
+            consumer: &consumer,
+        },
+        &tok,
+        &data,
+        &cfg,
+        adapter,
+        |p| eprintln!("{p}"),
+    )
+    .context("evaluating")?;
+    let md = record.markdown();
+    print!("{md}");
+    write(&args.json, &(serde_json::to_string_pretty(&record)? + "\n"))?;
+    write(&args.markdown, &md)?;
+    Ok(())
+}
+
+fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
+    let (base, tok) = super::generate::load(&args.model)?;
+    let data = EvalData::load_shared().context("reading WikiText-2 and SQuAD")?;
+    let mut reports = Vec::new();
+    let mut md = String::new();
+    for dir in &args.experts {
+        let (adapter_path, manifest_path) = eval::expert_files(dir);
+        let manifest = Manifest::load(&manifest_path)
+            .with_context(|| format!("reading {}", manifest_path.display()))?;
+        if manifest.base_model.sha256 != base.identity().sha256 {
+            bail!(
+                "{} was trained on base {} but --model is {}",
+                dir.display(),
+                manifest.base_model.sha256,
+                base.identity().sha256
+            );
+        }
+        let corpus = Corpus::open(&manifest.corpus.name)
+            .with_context(|| format!("opening the corpus {}", manifest.corpus.name))?;
+        if corpus.valid_sha256 != manifest.corpus.valid_sha256 {
+            eprintln!(
+                "warning: the {} validation split differs from the one the expert was trained with",
+                manifest.corpus.name
+            );
+        }
+        let expert = with_adapter(&base, &adapter_path)?;
+        let name = dir
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_else(|| dir.display().to_string());
+        let opts = DriftOptions {
+            expert: name.clone(),
+            corpus,
+            windows: args.windows,
+            window_tokens: args.window_tokens,
+            eval: args.common.config(),
+            adapter: Some(adapter_info(&adapter_path)?),
+        };
+        let report = eval::drift(&base, &expert, &tok, &data, &opts, |p| {
+            eprintln!("{name}: {p}")
+        })
+        .with_context(|| format!("drift of {name}"))?;
+        let section = report.markdown();
+        print!("{section}\n");
+        md.push_str(&section);
+        md.push('\n');
+        reports.push(report);
+    }
+    write(
+        &args.json,
+        &(serde_json::to_string_pretty(&reports)? + "\n"),
+    )?;
+    write(&args.markdown, &md)?;
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! `scd finetune`: train a LoRA expert of a base model on a text corpus, with a progress bar,
+//! periodic atomic checkpoints, `--resume`, and Ctrl-C that finishes the current step, writes a
+//! checkpoint and exits.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use candle_core::DType;
+use indicatif::{ProgressBar, ProgressStyle};
+use scd_models::corpus::Corpus;
+use scd_models::train::{
+    self, FinetuneOptions, FinetuneOutcome, Schedule, TrainConfig, TrainEvent,
+};
+
+/// Arguments of `scd finetune`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The base model (GGUF file or Hugging Face directory).
+    #[arg(long, env = "SCD_MODEL")]
+    pub model: PathBuf,
+    /// `moby-dick`, `sotu`, `brown` (from $SCD_DATA_DIR), a directory with train.txt and
+    /// valid.txt, or a text file (last 10% of lines for validation).
+    #[arg(long)]
+    pub corpus: String,
+    /// Output folder (adapter, manifest, checkpoints/).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 16)]
+    pub rank: usize,
+    /// LoRA alpha.
+    #[arg(long, default_value_t = 32.0)]
+    pub alpha: f64,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 2e-4)]
+    pub lr: f64,
+    /// Warm-up steps.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    /// Decay after warm-up: cosine, linear or constant.
+    #[arg(long, default_value = "cosine")]
+    pub schedule: String,
+    /// Optimisation steps.
+    #[arg(long, default_value_t = 300)]
+    pub steps: usize,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 256)]
+    pub seq_len: usize,
+    /// Windows per step.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Seed (adapter initialisation and window choice).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    /// Validation windows.
+    #[arg(long, default_value_t = 16)]
+    pub valid_windows: usize,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 25)]
+    pub checkpoint_every: usize,
+    /// Continue from the latest checkpoint in OUT/checkpoints.
+    #[arg(long)]
+    pub resume: bool,
+    /// Storage type of the shipped adapter: bf16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let schedule = match args.schedule.as_str() {
+        "cosine" => Schedule::Cosine,
+        "linear" => Schedule::Linear,
+        "constant" => Schedule::Constant,
+        other => bail!("unknown schedule {other:?}: expected cosine, linear or constant"),
+    };
+    let dtype = match args.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f32" => DType::F32,
+        other => bail!("unknown adapter dtype {other:?}: expected bf16 or f32"),
+    };
+    let cfg = TrainConfig {
+        rank: args.rank,
+        alpha: args.alpha,
+        lr: args.lr,
+        warmup: args.warmup,
+        schedule,
+        steps: args.steps,
+        seq_len: args.seq_len,
+        batch: args.batch,
+        seed: args.seed,
+        weight_decay: args.weight_decay,
+        clip_norm: (args.clip > 0.0).then_some(args.clip),
+        valid_windows: args.valid_windows,
+    };
+    let corpus = Corpus::open(&args.corpus).context("opening the corpus")?;
+    let (base, tok) = super::generate::load(&args.model)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    watch_ctrl_c(stop.clone())?;
+    let opts = FinetuneOptions {
+        out_dir: args.out.clone(),
+        checkpoint_every: args.checkpoint_every,
+        resume: args.resume,
+        dtype,
+    };
+    let tty = std::io::stderr().is_terminal();
+    let bar = ProgressBar::new(cfg.steps as u64);
+    if tty {
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:30}] {pos}/{len} steps, eta {eta} {msg}",
+            )
+            .context("progress template")?
+            .progress_chars("=> "),
+        );
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let outcome = train::finetune(&base, &tok, &corpus, &cfg, &opts, &stop, |e| match e {
+        TrainEvent::Started { from, total } => {
+            bar.set_length(*total as u64);
+            bar.set_position(*from as u64);
+            if !tty {
+                eprintln!("training steps {from}..{total}");
+            }
+        }
+        TrainEvent::Step(r) => {
+            let msg = format!(
+                "loss {:.4} lr {:.2e} |g| {:.3} {:.0} tok/s {:.2} s/step",
+                r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.seconds
+            );
+            bar.set_position(r.step as u64);
+            if tty {
+                bar.set_message(msg);
+            } else {
+                eprintln!("step {}/{} {msg}", r.step, cfg.steps);
+            }
+        }
+        TrainEvent::Checkpoint { step, path } => {
+            let line = format!("checkpoint at step {step}: {}", path.display());
+            if tty {
+                bar.println(line);
+            } else {
+                eprintln!("{line}");
+            }
+        }
+        TrainEvent::Note(n) => {
+            if tty {
+                bar.println(n);
+            } else {
+                eprintln!("{n}");
+            }
+        }
+    })
+    .context("fine-tuning")?;
+    bar.finish_and_clear();
+    match outcome {
+        FinetuneOutcome::Stopped { step, checkpoint } => {
+            eprintln!(
+                "interrupted: stopped after step {step}; checkpoint {} written. Continue with the same command plus --resume.",
+                checkpoint.display()
+            );
+            std::process::exit(130);
+        }
+        FinetuneOutcome::Finished(m) => {
+            let v = &m.validation;
+            eprintln!(
+                "done: {} steps in {:.0} s ({:.2} s/step); validation perplexity base {:.3} -> expert {:.3} ({:+.1}%); adapter {} ({} bytes); manifest {}",
+                m.steps,
+                m.train_seconds,
+                m.seconds_per_step,
+                v.base_perplexity,
+                v.expert_perplexity,
+                -100.0 * v.perplexity_reduction,
+                args.out.join(&m.adapter.file).display(),
+                m.adapter.bytes,
+                args.out.join("manifest.json").display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Raises `stop` on the first Ctrl-C (the loop finishes its step and checkpoints); a second
+/// Ctrl-C exits at once.
+fn watch_ctrl_c(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the signal watcher")?;
+    std::thread::Builder::new()
+        .name("ctrl-c".into())
+        .spawn(move || {
+            rt.block_on(async {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    eprintln!("\nCtrl-C: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
+                    stop.store(true, Ordering::SeqCst);
+                }
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    eprintln!("aborted without a checkpoint of the current step");
+                    std::process::exit(130);
+                }
+            })
+        })
+        .context("starting the signal watcher")?;
+    Ok(())
+}
