@@ -506,15 +506,22 @@ pub fn evaluate(
             }
             oracle_positions += cont.len();
             for (m, acc) in methods.iter().zip(accs.iter_mut()) {
-                let cache = m.build(pair, prefix)?;
-                let logits = continuation_logits(pair.consumer, cache.try_clone()?, last, cont)?;
+                // The oracle method recomputes exactly what the reference is: reuse it.
+                let (logits, g) = if m.name() == Oracle.name() {
+                    (oracle_logits.clone(), oracle_greedy.clone())
+                } else {
+                    let cache = m.build(pair, prefix)?;
+                    let logits =
+                        continuation_logits(pair.consumer, cache.try_clone()?, last, cont)?;
+                    let g = greedy(pair.consumer, cache, last, cfg.greedy_tokens, &[])?;
+                    (logits, g)
+                };
                 for (i, (p, q)) in oracle_logits.iter().zip(&logits).enumerate() {
                     acc.kl += metrics::kl_divergence(p, q);
                     acc.tv += metrics::total_variation(p, q);
                     acc.nll += metrics::nll(q, cont[i]);
                 }
                 acc.positions += cont.len();
-                let g = greedy(pair.consumer, cache, last, cfg.greedy_tokens, &[])?;
                 acc.greedy_same += metrics::agreement(&oracle_greedy, &g);
                 acc.greedy_windows += 1;
             }
@@ -535,13 +542,17 @@ pub fn evaluate(
             tok.stop_ids(),
         )?;
         for (m, acc) in methods.iter().zip(accs.iter_mut()) {
-            let answer = greedy(
-                pair.consumer,
-                m.build(pair, prefix)?,
-                last,
-                cfg.answer_tokens,
-                tok.stop_ids(),
-            )?;
+            let answer = if m.name() == Oracle.name() {
+                oracle_answer.clone()
+            } else {
+                greedy(
+                    pair.consumer,
+                    m.build(pair, prefix)?,
+                    last,
+                    cfg.answer_tokens,
+                    tok.stop_ids(),
+                )?
+            };
             let text = tok.decode(&answer, true)?;
             let pred = first_line(&text);
             acc.f1 += metrics::squad_f1(pred, &golds);

@@ -216,7 +216,7 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
         })
         .with_context(|| format!("drift of {name}"))?;
         let section = report.markdown();
-        print!("{section}\n");
+        println!("{section}");
         md.push_str(&section);
         md.push('\n');
         reports.push(report);
