@@ -602,16 +602,13 @@ impl Llama {
             let kc = keys_t.narrow(2, 0, n_keys)?;
             let vc = values.narrow(1, 0, n_keys)?;
             let scores = qc.matmul(&kc)?.reshape((n_kv, groups, rows, n_keys))?;
-            let scores = if rows > 1 {
-                let mask = causal_mask(rows, n_keys, past + start)?;
-                scores.broadcast_add(&mask)?
-            } else {
-                scores
-            };
             let probs = if differentiable {
-                candle_nn::ops::softmax(&scores, D::Minus1)?
+                let mask = causal_mask(rows, n_keys, past + start)?;
+                candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?
             } else {
-                candle_nn::ops::softmax_last_dim(&scores)?
+                // The score matrix is fresh from the matmul and owned here: safe to rewrite.
+                crate::kernels::causal_softmax_(&scores, past + start)?;
+                scores
             };
             let probs = probs.reshape((n_kv, groups * rows, n_keys))?;
             let out = probs.matmul(&vc)?.reshape((n_h, rows, d))?;
