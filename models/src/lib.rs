@@ -25,6 +25,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
+mod kernels;
 pub mod llama;
 pub mod lora;
 pub mod rope;
