@@ -11,18 +11,33 @@ fn bench(name: &str, a: &Tensor, b: &Tensor, flops: f64) {
         let _ = a.matmul(b).unwrap();
     }
     let s = t.elapsed().as_secs_f64() / reps as f64;
-    println!("{name:40} {:8.2} ms {:6.1} GFLOP/s", s * 1e3, flops / s / 1e9);
+    println!(
+        "{name:40} {:8.2} ms {:6.1} GFLOP/s",
+        s * 1e3,
+        flops / s / 1e9
+    );
 }
 
 fn main() {
     let dev = Device::Cpu;
     let t = 1024;
-    for (i, o) in [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 3264)] {
+    for (i, o) in [
+        (576, 576),
+        (576, 192),
+        (576, 1536),
+        (1536, 576),
+        (576, 3264),
+    ] {
         let x = Tensor::randn(0f32, 1., (t, i), &dev).unwrap();
         let w = Tensor::randn(0f32, 1., (o, i), &dev).unwrap();
         let wt = w.t().unwrap().contiguous().unwrap();
         let f = 2.0 * (t * i * o) as f64;
-        bench(&format!("{t}x{i} . ({o}x{i})^T view"), &x, &w.t().unwrap(), f);
+        bench(
+            &format!("{t}x{i} . ({o}x{i})^T view"),
+            &x,
+            &w.t().unwrap(),
+            f,
+        );
         bench(&format!("{t}x{i} . {i}x{o} contiguous"), &x, &wt, f);
     }
     let a = Tensor::randn(0f32, 1., (1024, 1024), &dev).unwrap();
