@@ -8,7 +8,11 @@ mod cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "scd", version, about = "Serve fine-tuned expert LLMs from shared base-model prefill work")]
+#[command(
+    name = "scd",
+    version,
+    about = "Serve fine-tuned expert LLMs from shared base-model prefill work"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -41,7 +41,7 @@ pub use llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity
 pub use lora::{AdapterMode, LoraAdapter};
 pub use rope::Rope;
 pub use sampling::{Sampler, Sampling};
-pub mod metrics;
 pub mod corpus;
-pub mod train;
 pub mod eval;
+pub mod metrics;
+pub mod train;

@@ -1,9 +1,9 @@
 //! One module per subcommand.
 
-pub mod eval;
-pub mod finetune;
-pub mod generate;
 pub mod bench;
 pub mod bench_model;
 pub mod bench_transport;
 pub mod cert;
+pub mod eval;
+pub mod finetune;
+pub mod generate;
