@@ -18,8 +18,13 @@ build: setup
 	cargo build --release
 
 demo: setup model build
+	@echo "== the base model =="
 	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
 		--prompt "In one sentence, what is a cache?" --max-tokens 48
+	@echo "== the melville expert (base + LoRA trained on Moby Dick), same base weights =="
+	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
+		--adapter experts/melville/adapter.safetensors \
+		--prompt "Describe the sea in two sentences." --max-tokens 48
 
 test: setup model data
 	cargo test --workspace --all-targets --no-fail-fast
