@@ -15,7 +15,6 @@ use sha2::{Digest, Sha256};
 use crate::config::LlamaConfig;
 use crate::error::LoadError;
 use crate::llama::{check_shape, Block, Linear, Llama, ModelIdentity};
-use crate::rope::Rope;
 
 /// An opened, validated GGUF file: its parsed header and its bytes.
 pub struct GgufFile {
@@ -170,23 +169,16 @@ impl GgufFile {
             });
         }
         let norm = get("output_norm.weight", &[h])?;
-        let lm_head = if cfg.tie_embeddings {
-            embed.clone()
+        let output = if cfg.tie_embeddings {
+            None
         } else {
-            get("output.weight", &[cfg.vocab_size, h])?
+            Some(get("output.weight", &[cfg.vocab_size, h])?)
         };
-        Ok(Llama {
-            rope: Rope::new(&cfg),
-            cfg,
-            embed,
-            blocks,
-            norm,
-            lm_head,
-            identity: ModelIdentity {
-                sha256: self.sha256.clone(),
-                source: self.path.clone(),
-            },
-        })
+        let identity = ModelIdentity {
+            sha256: self.sha256.clone(),
+            source: self.path.clone(),
+        };
+        Ok(Llama::assemble(cfg, embed, blocks, norm, output, identity))
     }
 }
 

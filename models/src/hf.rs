@@ -17,7 +17,6 @@ use sha2::{Digest, Sha256};
 use crate::config::{HfLlamaConfig, LlamaConfig};
 use crate::error::LoadError;
 use crate::llama::{check_shape, Block, Linear, Llama, ModelIdentity, Proj};
-use crate::rope::Rope;
 
 /// Reorders the rows of a `(n_heads * head_dim, ..)` matrix from half-split to interleaved
 /// pairing: within each head, new row `2i` is old row `i` and new row `2i+1` is old row
@@ -136,23 +135,16 @@ impl Llama {
             });
         }
         let norm = take("model.norm.weight", &[h])?;
-        let lm_head = if cfg.tie_embeddings {
-            embed.clone()
+        let output = if cfg.tie_embeddings {
+            None
         } else {
-            take("lm_head.weight", &[cfg.vocab_size, h])?
+            Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
-        Ok(Llama {
-            rope: Rope::new(&cfg),
-            cfg,
-            embed,
-            blocks,
-            norm,
-            lm_head,
-            identity: ModelIdentity {
-                sha256: hex::encode(hasher.finalize()),
-                source: dir,
-            },
-        })
+        let identity = ModelIdentity {
+            sha256: hex::encode(hasher.finalize()),
+            source: dir,
+        };
+        Ok(Llama::assemble(cfg, embed, blocks, norm, output, identity))
     }
 
     /// Writes the model as a Hugging Face llama directory (`config.json`, `model.safetensors`

@@ -332,6 +332,28 @@ impl Output {
 }
 
 impl Llama {
+    /// Assembles a model from loaded weights; `output` is `None` when the checkpoint ties the
+    /// output head to the embedding (then both share one storage).
+    pub(crate) fn assemble(
+        cfg: LlamaConfig,
+        embed: Tensor,
+        blocks: Vec<Block>,
+        norm: Tensor,
+        output: Option<Tensor>,
+        identity: ModelIdentity,
+    ) -> Self {
+        let lm_head = output.unwrap_or_else(|| embed.clone());
+        Llama {
+            rope: Rope::new(&cfg),
+            cfg,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            identity,
+        }
+    }
+
     /// The configuration.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
