@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{eventually, within, Backend, TTL};
 use scd_scheduler::store::{Compare, Txn, TxnOp};
-use scd_scheduler::{Candidate, ElectionConfig, LeaderGuard};
+use scd_scheduler::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 
 async fn candidates(b: &Backend, n: usize) -> Vec<Arc<Candidate>> {
     let mut out = Vec::new();
@@ -110,9 +110,17 @@ async fn a_leader_that_loses_its_lease_steps_down(b: Backend) {
         .revoke_lease(cs[first].lease().unwrap())
         .await
         .unwrap();
-    within("the old leader steps down", rx.wait_for(|l| !l.is_leader()))
-        .await
-        .unwrap();
+    // A watch channel keeps only the latest view: the old leader may step down and win the next
+    // term with a fresh lease before this task looks. Either way its old term must be over.
+    within(
+        "the old leader steps down",
+        rx.wait_for(|l| match l {
+            Leadership::Leader(g) => *g != old_guard,
+            Leadership::Follower { .. } => true,
+        }),
+    )
+    .await
+    .unwrap();
     let next = sole_leader(&b, &cs).await;
     let new_guard = cs[next].guard().unwrap();
     assert_ne!(new_guard, old_guard);
