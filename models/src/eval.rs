@@ -517,8 +517,9 @@ pub fn evaluate(
                     (logits, g)
                 };
                 for (i, (p, q)) in oracle_logits.iter().zip(&logits).enumerate() {
-                    acc.kl += metrics::kl_divergence(p, q);
-                    acc.tv += metrics::total_variation(p, q);
+                    let (kl, tv) = metrics::distances(p, q);
+                    acc.kl += kl;
+                    acc.tv += tv;
                     acc.nll += metrics::nll(q, cont[i]);
                 }
                 acc.positions += cont.len();

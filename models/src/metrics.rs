@@ -16,11 +16,12 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&x| f64::from(x) - log_z).collect()
 }
 
-/// KL(p || q) in nats between the distributions given by two logit vectors.
+/// KL(p || q) in nats and the total-variation distance between the distributions given by two
+/// logit vectors, from one log-softmax of each (the harness wants both at every position).
 ///
-/// `p` is the reference (the oracle), `q` the method under test: the divergence is large where
-/// the method gives little mass to tokens the oracle finds likely.
-pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+/// `p` is the reference (the oracle), `q` the method under test: KL is large where the method
+/// gives little mass to tokens the oracle finds likely; TV is half the L1 distance, in [0, 1].
+pub fn distances(p_logits: &[f32], q_logits: &[f32]) -> (f64, f64) {
     assert_eq!(
         p_logits.len(),
         q_logits.len(),
@@ -28,34 +29,25 @@ pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     );
     let lp = log_softmax(p_logits);
     let lq = log_softmax(q_logits);
-    lp.iter()
-        .zip(&lq)
-        .map(|(&a, &b)| {
-            let p = a.exp();
-            if p == 0.0 {
-                0.0
-            } else {
-                p * (a - b)
-            }
-        })
-        .sum::<f64>()
-        .max(0.0)
+    let (mut kl, mut l1) = (0f64, 0f64);
+    for (&a, &b) in lp.iter().zip(&lq) {
+        let (p, q) = (a.exp(), b.exp());
+        if p > 0.0 {
+            kl += p * (a - b);
+        }
+        l1 += (p - q).abs();
+    }
+    (kl.max(0.0), 0.5 * l1)
 }
 
-/// Total-variation distance, half the L1 distance between the two distributions (in [0, 1]).
+/// KL(p || q) in nats; see [`distances`].
+pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+    distances(p_logits, q_logits).0
+}
+
+/// Total-variation distance; see [`distances`].
 pub fn total_variation(p_logits: &[f32], q_logits: &[f32]) -> f64 {
-    assert_eq!(
-        p_logits.len(),
-        q_logits.len(),
-        "logit vectors of different vocabularies"
-    );
-    let lp = log_softmax(p_logits);
-    let lq = log_softmax(q_logits);
-    0.5 * lp
-        .iter()
-        .zip(&lq)
-        .map(|(&a, &b)| (a.exp() - b.exp()).abs())
-        .sum::<f64>()
+    distances(p_logits, q_logits).1
 }
 
 /// Negative log-likelihood (nats) of `target` under the distribution given by `logits`.
