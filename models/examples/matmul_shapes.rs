@@ -1,5 +1,7 @@
-//! Throughput of the matmul shapes a SmolLM2 prefill uses, with the weight as a transposed view
-//! (how `Linear` stores it) and as a contiguous `(in, out)` matrix.
+//! Throughput of the matmul shapes a SmolLM2 prefill uses: the projections, with the weight as a
+//! transposed view (how `Linear` stores it) and as a contiguous `(in, out)` matrix, the fused
+//! q/k/v (960 rows) and gate/up (3,072 rows) projections, and one attention chunk's score and
+//! value products (3 KV heads x 3 grouped queries x 256 rows against n keys, head width 64).
 use candle_core::{Device, Tensor};
 use std::time::Instant;
 
@@ -26,7 +28,8 @@ fn main() {
         (576, 192),
         (576, 1536),
         (1536, 576),
-        (576, 3264),
+        (576, 960),
+        (576, 3072),
     ] {
         let x = Tensor::randn(0f32, 1., (t, i), &dev).unwrap();
         let w = Tensor::randn(0f32, 1., (o, i), &dev).unwrap();
@@ -39,6 +42,26 @@ fn main() {
             f,
         );
         bench(&format!("{t}x{i} . {i}x{o} contiguous"), &x, &wt, f);
+    }
+    for n_keys in [256usize, 1024, 2048] {
+        let rows = 3 * 256;
+        let q = Tensor::randn(0f32, 1., (3, rows, 64), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1., (3, n_keys, 64), &dev).unwrap();
+        let p = Tensor::randn(0f32, 1., (3, rows, n_keys), &dev).unwrap();
+        let f = 2.0 * (3 * rows * n_keys * 64) as f64;
+        let kt = k.transpose(1, 2).unwrap();
+        bench(
+            &format!("scores 3x{rows}x64 . (64x{n_keys}) view"),
+            &q,
+            &kt,
+            f,
+        );
+        bench(
+            &format!("values 3x{rows}x{n_keys} . {n_keys}x64"),
+            &p,
+            &k,
+            f,
+        );
     }
     let a = Tensor::randn(0f32, 1., (1024, 1024), &dev).unwrap();
     bench("1024^3", &a, &a, 2.0 * 1024f64.powi(3));

@@ -166,6 +166,7 @@ impl GgufFile {
                 gate: lin("ffn_gate", ffn, h)?,
                 up: lin("ffn_up", ffn, h)?,
                 down: lin("ffn_down", h, ffn)?,
+                fused: None,
             });
         }
         let norm = get("output_norm.weight", &[h])?;
@@ -178,7 +179,12 @@ impl GgufFile {
             sha256: self.sha256.clone(),
             source: self.path.clone(),
         };
-        Ok(Llama::assemble(cfg, embed, blocks, norm, output, identity))
+        Llama::assemble(cfg, embed, blocks, norm, output, identity).map_err(|source| {
+            LoadError::Tensor {
+                path: self.path.clone(),
+                source,
+            }
+        })
     }
 }
 

@@ -132,6 +132,7 @@ impl Llama {
                 gate,
                 up,
                 down,
+                fused: None,
             });
         }
         let norm = take("model.norm.weight", &[h])?;
@@ -142,9 +143,9 @@ impl Llama {
         };
         let identity = ModelIdentity {
             sha256: hex::encode(hasher.finalize()),
-            source: dir,
+            source: dir.clone(),
         };
-        Ok(Llama::assemble(cfg, embed, blocks, norm, output, identity))
+        Llama::assemble(cfg, embed, blocks, norm, output, identity).map_err(wrap)
     }
 
     /// Writes the model as a Hugging Face llama directory (`config.json`, `model.safetensors`

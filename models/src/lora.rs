@@ -345,6 +345,17 @@ impl Llama {
                 }
             }
         }
+        // Changing a projection dropped its block's fused weights. Merged weights are new and
+        // get fused again; on the fly the weights are still the base's, so the base's fused
+        // tensors stay valid and shared (the fast path skips projections with a LoRA term).
+        for (block, base) in model.blocks.iter_mut().zip(&self.blocks) {
+            if block.fused.is_none() {
+                match mode {
+                    AdapterMode::Merge => block.fuse()?,
+                    AdapterMode::OnTheFly => block.fused = base.fused.clone(),
+                }
+            }
+        }
         Ok(model)
     }
 }

@@ -324,3 +324,40 @@ fn real_model_exported_as_hf_dir_gives_the_same_logits() {
     );
     assert!(diff < 1e-4, "max diff {diff}");
 }
+
+/// The inference path (fused q/k/v and gate/up projections, RoPE folded into the head split,
+/// in-place causal softmax, SwiGLU kernel) computes what the differentiable path, built from
+/// candle's elementary ops on separate projections, computes: logits and every capture. 300
+/// tokens span two attention chunks.
+#[test]
+fn fused_inference_path_equals_the_differentiable_path() {
+    let (model, tok) = real();
+    let tokens = wikitext_tokens(tok, 300);
+    assert!(tokens.len() > 256);
+    let run = |differentiable: bool| {
+        model
+            .forward(
+                Input::new(&tokens)
+                    .capture(Capture::all())
+                    .logits(LogitsWanted::All)
+                    .differentiable(differentiable),
+            )
+            .unwrap()
+    };
+    let (fast, slow) = (run(false), run(true));
+    let (lf, ls) = (fast.logits.unwrap(), slow.logits.unwrap());
+    assert!(max_abs_diff(&lf, &ls) < 2e-3 * max_abs(&ls).max(1.0));
+    assert_eq!(fast.captured.len(), slow.captured.len());
+    for (f, s) in fast.captured.iter().zip(&slow.captured) {
+        for (name, a, b) in [
+            ("k_pre_rope", &f.k_pre_rope, &s.k_pre_rope),
+            ("v", &f.v, &s.v),
+            ("h_in", &f.h_in, &s.h_in),
+        ] {
+            let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+            assert_eq!(a.dims(), b.dims(), "layer {} {name}", f.layer);
+            let tol = 1e-3 * max_abs(b).max(1.0);
+            assert!(max_abs_diff(a, b) < tol, "layer {} {name}", f.layer);
+        }
+    }
+}

@@ -65,6 +65,33 @@ fn random_adapter_changes_logits_and_merged_equals_on_the_fly() {
     assert!(max_abs_diff(&all_logits(&model, &TOKENS), &base) < 1e-6);
 }
 
+/// An adapter on some projections of a block only: on the fly, the fused inference path
+/// must fall back to the separate projections for exactly those (q here, and down) while gate/up
+/// stay fused, and still agree with the merged model.
+#[test]
+fn partial_on_the_fly_adapter_equals_merged() {
+    let (_dir, model) = tiny_model(1);
+    let cfg = tiny_config();
+    let init = LoraAdapter::init(&cfg, 4, 8.0, &[Proj::Q, Proj::Down], 5).unwrap();
+    let mut weights = BTreeMap::new();
+    for (layer, proj) in init.targets().collect::<Vec<_>>() {
+        let (a, b) = init.get(layer, proj).unwrap();
+        let b = Tensor::randn(0f32, 0.2, b.dims(), &Device::Cpu).unwrap();
+        weights.insert((layer, proj), (a.clone(), b));
+    }
+    let adapter = LoraAdapter::from_parts(&cfg, 4, 8.0, weights).unwrap();
+    let merged = all_logits(
+        &model.with_adapter(&adapter, AdapterMode::Merge).unwrap(),
+        &TOKENS,
+    );
+    let fly = all_logits(
+        &model.with_adapter(&adapter, AdapterMode::OnTheFly).unwrap(),
+        &TOKENS,
+    );
+    assert!(max_abs_diff(&merged, &all_logits(&model, &TOKENS)) > 1e-2);
+    assert!(max_abs_diff(&merged, &fly) < 1e-4 * max_abs(&merged).max(1.0));
+}
+
 #[test]
 fn adapter_save_load_round_trip_in_peft_layout() {
     let (dir, model) = tiny_model(1);

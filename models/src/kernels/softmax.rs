@@ -1,12 +1,19 @@
-//! CPU kernels that candle lacks and a long prefill needs.
+//! Causal softmax in place on the attention scores.
 //!
-//! The only one so far is a causal softmax done in place on the attention scores: candle's path
-//! (build a mask, add it, softmax every column) costs a mask allocation, an extra pass over the
-//! score matrix and an `exp` for every masked entry, about half of a causal prefill's scores.
-//! This kernel touches only the keys a query may see and writes zeros past them. It has no
-//! backward pass, so the differentiable forward keeps candle's ops.
+//! candle's path (build a mask, add it, softmax every column) costs a mask allocation, an extra
+//! pass over the score matrix and an `exp` for every masked entry, about half of a causal
+//! prefill's scores. This kernel touches only the keys a query may see, with the vectorised
+//! [`exp`], and writes zeros past them. It has no backward pass, so the differentiable forward
+//! keeps candle's ops.
 
 use candle_core::{CpuStorage, InplaceOp1, Layout, Tensor};
+use rayon::prelude::*;
+
+use super::{exp, multiversion};
+
+/// Independent accumulators per reduction, so the compiler can keep one SIMD register of
+/// partial maxima or sums instead of a serial chain.
+const LANES: usize = 8;
 
 /// Causal softmax over the last dimension of `scores`, shaped `(.., rows, n_keys)`, in place.
 /// Query row `i` sees keys `0..=first + i`; later keys get probability zero.
@@ -42,44 +49,54 @@ impl InplaceOp1 for CausalSoftmax {
                 self.first + rows
             );
         }
-        let data = &mut data[start..end];
-        let matrix = rows * n_keys;
-        // Two halves on two threads: each matrix is (rows x keys) for one head; the heads are
-        // independent. Splitting by whole matrices keeps the causal row index simple.
-        let n_mat = data.len() / matrix.max(1);
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(n_mat.max(1));
-        let per = n_mat.div_ceil(threads) * matrix;
-        std::thread::scope(|s| {
-            for part in data.chunks_mut(per.max(1)) {
-                s.spawn(move || {
-                    for m in part.chunks_mut(matrix) {
-                        for (i, row) in m.chunks_mut(n_keys).enumerate() {
-                            softmax_prefix(row, self.first + i + 1);
-                        }
-                    }
-                });
-            }
-        });
+        if n_keys == 0 {
+            return Ok(());
+        }
+        let first = self.first;
+        data[start..end]
+            .par_chunks_mut(n_keys)
+            .with_min_len(16)
+            .enumerate()
+            .for_each(|(r, row)| softmax_prefix(row, first + r % rows + 1));
         Ok(())
     }
 }
 
-/// Softmax of `row[..visible]`, zeros after it.
-fn softmax_prefix(row: &mut [f32], visible: usize) {
-    let (seen, hidden) = row.split_at_mut(visible);
-    let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for x in seen.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
+multiversion! {
+    /// Softmax of `row[..visible]`, zeros after it.
+    fn softmax_prefix(row: &mut [f32], visible: usize) {
+        let (seen, hidden) = row.split_at_mut(visible);
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let mut chunks = seen.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                *a = if x > *a { x } else { *a };
+            }
+        }
+        let max = chunks
+            .remainder()
+            .iter()
+            .chain(&acc)
+            .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        let mut sums = [0f32; LANES];
+        let mut chunks = seen.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (s, x) in sums.iter_mut().zip(c.iter_mut()) {
+                *x = exp(*x - max);
+                *s += *x;
+            }
+        }
+        let mut sum: f32 = sums.iter().sum();
+        for x in chunks.into_remainder() {
+            *x = exp(*x - max);
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in seen.iter_mut() {
+            *x *= inv;
+        }
+        hidden.fill(0.0);
     }
-    let inv = 1.0 / sum;
-    for x in seen.iter_mut() {
-        *x *= inv;
-    }
-    hidden.fill(0.0);
 }
 
 #[cfg(test)]
@@ -89,7 +106,14 @@ mod tests {
 
     #[test]
     fn matches_mask_then_softmax() -> candle_core::Result<()> {
-        let (heads, rows, first) = (5, 7, 4);
+        // Short rows stay in the scalar tail; long ones go through the lane loops.
+        for (heads, rows, first) in [(5, 7, 4), (3, 37, 50)] {
+            check_against_candle(heads, rows, first)?;
+        }
+        Ok(())
+    }
+
+    fn check_against_candle(heads: usize, rows: usize, first: usize) -> candle_core::Result<()> {
         let n_keys = first + rows;
         let scores = Tensor::randn(0f32, 3.0, (heads, rows, n_keys), &Device::Cpu)?;
         let mut mask = vec![0f32; rows * n_keys];

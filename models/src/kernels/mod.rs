@@ -1,0 +1,71 @@
+//! CPU kernels that candle lacks and a long prefill needs.
+//!
+//! Each one fuses a few of candle's element-wise passes into one, on the non-differentiable
+//! (inference) path only; training keeps candle's ops and their gradients. Rows are spread over
+//! rayon's global pool, the one candle's matmul uses, so the kernels never oversubscribe the
+//! cores. Inner loops are plain Rust written to auto-vectorise; [`multiversion!`] compiles them
+//! a second time for AVX2 + FMA and picks that copy at run time when the CPU has it, so the
+//! binary stays portable without giving up the wide registers.
+
+mod exp;
+mod heads;
+mod softmax;
+mod swiglu;
+
+pub(crate) use exp::exp;
+pub(crate) use heads::{merge_heads, split_qkv_rope};
+pub(crate) use softmax::causal_softmax_;
+pub(crate) use swiglu::swiglu;
+
+use candle_core::{CpuStorage, Storage, Tensor};
+
+/// Defines `fn $name(args)` as a dispatcher over two compilations of one body: AVX2 + FMA when
+/// the CPU reports both, the build's baseline otherwise.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn generic($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn avx2($($arg: $ty),*) {
+                    generic($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: `avx2` only needs the two features just detected on this CPU.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            generic($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
+/// Calls `f` with the f32 elements of a contiguous CPU tensor (its own window of the storage).
+pub(crate) fn with_f32<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!(
+            "kernel input must be contiguous, got strides {:?}",
+            layout.stride()
+        );
+    };
+    match &*storage {
+        Storage::Cpu(CpuStorage::F32(data)) => f(&data[start..end]),
+        _ => candle_core::bail!(
+            "kernel input must be an f32 CPU tensor, got {:?}",
+            t.dtype()
+        ),
+    }
+}
