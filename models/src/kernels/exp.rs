@@ -19,15 +19,22 @@ pub(crate) fn exp(x: f32) -> f32 {
     // Comparisons rather than `f32::max`, which would turn NaN into the bound.
     let x = if x < -87.0 { -87.0 } else { x };
     let x = if x > 88.0 { 88.0 } else { x };
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let shifted = x * std::f32::consts::LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // Degree 6: the first omitted term, r^7 / 7!, is below 1.2e-7 for |r| <= 0.347.
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // n is in [-126, 127], so n + 127 is a valid biased exponent of a normal float.
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // `shifted` is ROUND + n with a unit last place, so its bits are ROUND's plus n: integer
+    // arithmetic that vectorises, where `n as i32` (saturating) would go lane by lane. n is in
+    // [-126, 127], so n + 127 is a valid biased exponent of a normal float.
+    let biased = shifted
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits())
+        .wrapping_add(127);
+    let scale = f32::from_bits(biased << 23);
     scale * p
 }
 
