@@ -43,6 +43,41 @@ fn generate_streams_a_reply_and_exits_zero() {
     );
 }
 
+/// The shipped melville expert gives the same greedy reply whether its adapter is merged into
+/// the weights or applied on the fly, and a different one from the base model.
+#[test]
+fn adapter_modes_agree_and_differ_from_the_base() {
+    let adapter =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("experts/melville/adapter.safetensors");
+    let reply = |extra: &[&str]| {
+        let out = scd()
+            .args(["generate", "--model"])
+            .arg(model_path())
+            .args([
+                "--prompt",
+                "Describe the sea.",
+                "--max-tokens",
+                "12",
+                "--raw",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = adapter.to_str().unwrap();
+    let merged = reply(&["--adapter", a]);
+    let fly = reply(&["--adapter", a, "--adapter-mode", "on-the-fly"]);
+    let base = reply(&[]);
+    assert_eq!(merged, fly);
+    assert_ne!(merged, base);
+}
+
 #[test]
 fn generate_with_a_missing_model_fails_clearly() {
     let out = scd()

@@ -20,6 +20,11 @@ pub struct Args {
     /// A LoRA adapter (PEFT safetensors) to apply.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// How to apply the adapter: fold it into the weights (fastest; the expert gets its own
+    /// copy of the adapted weights) or add its low-rank term in every pass (base weights
+    /// shared, slower per token).
+    #[arg(long, value_enum, default_value_t = ModeArg::Merge, requires = "adapter")]
+    pub adapter_mode: ModeArg,
     /// The prompt (a user message; the model's chat template is applied).
     #[arg(long)]
     pub prompt: String,
@@ -41,6 +46,24 @@ pub struct Args {
     /// Send the prompt as it is, without the chat template.
     #[arg(long)]
     pub raw: bool,
+}
+
+/// `--adapter-mode` values.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ModeArg {
+    /// Fold `scale * B A` into the weights at load.
+    Merge,
+    /// Keep `A` and `B` apart and apply them in every forward pass.
+    OnTheFly,
+}
+
+impl From<ModeArg> for AdapterMode {
+    fn from(m: ModeArg) -> Self {
+        match m {
+            ModeArg::Merge => AdapterMode::Merge,
+            ModeArg::OnTheFly => AdapterMode::OnTheFly,
+        }
+    }
 }
 
 /// Loads a model and its tokenizer from a GGUF file or a Hugging Face directory.
@@ -68,7 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let adapter = LoraAdapter::load(path, model.config())
             .with_context(|| format!("loading the adapter {}", path.display()))?;
         model = model
-            .with_adapter(&adapter, AdapterMode::Merge)
+            .with_adapter(&adapter, args.adapter_mode.into())
             .context("applying the adapter")?;
     }
     let load_time = t0.elapsed();
