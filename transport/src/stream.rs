@@ -4,8 +4,9 @@
 //! by layer, as the application hands them over; the acceptor ([`JobReceiver`]) yields them as
 //! they arrive and may answer on the other half (status, error, cancel).
 //!
-//! Memory is bounded on both sides: the sender encodes a frame in the caller's task and queues
-//! it on a bounded channel (`send_queue_frames`) to a writer task, which blocks on QUIC flow
+//! Memory is bounded on both sides: the sender encodes a frame in the caller's task (a large
+//! payload is not copied: the frame keeps the payload's buffer and quinn sends from it) and
+//! queues it on a bounded channel (`send_queue_frames`) to a writer task, which blocks on QUIC flow
 //! control when the receiver is slow, so `send` blocks in turn; the receiver holds at most one
 //! frame plus QUIC's stream window. Either side may cancel: the sender resets the stream, the
 //! receiver sends a Cancel frame on its half and stops the sender's. A lost connection ends
@@ -15,13 +16,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use quinn::{ConnectionError, ReadError, RecvStream, SendStream, VarInt, WriteError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::codec::{
-    self, check_header, DecodeError, EncodeError, FrameBuf, ValidatedFrame, HEADER_LEN,
+    self, check_header, DecodeError, EncodeError, EncodedFrame, FrameBuf, ValidatedFrame,
+    HEADER_LEN,
 };
 use crate::endpoint::{Connection, TaskGuard};
 use crate::pacing::Pacer;
@@ -73,7 +74,8 @@ pub(crate) struct FrameReader {
     header: [u8; HEADER_LEN],
     header_have: usize,
     body: Option<FrameBuf>,
-    body_have: usize,
+    /// Length of the body being read (valid while `body` is set).
+    body_len: usize,
 }
 
 impl FrameReader {
@@ -83,7 +85,7 @@ impl FrameReader {
             header: [0; HEADER_LEN],
             header_have: 0,
             body: None,
-            body_have: 0,
+            body_len: 0,
         }
     }
 
@@ -105,17 +107,16 @@ impl FrameReader {
     ) -> Result<Option<ValidatedFrame>, FrameReadError> {
         loop {
             if let Some(body) = self.body.as_mut() {
-                if self.body_have == body.len() {
+                if body.len() == self.body_len {
                     let body = self.body.take().unwrap_or_default();
                     self.header_have = 0;
-                    self.body_have = 0;
                     return Ok(Some(ValidatedFrame::new(body)?));
                 }
-                match recv
-                    .read(&mut body.as_mut_slice()[self.body_have..])
-                    .await?
-                {
-                    Some(n) => self.body_have += n,
+                // quinn's chunks are appended to the reserved buffer as they come: one copy,
+                // and no zero-filling of the body first. A chunk is taken and appended in the
+                // same poll, so a dropped `next` loses nothing.
+                match recv.read_chunk(self.body_len - body.len(), true).await? {
+                    Some(chunk) => body.extend_from_slice(&chunk.bytes),
                     None => return Err(FrameReadError::Truncated),
                 }
             } else if self.header_have < HEADER_LEN {
@@ -127,9 +128,8 @@ impl FrameReader {
             } else {
                 // The cap is checked here, before the body is allocated.
                 let header = check_header(&self.header, self.max_frame_bytes)?;
-                let mut body = FrameBuf::with_capacity(header.body_len as usize);
-                body.resize(header.body_len as usize, 0);
-                self.body = Some(body);
+                self.body_len = header.body_len as usize;
+                self.body = Some(FrameBuf::with_capacity(self.body_len));
             }
         }
     }
@@ -303,7 +303,7 @@ impl Connection {
         let (cancel_tx, cancel_rx) = oneshot::channel();
         // The Open frame goes first through the same queue, so the stream appears at the peer
         // even before the first layer is ready.
-        tx.try_send(Bytes::from_owner(buf)).map_err(|_| {
+        tx.try_send(EncodedFrame::from(buf)).map_err(|_| {
             OpenJobError::Encode(EncodeError::Serialize("send queue unavailable".into()))
         })?;
         let guard = self.shared.tasks.enter();
@@ -389,7 +389,7 @@ pub struct JobSender {
     job_id: JobId,
     tracker: JobTracker,
     max_frame_bytes: u32,
-    tx: Option<mpsc::Sender<Bytes>>,
+    tx: Option<mpsc::Sender<EncodedFrame>>,
     cancel: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<SendReport, SendError>>>,
 }
@@ -416,14 +416,15 @@ impl JobSender {
     /// producer. A frame that breaks the job stream rules is refused before anything is sent.
     pub async fn send(&mut self, msg: impl Into<Message>) -> Result<(), SendError> {
         let msg = msg.into();
-        let buf = codec::encode(&msg, self.max_frame_bytes)
+        let facts = FrameFacts::of(&msg);
+        // The frame keeps a large payload's own buffer (no copy); quinn sends from it.
+        let frame = codec::encode_frame(msg, self.max_frame_bytes)
             .map_err(|e| SendError::Encode(e.to_string()))?;
-        self.tracker.admit(&msg, buf.len())?;
+        self.tracker.admit_facts(facts, frame.len())?;
         let Some(tx) = self.tx.as_ref() else {
             return Err(SendError::Cancelled);
         };
-        // Handing quinn the encoded buffer itself saves a copy of every payload.
-        if tx.send(Bytes::from_owner(buf)).await.is_err() {
+        if tx.send(frame).await.is_err() {
             // The writer ended early; its result says why.
             return Err(self.join().await.err().unwrap_or(SendError::Cancelled));
         }
@@ -471,7 +472,7 @@ impl Drop for JobSender {
 struct Writer {
     send: SendStream,
     back: RecvStream,
-    rx: mpsc::Receiver<Bytes>,
+    rx: mpsc::Receiver<EncodedFrame>,
     pacer: Option<Arc<Pacer>>,
     max_frame_bytes: u32,
 }
@@ -521,19 +522,22 @@ async fn watch_back(back: &mut RecvStream, reader: &mut FrameReader) -> BackEven
 
 async fn pump(
     send: &mut SendStream,
-    rx: &mut mpsc::Receiver<Bytes>,
+    rx: &mut mpsc::Receiver<EncodedFrame>,
     pacer: Option<&Pacer>,
     report: &mut SendReport,
 ) -> Result<(), WriteError> {
-    while let Some(buf) = rx.recv().await {
-        let len = buf.len();
+    while let Some(frame) = rx.recv().await {
+        let len = frame.len();
+        let mut segments = frame.into_segments();
         match pacer {
-            None => send.write_chunk(buf).await?,
+            None => send.write_all_chunks(&mut segments).await?,
             Some(p) => {
-                for start in (0..len).step_by(PACED_CHUNK) {
-                    let end = (start + PACED_CHUNK).min(len);
-                    p.pace((end - start) as u64).await;
-                    send.write_chunk(buf.slice(start..end)).await?;
+                for seg in segments {
+                    for start in (0..seg.len()).step_by(PACED_CHUNK) {
+                        let end = (start + PACED_CHUNK).min(seg.len());
+                        p.pace((end - start) as u64).await;
+                        send.write_chunk(seg.slice(start..end)).await?;
+                    }
                 }
             }
         }
@@ -625,7 +629,7 @@ async fn writer(
 }
 
 /// Whether the pump drained and closed the queue (the sender finished).
-fn report_complete(rx: &mpsc::Receiver<Bytes>) -> bool {
+fn report_complete(rx: &mpsc::Receiver<EncodedFrame>) -> bool {
     rx.is_closed() && rx.is_empty()
 }
 
