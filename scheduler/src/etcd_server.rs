@@ -65,6 +65,11 @@ impl EtcdServer {
         format!("http://127.0.0.1:{}", self.client_port)
     }
 
+    /// The etcd process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// The data directory (kept across restarts).
     pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
@@ -108,7 +113,9 @@ impl EtcdServer {
             .create(true)
             .append(true)
             .open(&log_path)?;
-        let child = Command::new(&self.binary)
+        let mut cmd = Command::new(&self.binary);
+        die_with_parent(&mut cmd);
+        let child = cmd
             .arg("--name")
             .arg("scd-test")
             .arg("--data-dir")
@@ -180,3 +187,25 @@ fn find_etcd() -> Option<PathBuf> {
         ])
         .find(|p| p.is_file())
 }
+
+/// Makes the kernel SIGKILL the child when the thread that spawned it dies, so a test process
+/// that is itself killed (Ctrl-C twice, a CI timeout) leaves no etcd behind holding its ports.
+/// `Drop` covers every orderly exit; this covers the rest. Linux only; elsewhere a no-op.
+#[cfg(target_os = "linux")]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the hook runs in the forked child before exec and only calls prctl, which is
+    // async-signal-safe and touches no memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_cmd: &mut Command) {}
