@@ -183,3 +183,32 @@ fn the_guard_refuses_any_other_hash() {
     assert!(check_translator("h1", "h2").is_err());
     assert!(check_translator("h1", "").is_err());
 }
+
+/// etcd restored without its data: the watcher's revision is now ahead of the store's, so a
+/// new activation lands at a revision its watch has already passed. The watcher must still
+/// switch (it notices the reset or re-reads), or nodes would keep accepting codes of a
+/// translator that is no longer live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watcher_follows_an_etcd_restored_empty() {
+    let mut b = Backend::etcd().await;
+    let reg = TranslatorRegistry::new(b.store.clone(), b.keys.clone());
+    reg.publish(&manifest("v1", "h1")).await.unwrap();
+    reg.activate("base", "sotu", "v1").await.unwrap();
+    let watcher = TranslatorWatcher::start(b.client().await, &b.keys, "base", "sotu")
+        .await
+        .unwrap();
+    // Push the watcher's revision well past what the emptied etcd reaches below.
+    for i in 0..30u8 {
+        b.store.put("/filler", vec![i], None).await.unwrap();
+    }
+    b.etcd.as_mut().unwrap().restart_empty().await.unwrap();
+    let reg = TranslatorRegistry::new(b.client().await, b.keys.clone());
+    reg.publish(&manifest("v2", "h2")).await.unwrap();
+    reg.activate("base", "sotu", "v2").await.unwrap();
+    let seen = within(
+        "watcher switches after the reset",
+        watcher.wait_for(|a| a.is_some_and(|a| a.version == "v2")),
+    )
+    .await;
+    assert_eq!(seen.unwrap().content_hash, "h2");
+}
