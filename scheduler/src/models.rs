@@ -66,6 +66,13 @@ impl ModelRegistry {
         }
     }
 
+    /// Removes a model record; returns whether it existed. An expert removed here loses its
+    /// pool at the scheduler's next pass.
+    pub async fn remove(&self, id: &str) -> Result<bool, ModelError> {
+        let key = self.keys.model(id)?;
+        Ok(self.store.delete(&key).await?)
+    }
+
     /// Every model.
     pub async fn list(&self) -> Result<Vec<ModelRecord>, ModelError> {
         let listing = self.store.get_prefix(&self.keys.models_prefix()).await?;

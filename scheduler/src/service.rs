@@ -93,6 +93,8 @@ pub enum SchedulerError {
 pub struct ReconcileReport {
     /// Pools written.
     pub pools_written: usize,
+    /// Pools deleted because their expert is no longer configured or registered.
+    pub pools_removed: usize,
     /// Queued jobs assigned.
     pub jobs_assigned: usize,
     /// Running jobs sent back to the queue.
@@ -145,6 +147,22 @@ pub async fn reconcile(
         }
         tracing::info!(expert, ?producers, "pool updated");
         report.pools_written += 1;
+    }
+
+    // A pool outlives its expert otherwise: nodes would keep counting it as load and an
+    // operator listing pools would see experts that no longer exist.
+    for expert in previous.keys() {
+        if experts.iter().any(|e| &e.expert == expert) {
+            continue;
+        }
+        let txn = Txn::new()
+            .when([guard.compare()])
+            .and_then([TxnOp::delete(keys.pool(expert)?)]);
+        if !store.txn(txn).await?.succeeded {
+            return Err(SchedulerError::NotLeader);
+        }
+        tracing::info!(expert, "pool removed: the expert is gone");
+        report.pools_removed += 1;
     }
 
     // Assignments made in this pass count as load at once, so a burst of queued jobs spreads

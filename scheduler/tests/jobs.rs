@@ -429,6 +429,16 @@ async fn experts_come_from_model_records_too(b: Backend) {
         .unwrap()
         .contains_key("smol"));
     assert_eq!(models.list().await.unwrap().len(), 2);
+    // Removing the expert's record removes its pool.
+    assert!(models.remove("law").await.unwrap());
+    assert!(!models.remove("law").await.unwrap());
+    eventually("the pool of the removed expert is deleted", || async {
+        read_pools(b.store.as_ref(), &b.keys)
+            .await
+            .unwrap()
+            .is_empty()
+    })
+    .await;
 }
 
 async fn a_no_op_update_writes_nothing(b: Backend) {
