@@ -17,8 +17,12 @@ use scd_models::{
 const TOKENS: [u32; 12] = [3, 17, 42, 5, 9, 63, 0, 21, 21, 8, 30, 11];
 
 fn random_adapter(seed: u64, rank: usize) -> LoraAdapter {
+    random_adapter_on(seed, rank, &Proj::ALL)
+}
+
+fn random_adapter_on(seed: u64, rank: usize, projs: &[Proj]) -> LoraAdapter {
     let cfg = tiny_config();
-    let init = LoraAdapter::init(&cfg, rank, 2.0 * rank as f64, &Proj::ALL, seed).unwrap();
+    let init = LoraAdapter::init(&cfg, rank, 2.0 * rank as f64, projs, seed).unwrap();
     // Give B random values so that the adapter actually edits the model.
     let mut weights = BTreeMap::new();
     for (layer, proj) in init.targets().collect::<Vec<_>>() {
@@ -71,15 +75,7 @@ fn random_adapter_changes_logits_and_merged_equals_on_the_fly() {
 #[test]
 fn partial_on_the_fly_adapter_equals_merged() {
     let (_dir, model) = tiny_model(1);
-    let cfg = tiny_config();
-    let init = LoraAdapter::init(&cfg, 4, 8.0, &[Proj::Q, Proj::Down], 5).unwrap();
-    let mut weights = BTreeMap::new();
-    for (layer, proj) in init.targets().collect::<Vec<_>>() {
-        let (a, b) = init.get(layer, proj).unwrap();
-        let b = Tensor::randn(0f32, 0.2, b.dims(), &Device::Cpu).unwrap();
-        weights.insert((layer, proj), (a.clone(), b));
-    }
-    let adapter = LoraAdapter::from_parts(&cfg, 4, 8.0, weights).unwrap();
+    let adapter = random_adapter_on(5, 4, &[Proj::Q, Proj::Down]);
     let merged = all_logits(
         &model.with_adapter(&adapter, AdapterMode::Merge).unwrap(),
         &TOKENS,
