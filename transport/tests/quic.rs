@@ -662,3 +662,168 @@ async fn frames_can_be_read_in_place() {
     assert!(rx.next_frame().await.unwrap().is_none());
     sender.await.unwrap().unwrap();
 }
+
+/// A cluster node that speaks the protocol by hand over plain quinn: mutual TLS and the hello
+/// exchange done here, so a test can put on a job stream bytes our `JobSender` never would.
+async fn raw_client(ca: &ClusterCa, server: &Endpoint) -> quinn::Connection {
+    use quinn::crypto::rustls::QuicClientConfig;
+    use scd_transport::codec;
+    let id = ca.issue("node-raw", Role::Node).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(id.ca.clone()).unwrap();
+    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(id.cert_chain.clone(), id.key.clone_key())
+    .unwrap();
+    tls.alpn_protocols = vec![b"scd/1".to_vec()];
+    let mut client = quinn::Endpoint::client(local()).unwrap();
+    client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+        QuicClientConfig::try_from(tls).unwrap(),
+    )));
+    let conn = client
+        .connect(server.local_addr().unwrap(), "node-a")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = Message::Control(Control::Hello {
+        protocol: scd_transport::PROTOCOL_VERSION,
+        node_id: "node-raw".into(),
+    });
+    send.write_all(&codec::encode(&hello, u32::MAX).unwrap())
+        .await
+        .unwrap();
+    send.finish().unwrap();
+    let back = recv.read_to_end(1 << 16).await.unwrap();
+    assert!(matches!(
+        codec::decode(&back, u32::MAX).unwrap().0,
+        Message::Control(Control::Hello { .. })
+    ));
+    conn
+}
+
+#[tokio::test]
+async fn the_receiver_rejects_a_bad_frame_from_the_wire() {
+    use scd_transport::codec::{self, header_bytes, DecodeError};
+    use scd_transport::error_code;
+    let ca = ClusterCa::generate("test").unwrap();
+    let opts = TransportOptions {
+        max_frame_bytes: 1 << 20,
+        ..TransportOptions::default()
+    };
+    let server = Endpoint::bind(local(), &ca.issue("node-a", Role::Node).unwrap(), opts).unwrap();
+    let s = server.clone();
+    let accept = tokio::spawn(async move { s.accept().await.unwrap().complete().await });
+    let raw = raw_client(&ca, &server).await;
+    let conn = accept.await.unwrap().unwrap();
+
+    let job = JobId(0x5eed);
+    let good = |layer| {
+        codec::encode(
+            &Message::Code(frame(job, layer, CodeKind::RAW_K, 64)),
+            u32::MAX,
+        )
+        .unwrap()
+    };
+    let garbage_body = {
+        let mut b = header_bytes(64).to_vec();
+        b.extend_from_slice(&[0xff; 64]);
+        b
+    };
+    let mut bad_magic = good(1).as_slice().to_vec();
+    bad_magic[..4].copy_from_slice(b"XXXX");
+    // Announces a body over the cap; nothing follows, the header alone must be refused.
+    let oversized = header_bytes((1 << 20) + 1).to_vec();
+    let other_job = codec::encode(
+        &Message::Code(frame(JobId(1), 1, CodeKind::RAW_K, 64)),
+        u32::MAX,
+    )
+    .unwrap();
+    let layer_back = good(0);
+    // What is sent after a good frame, and the error the receiver must report.
+    type Case = (&'static str, Vec<u8>, fn(&RecvError) -> bool);
+    let cases: Vec<Case> = vec![
+        ("garbage body", garbage_body, |e| {
+            matches!(e, RecvError::Decode(DecodeError::Invalid(_)))
+        }),
+        ("bad magic", bad_magic, |e| {
+            matches!(e, RecvError::Decode(DecodeError::BadMagic(_)))
+        }),
+        ("over the frame cap", oversized, |e| {
+            matches!(e, RecvError::Decode(DecodeError::TooLarge { .. }))
+        }),
+        ("another job's frame", other_job.as_slice().to_vec(), |e| {
+            matches!(e, RecvError::Protocol(_))
+        }),
+        (
+            "a layer out of order",
+            layer_back.as_slice().to_vec(),
+            |e| matches!(e, RecvError::Protocol(_)),
+        ),
+    ];
+    for (what, bad, expected) in cases {
+        let (mut send, mut back) = raw.open_bi().await.unwrap();
+        let open = Message::Control(Control::Open {
+            job_id: job,
+            trace: vec![],
+        });
+        send.write_all(&codec::encode(&open, u32::MAX).unwrap())
+            .await
+            .unwrap();
+        send.write_all(&good(1)).await.unwrap();
+        send.write_all(&bad).await.unwrap();
+
+        let mut rx = conn.accept_job().await.unwrap();
+        assert_eq!(rx.job_id(), job, "{what}");
+        assert!(
+            matches!(rx.next().await, Ok(Some(Message::Code(_)))),
+            "{what}"
+        );
+        let err = rx.next().await.unwrap_err();
+        assert!(expected(&err), "{what}: {err}");
+        assert!(matches!(rx.next().await, Err(RecvError::Ended)), "{what}");
+
+        // The sender learns why on the back half, which then ends ...
+        let reply = back.read_to_end(1 << 16).await.unwrap();
+        match codec::decode(&reply, u32::MAX).unwrap().0 {
+            Message::Control(Control::Error { code, job_id, .. }) => {
+                assert_eq!(code, error_code::PROTOCOL, "{what}");
+                assert_eq!(job_id, Some(job), "{what}");
+            }
+            other => panic!("{what}: expected an Error frame, got {other:?}"),
+        }
+        // ... and its own half is stopped: writing more fails with the protocol code.
+        let stopped = async {
+            loop {
+                if let Err(e) = send.write_all(&[0u8; 1024]).await {
+                    return e;
+                }
+            }
+        };
+        let e = tokio::time::timeout(Duration::from_secs(5), stopped)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the receiver did not stop the stream"));
+        assert!(
+            matches!(e, quinn::WriteError::Stopped(c) if c.into_inner() == u64::from(error_code::PROTOCOL)),
+            "{what}: {e}"
+        );
+    }
+    // Only those jobs failed: the connection still carries a good one.
+    let (mut send, _back) = raw.open_bi().await.unwrap();
+    let open = Message::Control(Control::Open {
+        job_id: job,
+        trace: vec![],
+    });
+    send.write_all(&codec::encode(&open, u32::MAX).unwrap())
+        .await
+        .unwrap();
+    send.write_all(&good(0)).await.unwrap();
+    send.finish().unwrap();
+    let mut rx = conn.accept_job().await.unwrap();
+    assert_eq!(recv_all(&mut rx).await.unwrap(), 1);
+    server.close();
+}
