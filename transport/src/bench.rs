@@ -250,7 +250,19 @@ pub struct GoodputRow {
     pub plain_bps: f64,
 }
 
-/// Goodput for each size, ours and plain quinn alternating, best of `runs`.
+/// Small transfers are repeated until each side has moved at least this much: a 1 MB transfer
+/// takes about a millisecond here, and three of them are too few to get past scheduling noise.
+pub const GOODPUT_MIN_BYTES_PER_SIZE: usize = 32 << 20;
+
+/// Transfers per side for one size: `runs`, or more for small sizes (see
+/// [`GOODPUT_MIN_BYTES_PER_SIZE`]).
+pub fn goodput_repetitions(bytes: usize, runs: usize) -> usize {
+    runs.max(1)
+        .max(GOODPUT_MIN_BYTES_PER_SIZE.div_ceil(bytes.max(1)))
+}
+
+/// Goodput for each size, ours and plain quinn alternating, best of
+/// [`goodput_repetitions`] transfers each.
 pub async fn goodput(sizes: &[usize], runs: usize) -> Result<Vec<GoodputRow>, BenchError> {
     let ours = OurPair::new(TransportOptions::default()).await?;
     let plain = PlainPair::new().await?;
@@ -261,7 +273,7 @@ pub async fn goodput(sizes: &[usize], runs: usize) -> Result<Vec<GoodputRow>, Be
     let mut job = 0u128;
     for &bytes in sizes {
         let (mut best_ours, mut best_plain) = (Duration::MAX, Duration::MAX);
-        for _ in 0..runs.max(1) {
+        for _ in 0..goodput_repetitions(bytes, runs) {
             job += 1;
             best_ours = best_ours.min(ours.transfer(job, bytes).await?);
             best_plain = best_plain.min(plain.transfer(bytes).await?);
@@ -374,7 +386,8 @@ pub async fn pacing_accuracy(rate_bps: u64, duration: Duration) -> Result<Pacing
 pub struct ReportOptions {
     /// Transfer sizes in bytes for the goodput comparison.
     pub sizes: Vec<usize>,
-    /// Runs per size (the best is reported).
+    /// Runs per size (the best is reported); small sizes get more, see
+    /// [`goodput_repetitions`].
     pub runs: usize,
     /// Payload sizes for the codec benchmark.
     pub codec_payloads: Vec<usize>,
@@ -398,7 +411,11 @@ impl Default for ReportOptions {
 
 /// Run every transport benchmark and print Markdown tables to stdout.
 pub async fn report(opts: &ReportOptions) -> Result<(), BenchError> {
-    println!("## goodput on loopback (best of {} runs)", opts.runs);
+    println!(
+        "## goodput on loopback (best of {} runs; small sizes repeated until {} MB moved)",
+        opts.runs,
+        GOODPUT_MIN_BYTES_PER_SIZE >> 20
+    );
     println!("| size | scd job stream | plain quinn (defaults) | ratio |");
     println!("|---:|---:|---:|---:|");
     for row in goodput(&opts.sizes, opts.runs).await? {
