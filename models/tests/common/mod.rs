@@ -39,7 +39,7 @@ pub fn real() -> &'static (Llama, Tokenizer) {
 
 /// The first `n` tokens of WikiText-2 validation text (real prose, not the heading lines).
 pub fn wikitext_tokens(tok: &Tokenizer, n: usize) -> Vec<u32> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/wikitext-2/valid.txt");
+    let path = scd_models::corpus::shared_data_dir().join("wikitext-2/valid.txt");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     let prose: String = text
