@@ -11,7 +11,8 @@ use scd_models::hf::to_interleaved_rows;
 use scd_models::lora::peft_name;
 use scd_models::sampling::{argmax, nucleus};
 use scd_models::{
-    AdapterError, AdapterMode, Capture, Input, LogitsWanted, LoraAdapter, Proj, Sampler, Sampling,
+    AdapterError, AdapterMode, Capture, Input, Llama, LogitsWanted, LoraAdapter, Proj, Sampler,
+    Sampling,
 };
 
 const TOKENS: [u32; 12] = [3, 17, 42, 5, 9, 63, 0, 21, 21, 8, 30, 11];
@@ -33,6 +34,12 @@ fn random_adapter_on(seed: u64, rank: usize, projs: &[Proj]) -> LoraAdapter {
     LoraAdapter::from_parts(&cfg, rank, 2.0 * rank as f64, weights).unwrap()
 }
 
+/// All logits of `TOKENS` with `adapter` merged, and applied on the fly.
+fn merged_and_on_the_fly(model: &Llama, adapter: &LoraAdapter) -> (Tensor, Tensor) {
+    let run = |mode| all_logits(&model.with_adapter(adapter, mode).unwrap(), &TOKENS);
+    (run(AdapterMode::Merge), run(AdapterMode::OnTheFly))
+}
+
 #[test]
 fn zero_b_adapter_leaves_logits_unchanged() {
     let (_dir, model) = tiny_model(1);
@@ -52,14 +59,7 @@ fn random_adapter_changes_logits_and_merged_equals_on_the_fly() {
     let (_dir, model) = tiny_model(1);
     let base = all_logits(&model, &TOKENS);
     let adapter = random_adapter(3, 4);
-    let merged = all_logits(
-        &model.with_adapter(&adapter, AdapterMode::Merge).unwrap(),
-        &TOKENS,
-    );
-    let fly = all_logits(
-        &model.with_adapter(&adapter, AdapterMode::OnTheFly).unwrap(),
-        &TOKENS,
-    );
+    let (merged, fly) = merged_and_on_the_fly(&model, &adapter);
     assert!(
         max_abs_diff(&merged, &base) > 1e-2,
         "the adapter changed nothing"
@@ -76,14 +76,7 @@ fn random_adapter_changes_logits_and_merged_equals_on_the_fly() {
 fn partial_on_the_fly_adapter_equals_merged() {
     let (_dir, model) = tiny_model(1);
     let adapter = random_adapter_on(5, 4, &[Proj::Q, Proj::Down]);
-    let merged = all_logits(
-        &model.with_adapter(&adapter, AdapterMode::Merge).unwrap(),
-        &TOKENS,
-    );
-    let fly = all_logits(
-        &model.with_adapter(&adapter, AdapterMode::OnTheFly).unwrap(),
-        &TOKENS,
-    );
+    let (merged, fly) = merged_and_on_the_fly(&model, &adapter);
     assert!(max_abs_diff(&merged, &all_logits(&model, &TOKENS)) > 1e-2);
     assert!(max_abs_diff(&merged, &fly) < 1e-4 * max_abs(&merged).max(1.0));
 }

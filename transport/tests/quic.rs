@@ -665,6 +665,22 @@ async fn frames_can_be_read_in_place() {
 
 /// A cluster node that speaks the protocol by hand over plain quinn: mutual TLS and the hello
 /// exchange done here, so a test can put on a job stream bytes our `JobSender` never would.
+/// Opens a job stream by hand on a raw connection: its `Open` frame written, nothing else.
+async fn open_raw_job(
+    raw: &quinn::Connection,
+    job: JobId,
+) -> (quinn::SendStream, quinn::RecvStream) {
+    let (mut send, back) = raw.open_bi().await.unwrap();
+    let open = Message::Control(Control::Open {
+        job_id: job,
+        trace: vec![],
+    });
+    send.write_all(&scd_transport::codec::encode(&open, u32::MAX).unwrap())
+        .await
+        .unwrap();
+    (send, back)
+}
+
 async fn raw_client(ca: &ClusterCa, server: &Endpoint) -> quinn::Connection {
     use quinn::crypto::rustls::QuicClientConfig;
     use scd_transport::codec;
@@ -766,14 +782,7 @@ async fn the_receiver_rejects_a_bad_frame_from_the_wire() {
         ),
     ];
     for (what, bad, expected) in cases {
-        let (mut send, mut back) = raw.open_bi().await.unwrap();
-        let open = Message::Control(Control::Open {
-            job_id: job,
-            trace: vec![],
-        });
-        send.write_all(&codec::encode(&open, u32::MAX).unwrap())
-            .await
-            .unwrap();
+        let (mut send, mut back) = open_raw_job(&raw, job).await;
         send.write_all(&good(1)).await.unwrap();
         send.write_all(&bad).await.unwrap();
 
@@ -813,14 +822,7 @@ async fn the_receiver_rejects_a_bad_frame_from_the_wire() {
         );
     }
     // Only those jobs failed: the connection still carries a good one.
-    let (mut send, _back) = raw.open_bi().await.unwrap();
-    let open = Message::Control(Control::Open {
-        job_id: job,
-        trace: vec![],
-    });
-    send.write_all(&codec::encode(&open, u32::MAX).unwrap())
-        .await
-        .unwrap();
+    let (mut send, _back) = open_raw_job(&raw, job).await;
     send.write_all(&good(0)).await.unwrap();
     send.finish().unwrap();
     let mut rx = conn.accept_job().await.unwrap();
