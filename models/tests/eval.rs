@@ -2,33 +2,19 @@
 //! itself, raw transfer between identical models is lossless, raw transfer into a different
 //! consumer is not, the QA plumbing scores answers, and records are deterministic for a seed.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
+use common::{max_abs_diff, real as base};
 use rand::{Rng, SeedableRng};
-use scd_models::corpus;
 use scd_models::eval::{
     self, CacheMethod, EvalConfig, EvalData, EvalRecord, Oracle, Pair, QaItem, Raw,
 };
-use scd_models::tokenizer::Tokenizer;
-use scd_models::{AdapterMode, GgufFile, Input, Llama, LogitsWanted, LoraAdapter, Proj};
-
-fn base() -> &'static (Llama, Tokenizer) {
-    static M: OnceLock<(Llama, Tokenizer)> = OnceLock::new();
-    M.get_or_init(|| {
-        let p = corpus::model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-        assert!(
-            p.exists(),
-            "{} is missing: run ops/fetch-model.sh",
-            p.display()
-        );
-        let g = GgufFile::open(p).unwrap();
-        let tok = Tokenizer::from_gguf(g.content()).unwrap();
-        (g.load_model().unwrap(), tok)
-    })
-}
+use scd_models::{AdapterMode, Input, Llama, LogitsWanted, LoraAdapter, Proj};
 
 fn data() -> &'static EvalData {
     static D: OnceLock<EvalData> = OnceLock::new();
@@ -168,14 +154,7 @@ fn methods_build_the_prefix_cache_the_consumer_continues_from() {
         .unwrap()
         .logits
         .unwrap();
-    let diff = (step - full)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs_diff(&step, &full);
     assert!(diff < 1e-3, "cached continuation differs by {diff}");
     // Raw hands over the producer's keys: not the consumer's.
     let raw = Raw.build(pair, prefix).unwrap();

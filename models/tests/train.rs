@@ -2,37 +2,18 @@
 //! deterministic, a resumed run equals an uninterrupted one, the stop flag checkpoints and
 //! returns, and the manifest describes the run.
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
 
 use candle_core::DType;
+use common::{max_abs_diff, real as base};
 use scd_models::corpus::{self, Corpus};
-use scd_models::tokenizer::Tokenizer;
 use scd_models::train::{
     self, finetune, FinetuneOptions, FinetuneOutcome, LoopEnd, Schedule, TrainConfig, TrainData,
     TrainEvent, Trainer,
 };
-use scd_models::{GgufFile, Llama, Proj};
-
-fn model_path() -> PathBuf {
-    let p = corpus::model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.exists(),
-        "{} is missing: run ops/fetch-model.sh (or set SCD_MODEL_DIR)",
-        p.display()
-    );
-    p
-}
-
-fn base() -> &'static (Llama, Tokenizer) {
-    static M: OnceLock<(Llama, Tokenizer)> = OnceLock::new();
-    M.get_or_init(|| {
-        let g = GgufFile::open(model_path()).unwrap();
-        let tok = Tokenizer::from_gguf(g.content()).unwrap();
-        (g.load_model().unwrap(), tok)
-    })
-}
+use scd_models::Proj;
 
 const TEXT: &str = "Call me Ishmael. Some years ago, never mind how long precisely, having little \
 or no money in my purse, and nothing particular to interest me on shore, I thought I would sail \
@@ -107,14 +88,7 @@ fn training_lowers_the_loss_on_what_it_sees() {
         .unwrap()
         .logits
         .unwrap();
-    let diff = (ours - theirs)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs_diff(&ours, &theirs);
     assert!(diff < 1e-3, "training forward differs by {diff}");
     assert!(
         after < before - 0.1,

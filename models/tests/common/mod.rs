@@ -13,12 +13,10 @@ use scd_models::{GgufFile, HfLlamaConfig, Llama, LlamaConfig, RopeVariant};
 
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// Path of the real GGUF; panics with the fix when it is missing.
+/// Path of the real GGUF (`$SCD_MODEL_DIR` or the project's model cache); panics with the fix
+/// when it is missing.
 pub fn model_path() -> PathBuf {
-    let dir = std::env::var("SCD_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"));
-    let path = dir.join(MODEL_FILE);
+    let path = scd_models::corpus::model_dir().join(MODEL_FILE);
     assert!(
         path.exists(),
         "{} is missing: run `make model` (or set SCD_MODEL_DIR to the folder holding {MODEL_FILE})",
@@ -54,16 +52,7 @@ pub fn wikitext_tokens(tok: &Tokenizer, n: usize) -> Vec<u32> {
 }
 
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    max_abs(&(a - b).unwrap())
 }
 
 pub fn max_abs(a: &Tensor) -> f32 {
