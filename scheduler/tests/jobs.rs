@@ -354,9 +354,14 @@ async fn finished_jobs_are_swept_after_a_short_retention(b: Backend) {
     );
 }
 
-async fn scheduler_failover_keeps_assigning(b: Backend) {
-    let _p = register(&b, producer("p1")).await;
-    let _c = register(&b, consumer("c1")).await;
+/// A producer and a consumer, two scheduler replicas, and job "before" already assigned.
+async fn two_schedulers_and_an_assigned_job(
+    b: &Backend,
+) -> ([Registration; 2], [Scheduler; 2], JobStore) {
+    let nodes = [
+        register(b, producer("p1")).await,
+        register(b, consumer("c1")).await,
+    ];
     let config = scheduler_config(Duration::from_secs(3600));
     let s1 = Scheduler::start(b.client().await, b.keys.clone(), "s1", config.clone())
         .await
@@ -372,6 +377,11 @@ async fn scheduler_failover_keeps_assigning(b: Backend) {
         jobs.get("before").await.unwrap().unwrap().state == JobState::Assigned
     })
     .await;
+    (nodes, [s1, s2], jobs)
+}
+
+async fn scheduler_failover_keeps_assigning(b: Backend) {
+    let (_nodes, [s1, s2], jobs) = two_schedulers_and_an_assigned_job(&b).await;
     let (leader, follower) = if s1.is_leader() { (s1, s2) } else { (s2, s1) };
     drop(leader);
     within("the follower takes over", async {
@@ -512,23 +522,7 @@ on_both_stores!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_restart_keeps_jobs_and_scheduling_resumes() {
     let mut b = Backend::etcd().await;
-    let _p = register(&b, producer("p1")).await;
-    let _c = register(&b, consumer("c1")).await;
-    let config = scheduler_config(Duration::from_secs(3600));
-    let s1 = Scheduler::start(b.client().await, b.keys.clone(), "s1", config.clone())
-        .await
-        .unwrap();
-    let s2 = Scheduler::start(b.client().await, b.keys.clone(), "s2", config)
-        .await
-        .unwrap();
-    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("before", "sotu", "scd", 3))
-        .await
-        .unwrap();
-    eventually("assigned", || async {
-        jobs.get("before").await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    let (_nodes, [s1, s2], jobs) = two_schedulers_and_an_assigned_job(&b).await;
     let assigned = jobs.get("before").await.unwrap().unwrap();
 
     b.etcd.as_mut().unwrap().restart().await.unwrap();
