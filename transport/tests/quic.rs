@@ -33,6 +33,11 @@ fn frame(job: JobId, layer: u16, kind: CodeKind, len: usize) -> CodeFrame {
     }
 }
 
+/// A server endpoint on loopback with a node certificate "node-a" from `ca`.
+fn serve_as_node_a(ca: &ClusterCa, opts: TransportOptions) -> Endpoint {
+    Endpoint::bind(local(), &ca.issue("node-a", Role::Node).unwrap(), opts).unwrap()
+}
+
 struct Pair {
     server: Endpoint,
     client: Endpoint,
@@ -47,12 +52,7 @@ async fn pair_with(
     server_opts: TransportOptions,
     client_opts: TransportOptions,
 ) -> Pair {
-    let server = Endpoint::bind(
-        local(),
-        &ca.issue("node-a", Role::Node).unwrap(),
-        server_opts,
-    )
-    .unwrap();
+    let server = serve_as_node_a(ca, server_opts);
     let client = Endpoint::bind(
         local(),
         &ca.issue("node-b", Role::Node).unwrap(),
@@ -96,12 +96,7 @@ async fn expect_client_refused(
     client_id: &Identity,
     server_ca: &ClusterCa,
 ) -> (ConnectError, AcceptError) {
-    let server = Endpoint::bind(
-        local(),
-        &server_ca.issue("node-a", Role::Node).unwrap(),
-        TransportOptions::default(),
-    )
-    .unwrap();
+    let server = serve_as_node_a(server_ca, TransportOptions::default());
     let client = Endpoint::client(local(), client_id, TransportOptions::default()).unwrap();
     let addr = server.local_addr().unwrap();
     let s = server.clone();
@@ -242,12 +237,7 @@ async fn a_certificate_from_another_ca_is_refused_at_the_handshake() {
 async fn a_client_without_a_certificate_is_refused() {
     use quinn::crypto::rustls::QuicClientConfig;
     let ca = ClusterCa::generate("test").unwrap();
-    let server = Endpoint::bind(
-        local(),
-        &ca.issue("node-a", Role::Node).unwrap(),
-        TransportOptions::default(),
-    )
-    .unwrap();
+    let server = serve_as_node_a(&ca, TransportOptions::default());
     let addr = server.local_addr().unwrap();
     let s = server.clone();
     let accept = tokio::spawn(async move { s.accept().await.unwrap().complete().await });
@@ -280,12 +270,7 @@ async fn a_client_without_a_certificate_is_refused() {
 #[tokio::test]
 async fn another_protocol_version_fails_with_a_clear_error() {
     let ca = ClusterCa::generate("test").unwrap();
-    let server = Endpoint::bind(
-        local(),
-        &ca.issue("node-a", Role::Node).unwrap(),
-        TransportOptions::default(),
-    )
-    .unwrap();
+    let server = serve_as_node_a(&ca, TransportOptions::default());
     let future = TransportOptions {
         protocol_version: 2,
         ..TransportOptions::default()
@@ -315,12 +300,7 @@ async fn admin_certificates_connect_but_cannot_serve() {
         Endpoint::bind(local(), &admin, TransportOptions::default()),
         Err(scd_transport::BindError::CannotServe(Role::Admin))
     ));
-    let server = Endpoint::bind(
-        local(),
-        &ca.issue("node-a", Role::Node).unwrap(),
-        TransportOptions::default(),
-    )
-    .unwrap();
+    let server = serve_as_node_a(&ca, TransportOptions::default());
     let client = Endpoint::client(local(), &admin, TransportOptions::default()).unwrap();
     let addr = server.local_addr().unwrap();
     let s = server.clone();
@@ -731,7 +711,7 @@ async fn the_receiver_rejects_a_bad_frame_from_the_wire() {
         max_frame_bytes: 1 << 20,
         ..TransportOptions::default()
     };
-    let server = Endpoint::bind(local(), &ca.issue("node-a", Role::Node).unwrap(), opts).unwrap();
+    let server = serve_as_node_a(&ca, opts);
     let s = server.clone();
     let accept = tokio::spawn(async move { s.accept().await.unwrap().complete().await });
     let raw = raw_client(&ca, &server).await;
