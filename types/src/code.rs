@@ -1,0 +1,185 @@
+//! A layer's codes as plain data: what the producer's codec emits, what a code frame carries and
+//! what the consumer's codec reads, without tensors.
+
+use rkyv::{Archive, Deserialize as RkyvDeserialize, Serialize as RkyvSerialize};
+
+/// What a layer code holds. A `u8` with named values rather than a Rust enum, so that a newer
+/// peer's kinds still pass validation (the codec decides what to do with a kind it does not
+/// know).
+#[derive(
+    Archive,
+    RkyvSerialize,
+    RkyvDeserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct CodeKind(pub u8);
+
+impl CodeKind {
+    /// Reuse code for keys (`Z_K`).
+    pub const REUSE_K: CodeKind = CodeKind(0);
+    /// Reuse code for values (`Z_V`).
+    pub const REUSE_V: CodeKind = CodeKind(1);
+    /// Patch code for the attention input (`Z_H`).
+    pub const PATCH_H: CodeKind = CodeKind(2);
+    /// Raw keys (before RoPE).
+    pub const RAW_K: CodeKind = CodeKind(3);
+    /// Raw values.
+    pub const RAW_V: CodeKind = CodeKind(4);
+    /// A raw hidden state (the residual stream entering a layer).
+    pub const HIDDEN: CodeKind = CodeKind(5);
+    /// Quantised keys.
+    pub const QUANT_K: CodeKind = CodeKind(6);
+    /// Quantised values.
+    pub const QUANT_V: CodeKind = CodeKind(7);
+    /// Scales or other side data that go with a quantised or coded tensor.
+    pub const AUX: CodeKind = CodeKind(8);
+
+    /// A short name for logs; `None` for a kind this version does not know.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self {
+            Self::REUSE_K => "reuse_k",
+            Self::REUSE_V => "reuse_v",
+            Self::PATCH_H => "patch_h",
+            Self::RAW_K => "raw_k",
+            Self::RAW_V => "raw_v",
+            Self::HIDDEN => "hidden",
+            Self::QUANT_K => "quant_k",
+            Self::QUANT_V => "quant_v",
+            Self::AUX => "aux",
+            _ => return None,
+        })
+    }
+}
+
+/// The element type of a layer code's bytes. A `u8` with named values, for the same reason as
+/// [`CodeKind`].
+#[derive(
+    Archive,
+    RkyvSerialize,
+    RkyvDeserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct CodeDType(pub u8);
+
+impl CodeDType {
+    /// IEEE f32, little-endian.
+    pub const F32: CodeDType = CodeDType(0);
+    /// IEEE f16, little-endian.
+    pub const F16: CodeDType = CodeDType(1);
+    /// bfloat16, little-endian.
+    pub const BF16: CodeDType = CodeDType(2);
+    /// Unsigned bytes.
+    pub const U8: CodeDType = CodeDType(3);
+    /// Signed bytes.
+    pub const I8: CodeDType = CodeDType(4);
+    /// u32, little-endian.
+    pub const U32: CodeDType = CodeDType(5);
+    /// Packed 4-bit values, two per byte, low nibble first.
+    pub const Q4: CodeDType = CodeDType(6);
+
+    /// Bits per element; `None` for a dtype this version does not know.
+    pub fn bits(self) -> Option<usize> {
+        Some(match self {
+            Self::F32 | Self::U32 => 32,
+            Self::F16 | Self::BF16 => 16,
+            Self::U8 | Self::I8 => 8,
+            Self::Q4 => 4,
+            _ => return None,
+        })
+    }
+
+    /// A short name for logs; `None` for a dtype this version does not know.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::U8 => "u8",
+            Self::I8 => "i8",
+            Self::U32 => "u32",
+            Self::Q4 => "q4",
+            _ => return None,
+        })
+    }
+}
+
+/// One tensor of one layer's codes: a typed description and its bytes (row-major,
+/// little-endian). A codec's payload for a prompt is a list of these, in layer order, and its
+/// size on the wire is the sum of their byte lengths plus the frame headers.
+#[derive(Archive, RkyvSerialize, RkyvDeserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct LayerCode {
+    /// The transformer layer.
+    pub layer: u16,
+    /// What the bytes hold.
+    pub kind: CodeKind,
+    /// Element type of the bytes.
+    pub dtype: CodeDType,
+    /// The tensor's shape, outermost first.
+    pub shape: Vec<u32>,
+    /// The tensor's bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl LayerCode {
+    /// The byte length implied by shape and dtype; `None` when the dtype is unknown or the
+    /// length overflows.
+    pub fn expected_len(dtype: CodeDType, shape: &[u32]) -> Option<usize> {
+        let bits = dtype.bits()?;
+        let mut n: usize = 1;
+        for &d in shape {
+            n = n.checked_mul(d as usize)?;
+        }
+        Some(n.checked_mul(bits)?.div_ceil(8))
+    }
+
+    /// Whether the bytes are exactly as long as shape and dtype say.
+    pub fn is_consistent(&self) -> bool {
+        Self::expected_len(self.dtype, &self.shape) == Some(self.bytes.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expected_len_counts_bits_and_refuses_overflow() {
+        assert_eq!(LayerCode::expected_len(CodeDType::F16, &[3, 4]), Some(24));
+        assert_eq!(LayerCode::expected_len(CodeDType::Q4, &[3]), Some(2));
+        assert_eq!(LayerCode::expected_len(CodeDType(99), &[1]), None);
+        assert_eq!(
+            LayerCode::expected_len(CodeDType::F32, &[u32::MAX, u32::MAX, u32::MAX]),
+            None
+        );
+        let c = LayerCode {
+            layer: 0,
+            kind: CodeKind::RAW_K,
+            dtype: CodeDType::BF16,
+            shape: vec![2, 2],
+            bytes: vec![0; 8],
+        };
+        assert!(c.is_consistent());
+        assert!(!LayerCode {
+            bytes: vec![0; 7],
+            ..c
+        }
+        .is_consistent());
+    }
+}

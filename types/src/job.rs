@@ -1,0 +1,278 @@
+//! A job's identity and the state machine of its life.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rkyv::{Archive, Deserialize as RkyvDeserialize, Serialize as RkyvSerialize};
+use serde::{Deserialize, Serialize};
+
+/// A job's id: 128 random bits, written as 32 lower-case hex digits everywhere (records, keys,
+/// logs, the command line) and as a `u128` on the wire.
+#[derive(
+    Archive,
+    RkyvSerialize,
+    RkyvDeserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+pub struct JobId(u128);
+
+impl JobId {
+    /// A fresh random id.
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+
+    /// The id with these 128 bits.
+    pub const fn from_u128(bits: u128) -> Self {
+        Self(bits)
+    }
+
+    /// The id's 128 bits.
+    pub const fn as_u128(self) -> u128 {
+        self.0
+    }
+}
+
+impl ArchivedJobId {
+    /// The id this archive holds (every bit pattern is a valid id).
+    pub fn get(&self) -> JobId {
+        JobId(self.0.to_native())
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// A job id string that is not 1 to 32 hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("job id {0:?} is not 1 to 32 hex digits")]
+pub struct ParseJobIdError(String);
+
+impl FromStr for JobId {
+    type Err = ParseJobIdError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // from_str_radix alone would accept a leading '+'.
+        if s.is_empty() || s.len() > 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ParseJobIdError(s.to_owned()));
+        }
+        u128::from_str_radix(s, 16)
+            .map(JobId)
+            .map_err(|_| ParseJobIdError(s.to_owned()))
+    }
+}
+
+impl Serialize for JobId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for JobId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Where a job is. The same states in the store's records, in status messages on the wire and
+/// on the command line.
+#[derive(
+    Archive,
+    RkyvSerialize,
+    RkyvDeserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting for a producer and a consumer.
+    Queued,
+    /// Producer and consumer chosen.
+    Assigned,
+    /// The producer runs the base model's prefill.
+    Prefilling,
+    /// Codes stream to the consumer.
+    Transferring,
+    /// The consumer decodes.
+    Decoding,
+    /// Finished with an answer.
+    Done,
+    /// Finished without one.
+    Failed,
+    /// Stopped on request before it finished.
+    Cancelled,
+}
+
+impl JobState {
+    /// Every state, in pipeline order, then the two other ends.
+    pub const ALL: [JobState; 8] = [
+        JobState::Queued,
+        JobState::Assigned,
+        JobState::Prefilling,
+        JobState::Transferring,
+        JobState::Decoding,
+        JobState::Done,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    /// Whether a job may go from `self` to `next`: forward one step along the pipeline, back to
+    /// `Queued` from any running state (a retry), or to `Failed` or `Cancelled` from any
+    /// unfinished state.
+    pub fn can_transition_to(self, next: JobState) -> bool {
+        use JobState::*;
+        matches!(
+            (self, next),
+            (Queued, Assigned)
+                | (Assigned, Prefilling)
+                | (Prefilling, Transferring)
+                | (Transferring, Decoding)
+                | (Decoding, Done)
+                | (Assigned | Prefilling | Transferring | Decoding, Queued)
+                | (
+                    Queued | Assigned | Prefilling | Transferring | Decoding,
+                    Failed | Cancelled
+                )
+        )
+    }
+
+    /// Done, failed or cancelled: nothing will change it again.
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            JobState::Done | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// A producer or consumer is working on it.
+    pub fn is_running(self) -> bool {
+        matches!(
+            self,
+            JobState::Assigned | JobState::Prefilling | JobState::Transferring | JobState::Decoding
+        )
+    }
+
+    /// The name used in records, logs and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Assigned => "assigned",
+            JobState::Prefilling => "prefilling",
+            JobState::Transferring => "transferring",
+            JobState::Decoding => "decoding",
+            JobState::Done => "done",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A job state name that is not one of [`JobState::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown job state {0:?} (known: queued, assigned, prefilling, transferring, decoding, done, failed, cancelled)")]
+pub struct ParseJobStateError(String);
+
+impl FromStr for JobState {
+    type Err = ParseJobStateError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        JobState::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| ParseJobStateError(s.to_owned()))
+    }
+}
+
+impl ArchivedJobState {
+    /// The state this archive holds.
+    pub fn get(&self) -> JobState {
+        match self {
+            ArchivedJobState::Queued => JobState::Queued,
+            ArchivedJobState::Assigned => JobState::Assigned,
+            ArchivedJobState::Prefilling => JobState::Prefilling,
+            ArchivedJobState::Transferring => JobState::Transferring,
+            ArchivedJobState::Decoding => JobState::Decoding,
+            ArchivedJobState::Done => JobState::Done,
+            ArchivedJobState::Failed => JobState::Failed,
+            ArchivedJobState::Cancelled => JobState::Cancelled,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_id_text_form_round_trips_and_is_validated() {
+        let id = JobId::from_u128(0xabc);
+        assert_eq!(id.to_string(), "00000000000000000000000000000abc");
+        assert_eq!(id.to_string().parse::<JobId>().unwrap(), id);
+        assert_eq!("ABC".parse::<JobId>().unwrap(), id);
+        for bad in ["", "+abc", "xyz", "0123456789abcdef0123456789abcdef0", " 1"] {
+            assert!(bad.parse::<JobId>().is_err(), "{bad:?} parsed");
+        }
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(json, "\"00000000000000000000000000000abc\"");
+        assert_eq!(serde_json::from_str::<JobId>(&json).unwrap(), id);
+        assert!(serde_json::from_str::<JobId>("\"not hex\"").is_err());
+        assert_ne!(JobId::random(), JobId::random());
+    }
+
+    #[test]
+    fn job_id_survives_the_wire_form() {
+        let id = JobId::random();
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&id).unwrap();
+        let archived = rkyv::access::<ArchivedJobId, rkyv::rancor::Error>(&bytes).unwrap();
+        assert_eq!(archived.get(), id);
+    }
+
+    #[test]
+    fn state_machine_moves_forward_retries_and_ends() {
+        use JobState::*;
+        assert!(Queued.can_transition_to(Assigned));
+        assert!(Decoding.can_transition_to(Done));
+        assert!(Transferring.can_transition_to(Queued));
+        assert!(Queued.can_transition_to(Cancelled));
+        assert!(!Queued.can_transition_to(Done));
+        for end in [Done, Failed, Cancelled] {
+            assert!(end.is_finished());
+            for next in JobState::ALL {
+                assert!(!end.can_transition_to(next), "{end} -> {next}");
+            }
+        }
+        for st in JobState::ALL {
+            assert_eq!(st.as_str().parse::<JobState>().unwrap(), st);
+            let json = serde_json::to_string(&st).unwrap();
+            assert_eq!(json, format!("\"{st}\""));
+        }
+        assert!("running".parse::<JobState>().is_err());
+    }
+}

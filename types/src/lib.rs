@@ -1,0 +1,24 @@
+//! The vocabulary every scd crate shares, so that a job id, a job state, a transfer mode, a
+//! translator hash, a trace context or a layer code has one type from the CLI to the wire to
+//! the store, validated once where it enters the system.
+//!
+//! Plain data only: no tensors, no sockets, no store. Each type has one text form (for JSON,
+//! logs and command lines, through `Display`/`FromStr` and serde) and one binary form (rkyv,
+//! for the wire).
+//!
+//! Files: [`job`] (job id and state machine), [`mode`] (the transfer modes), [`translator`] (the
+//! content hash that names a translator version), [`trace`] (the propagated trace context),
+//! [`code`] (a layer's codes as bytes plus a typed description).
+#![warn(missing_docs)]
+
+pub mod code;
+pub mod job;
+pub mod mode;
+pub mod trace;
+pub mod translator;
+
+pub use code::{CodeDType, CodeKind, LayerCode};
+pub use job::{JobId, JobState, ParseJobIdError, ParseJobStateError};
+pub use mode::{Mode, ParseModeError};
+pub use trace::{TraceContext, TraceContextError, TraceEntry};
+pub use translator::{ParseTranslatorHashError, TranslatorHash};

@@ -1,0 +1,127 @@
+//! How a prompt's state reaches the expert that decodes it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rkyv::{Archive, Deserialize as RkyvDeserialize, Serialize as RkyvSerialize};
+use serde::{Deserialize, Serialize};
+
+/// A transfer mode. Every mode runs through the same job path, so that they compare like with
+/// like (see `docs/method.md` in the shared docs for what each one is).
+#[derive(
+    Archive,
+    RkyvSerialize,
+    RkyvDeserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+)]
+#[rkyv(derive(Debug, PartialEq, Eq))]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// No transfer: the expert runs its own prefill (the reference).
+    Oracle,
+    /// The base model's KV cache in bf16, used as is.
+    Raw,
+    /// The base model's KV cache quantised to 4 bits (KIVI-style groups with scales).
+    Q4,
+    /// Raw KV for most layers; a few layer blocks recomputed by the expert from the base's
+    /// hidden state at the block's entry (DroidSpeak-style).
+    #[serde(rename = "droidspeak")]
+    DroidSpeak,
+    /// SCD Reuse on every layer: low-rank codes decoded into the expert's feature space.
+    Reuse,
+    /// SCD: Reuse on most layers, Patch on a few critical ones.
+    Scd,
+}
+
+impl Mode {
+    /// Every mode, the reference first.
+    pub const ALL: [Mode; 6] = [
+        Mode::Oracle,
+        Mode::Raw,
+        Mode::Q4,
+        Mode::DroidSpeak,
+        Mode::Reuse,
+        Mode::Scd,
+    ];
+
+    /// The name used on the command line, in records and in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Oracle => "oracle",
+            Mode::Raw => "raw",
+            Mode::Q4 => "q4",
+            Mode::DroidSpeak => "droidspeak",
+            Mode::Reuse => "reuse",
+            Mode::Scd => "scd",
+        }
+    }
+
+    /// Whether the mode needs a translator calibrated for the model pair.
+    pub fn needs_translator(self) -> bool {
+        matches!(self, Mode::Reuse | Mode::Scd)
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A mode name nobody implements.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown transfer mode {0:?} (known: oracle, raw, q4, droidspeak, reuse, scd)")]
+pub struct ParseModeError(String);
+
+impl FromStr for Mode {
+    type Err = ParseModeError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| ParseModeError(s.to_owned()))
+    }
+}
+
+impl ArchivedMode {
+    /// The mode this archive holds.
+    pub fn get(&self) -> Mode {
+        match self {
+            ArchivedMode::Oracle => Mode::Oracle,
+            ArchivedMode::Raw => Mode::Raw,
+            ArchivedMode::Q4 => Mode::Q4,
+            ArchivedMode::DroidSpeak => Mode::DroidSpeak,
+            ArchivedMode::Reuse => Mode::Reuse,
+            ArchivedMode::Scd => Mode::Scd,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_in_every_form() {
+        for m in Mode::ALL {
+            assert_eq!(m.as_str().parse::<Mode>().unwrap(), m);
+            assert_eq!(serde_json::to_string(&m).unwrap(), format!("\"{m}\""));
+            let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&m).unwrap();
+            let a = rkyv::access::<ArchivedMode, rkyv::rancor::Error>(&bytes).unwrap();
+            assert_eq!(a.get(), m);
+        }
+        let err = "reuse-only".parse::<Mode>().unwrap_err().to_string();
+        assert!(err.contains("known: oracle"), "{err}");
+        assert!(Mode::Scd.needs_translator() && !Mode::Q4.needs_translator());
+    }
+}
