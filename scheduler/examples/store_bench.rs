@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use scd_scheduler::jobs::JobRecord;
 use scd_scheduler::{
-    Candidate, ElectionConfig, EmbeddedStore, EtcdServer, JobStore, Keys, MetaStore,
+    Candidate, ElectionConfig, EmbeddedStore, EtcdServer, JobId, JobStore, Keys, MetaStore, Mode,
 };
 
 const OPS: usize = 500;
@@ -32,13 +32,14 @@ async fn bench(name: &str, store: Arc<dyn MetaStore>, clients: Vec<Arc<dyn MetaS
         puts.push(t.elapsed());
     }
     let jobs = JobStore::new(store.clone(), keys.clone());
-    jobs.create(&JobRecord::new("j", "e", "scd", 3))
+    let (single, contended_id) = (JobId::random(), JobId::random());
+    jobs.create(&JobRecord::new(single, "e", Mode::Scd, 3))
         .await
         .expect("create");
     let mut updates = Vec::with_capacity(OPS);
     for i in 0..OPS {
         let t = Instant::now();
-        jobs.update("j", |j| {
+        jobs.update(single, |j| {
             j.payload_bytes = i as u64;
             Ok(())
         })
@@ -46,7 +47,7 @@ async fn bench(name: &str, store: Arc<dyn MetaStore>, clients: Vec<Arc<dyn MetaS
         .expect("update");
         updates.push(t.elapsed());
     }
-    jobs.create(&JobRecord::new("c", "e", "scd", 3))
+    jobs.create(&JobRecord::new(contended_id, "e", Mode::Scd, 3))
         .await
         .expect("create");
     let per_writer = OPS / clients.len();
@@ -56,7 +57,7 @@ async fn bench(name: &str, store: Arc<dyn MetaStore>, clients: Vec<Arc<dyn MetaS
         let jobs = JobStore::new(client.clone(), keys.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..per_writer {
-                jobs.update("c", |j| {
+                jobs.update(contended_id, |j| {
                     j.timings_ms.insert(format!("{w}-{i}"), 0.0);
                     Ok(())
                 })
@@ -71,7 +72,7 @@ async fn bench(name: &str, store: Arc<dyn MetaStore>, clients: Vec<Arc<dyn MetaS
     let contended = t.elapsed();
     let total = per_writer * clients.len();
     let kept = jobs
-        .get("c")
+        .get(contended_id)
         .await
         .expect("get")
         .expect("job")

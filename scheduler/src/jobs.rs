@@ -1,102 +1,20 @@
-//! Durable job records: a state machine as pure code ([`JobState`], [`JobRecord`]) and a
-//! [`JobStore`] that applies every change as a compare-and-swap on the record's revision, so
-//! concurrent writers (producer, consumer, leader) never overwrite each other's updates.
+//! Durable job records: the record and its changes as pure code ([`JobRecord`], driven by the
+//! state machine of [`JobState`] from `scd-types`) and a [`JobStore`] that applies every change
+//! as a compare-and-swap on the record's revision, so concurrent writers (producer, consumer,
+//! leader, a user cancelling) never overwrite each other's updates.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use scd_types::{JobId, JobState, Mode, TraceContext};
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, CodecError};
-use crate::keys::{InvalidId, Keys};
+use crate::keys::Keys;
 use crate::leader::LeaderGuard;
 use crate::store::{Compare, MetaStore, StoreError, Txn, TxnOp};
 use crate::translators::backoff;
-
-/// Where a job is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum JobState {
-    /// Waiting for a producer and a consumer.
-    Queued,
-    /// Producer and consumer chosen.
-    Assigned,
-    /// The producer runs the base model's prefill.
-    Prefilling,
-    /// Codes stream to the consumer.
-    Transferring,
-    /// The consumer decodes.
-    Decoding,
-    /// Finished with an answer.
-    Done,
-    /// Finished without one.
-    Failed,
-}
-
-impl JobState {
-    /// Every state, in pipeline order.
-    pub const ALL: [JobState; 7] = [
-        JobState::Queued,
-        JobState::Assigned,
-        JobState::Prefilling,
-        JobState::Transferring,
-        JobState::Decoding,
-        JobState::Done,
-        JobState::Failed,
-    ];
-
-    /// Whether a job may go from `self` to `next`: forward one step along the pipeline, back to
-    /// `Queued` from any running state (a retry), or to `Failed` from any unfinished state.
-    pub fn can_transition_to(self, next: JobState) -> bool {
-        use JobState::*;
-        matches!(
-            (self, next),
-            (Queued, Assigned)
-                | (Assigned, Prefilling)
-                | (Prefilling, Transferring)
-                | (Transferring, Decoding)
-                | (Decoding, Done)
-                | (Assigned | Prefilling | Transferring | Decoding, Queued)
-                | (
-                    Queued | Assigned | Prefilling | Transferring | Decoding,
-                    Failed
-                )
-        )
-    }
-
-    /// Done or failed.
-    pub fn is_finished(self) -> bool {
-        matches!(self, JobState::Done | JobState::Failed)
-    }
-
-    /// A producer or consumer is working on it.
-    pub fn is_running(self) -> bool {
-        matches!(
-            self,
-            JobState::Assigned | JobState::Prefilling | JobState::Transferring | JobState::Decoding
-        )
-    }
-
-    /// The name used in records and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "queued",
-            JobState::Assigned => "assigned",
-            JobState::Prefilling => "prefilling",
-            JobState::Transferring => "transferring",
-            JobState::Decoding => "decoding",
-            JobState::Done => "done",
-            JobState::Failed => "failed",
-        }
-    }
-}
-
-impl std::fmt::Display for JobState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// One state change in a job's life.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,13 +32,18 @@ pub struct StateEntry {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobRecord {
     /// Job id.
-    pub id: String,
+    pub id: JobId,
     /// Expert model that answers.
     pub expert: String,
-    /// Transfer mode (oracle, raw, q4, droidspeak, reuse-only, scd).
-    pub mode: String,
+    /// How the prompt's state reaches the expert.
+    pub mode: Mode,
     /// Current state.
     pub state: JobState,
+    /// The trace context of the request that created the job, so that the spans of every node
+    /// that works on it join one trace (empty: no trace). Records written before the field
+    /// existed read as empty.
+    #[serde(default)]
+    pub trace: TraceContext,
     /// Producer node, once assigned.
     #[serde(default)]
     pub producer: Option<String>,
@@ -146,7 +69,7 @@ pub struct JobRecord {
     /// Bytes of codes sent.
     #[serde(default)]
     pub payload_bytes: u64,
-    /// Why it failed, or why the last attempt was abandoned.
+    /// Why it failed or was cancelled, or why the last attempt was abandoned.
     #[serde(default)]
     pub error: Option<String>,
     /// Creation time (ms since the Unix epoch).
@@ -158,9 +81,6 @@ pub struct JobRecord {
 /// Errors of job operations.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
-    /// The job id is not a valid key segment.
-    #[error(transparent)]
-    InvalidId(#[from] InvalidId),
     /// The store failed.
     #[error("job store operation failed: {0}")]
     Store(#[from] StoreError),
@@ -171,7 +91,7 @@ pub enum JobError {
     #[error("job {id}: cannot go from {from} to {to}")]
     InvalidTransition {
         /// Job id.
-        id: String,
+        id: JobId,
         /// Current state.
         from: JobState,
         /// Requested state.
@@ -179,21 +99,21 @@ pub enum JobError {
     },
     /// No such job.
     #[error("job {0} not found")]
-    NotFound(String),
+    NotFound(JobId),
     /// A job with this id exists already.
     #[error("job {0} already exists")]
-    AlreadyExists(String),
+    AlreadyExists(JobId),
     /// Too many concurrent writers; the compare-and-swap kept losing.
     #[error("job {id}: gave up after {attempts} conflicting updates")]
     Contention {
         /// Job id.
-        id: String,
+        id: JobId,
         /// Attempts made.
         attempts: u32,
     },
     /// A leader-only write found that this replica no longer leads.
     #[error("not the leader any more; write to job {0} dropped")]
-    NotLeader(String),
+    NotLeader(JobId),
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -204,19 +124,17 @@ pub fn now_ms() -> u64 {
 }
 
 impl JobRecord {
-    /// A new queued job.
-    pub fn new(
-        id: impl Into<String>,
-        expert: impl Into<String>,
-        mode: impl Into<String>,
-        max_attempts: u32,
-    ) -> Self {
+    /// A new queued job without a trace. The id is the caller's (a client that picks its own
+    /// id can retry a submit and learn from [`JobError::AlreadyExists`] that the first one
+    /// landed) or [`JobId::random`].
+    pub fn new(id: JobId, expert: impl Into<String>, mode: Mode, max_attempts: u32) -> Self {
         let now = now_ms();
         Self {
-            id: id.into(),
+            id,
             expert: expert.into(),
-            mode: mode.into(),
+            mode,
             state: JobState::Queued,
+            trace: TraceContext::new(),
             producer: None,
             consumer: None,
             attempts: 0,
@@ -236,11 +154,17 @@ impl JobRecord {
         }
     }
 
+    /// The same job carrying `trace`.
+    pub fn with_trace(mut self, trace: TraceContext) -> Self {
+        self.trace = trace;
+        self
+    }
+
     /// Moves to `next` if the state machine allows it.
     pub fn transition(&mut self, next: JobState, at_ms: u64) -> Result<(), JobError> {
         if !self.state.can_transition_to(next) {
             return Err(JobError::InvalidTransition {
-                id: self.id.clone(),
+                id: self.id,
                 from: self.state,
                 to: next,
             });
@@ -259,7 +183,7 @@ impl JobRecord {
     pub fn assign(&mut self, producer: &str, consumer: &str, at_ms: u64) -> Result<(), JobError> {
         if self.state != JobState::Queued {
             return Err(JobError::InvalidTransition {
-                id: self.id.clone(),
+                id: self.id,
                 from: self.state,
                 to: JobState::Assigned,
             });
@@ -281,7 +205,7 @@ impl JobRecord {
     ) -> Result<(), JobError> {
         if !self.state.is_running() {
             return Err(JobError::InvalidTransition {
-                id: self.id.clone(),
+                id: self.id,
                 from: self.state,
                 to: JobState::Queued,
             });
@@ -304,6 +228,23 @@ impl JobRecord {
     pub fn fail(&mut self, reason: &str, at_ms: u64) -> Result<(), JobError> {
         self.error = Some(reason.to_string());
         self.transition(JobState::Failed, at_ms)
+    }
+
+    /// Cancels an unfinished job. Cancelling a cancelled job changes nothing (a user may repeat
+    /// the request); a job that is done or failed cannot be cancelled.
+    pub fn cancel(&mut self, reason: &str, at_ms: u64) -> Result<(), JobError> {
+        if self.state == JobState::Cancelled {
+            return Ok(());
+        }
+        if !self.state.can_transition_to(JobState::Cancelled) {
+            return Err(JobError::InvalidTransition {
+                id: self.id,
+                from: self.state,
+                to: JobState::Cancelled,
+            });
+        }
+        self.error = Some(reason.to_string());
+        self.transition(JobState::Cancelled, at_ms)
     }
 
     /// Time spent in each state so far, summed over attempts, in milliseconds.
@@ -344,20 +285,20 @@ impl JobStore {
 
     /// Creates a job record; fails if the id is taken.
     pub async fn create(&self, job: &JobRecord) -> Result<(), JobError> {
-        let key = self.keys.job(&job.id)?;
+        let key = self.keys.job(job.id);
         let txn = Txn::new()
             .when([Compare::absent(key.clone())])
             .and_then([TxnOp::put(key, codec::encode(job)?)]);
         if self.store.txn(txn).await?.succeeded {
             Ok(())
         } else {
-            Err(JobError::AlreadyExists(job.id.clone()))
+            Err(JobError::AlreadyExists(job.id))
         }
     }
 
     /// Reads a job.
-    pub async fn get(&self, id: &str) -> Result<Option<JobRecord>, JobError> {
-        let key = self.keys.job(id)?;
+    pub async fn get(&self, id: JobId) -> Result<Option<JobRecord>, JobError> {
+        let key = self.keys.job(id);
         match self.store.get(&key).await? {
             Some(kv) => Ok(Some(codec::decode(&kv.key, &kv.value)?)),
             None => Ok(None),
@@ -383,7 +324,7 @@ impl JobStore {
     /// change that leaves the record as it was writes nothing.
     pub async fn update(
         &self,
-        id: &str,
+        id: JobId,
         change: impl FnMut(&mut JobRecord) -> Result<(), JobError>,
     ) -> Result<JobRecord, JobError> {
         self.update_inner(id, None, change).await
@@ -392,7 +333,7 @@ impl JobStore {
     /// Like [`JobStore::update`], but only while `guard`'s leadership holds.
     pub async fn update_as_leader(
         &self,
-        id: &str,
+        id: JobId,
         guard: &LeaderGuard,
         change: impl FnMut(&mut JobRecord) -> Result<(), JobError>,
     ) -> Result<JobRecord, JobError> {
@@ -400,20 +341,31 @@ impl JobStore {
     }
 
     /// Moves a job to `next` (checked by the state machine), recording the time.
-    pub async fn transition(&self, id: &str, next: JobState) -> Result<JobRecord, JobError> {
+    pub async fn transition(&self, id: JobId, next: JobState) -> Result<JobRecord, JobError> {
         self.update(id, |job| job.transition(next, now_ms())).await
+    }
+
+    /// Fails an unfinished job with `reason` (see [`JobRecord::fail`]).
+    pub async fn fail(&self, id: JobId, reason: &str) -> Result<JobRecord, JobError> {
+        self.update(id, |job| job.fail(reason, now_ms())).await
+    }
+
+    /// Cancels an unfinished job with `reason` (see [`JobRecord::cancel`]). A producer or
+    /// consumer working on it learns of it by watching the record.
+    pub async fn cancel(&self, id: JobId, reason: &str) -> Result<JobRecord, JobError> {
+        self.update(id, |job| job.cancel(reason, now_ms())).await
     }
 
     async fn update_inner(
         &self,
-        id: &str,
+        id: JobId,
         guard: Option<&LeaderGuard>,
         mut change: impl FnMut(&mut JobRecord) -> Result<(), JobError>,
     ) -> Result<JobRecord, JobError> {
-        let key = self.keys.job(id)?;
+        let key = self.keys.job(id);
         for attempt in 0..self.max_attempts {
             let Some(kv) = self.store.get(&key).await? else {
-                return Err(JobError::NotFound(id.to_string()));
+                return Err(JobError::NotFound(id));
             };
             let before: JobRecord = codec::decode(&kv.key, &kv.value)?;
             let mut job = before.clone();
@@ -433,13 +385,13 @@ impl JobStore {
             }
             if let Some(guard) = guard {
                 if !self.still_leader(guard).await? {
-                    return Err(JobError::NotLeader(id.to_string()));
+                    return Err(JobError::NotLeader(id));
                 }
             }
             tokio::time::sleep(backoff(attempt)).await;
         }
         Err(JobError::Contention {
-            id: id.to_string(),
+            id,
             attempts: self.max_attempts,
         })
     }
@@ -463,7 +415,7 @@ impl JobStore {
         let mut removed = 0;
         for (job, revision) in self.list().await? {
             if job.state.is_finished() && job.updated_at_ms.saturating_add(retention_ms) <= now_ms {
-                let key = self.keys.job(&job.id)?;
+                let key = self.keys.job(job.id);
                 let txn = Txn::new()
                     .when([Compare::mod_revision(key.clone(), revision)])
                     .and_then([TxnOp::delete(key)]);
@@ -481,45 +433,131 @@ mod tests {
     use super::*;
     use JobState::*;
 
+    fn job(max_attempts: u32) -> JobRecord {
+        JobRecord::new(JobId::from_u128(1), "sotu", Mode::Scd, max_attempts)
+    }
+
+    /// A record driven to `state` along allowed steps.
+    fn job_in(state: JobState) -> JobRecord {
+        let mut j = job(3);
+        let path: &[JobState] = match state {
+            Queued => &[],
+            Assigned => &[Assigned],
+            Prefilling => &[Assigned, Prefilling],
+            Transferring => &[Assigned, Prefilling, Transferring],
+            Decoding => &[Assigned, Prefilling, Transferring, Decoding],
+            Done => &[Assigned, Prefilling, Transferring, Decoding, Done],
+            Failed => &[Failed],
+            Cancelled => &[Cancelled],
+        };
+        for (t, s) in path.iter().enumerate() {
+            j.transition(*s, t as u64).unwrap();
+        }
+        assert_eq!(j.state, state);
+        j
+    }
+
     #[test]
-    fn transitions_exhaustively() {
+    fn the_record_moves_exactly_as_the_state_machine_allows() {
         let allowed = [
             (Queued, Assigned),
             (Queued, Failed),
+            (Queued, Cancelled),
             (Assigned, Prefilling),
             (Assigned, Queued),
             (Assigned, Failed),
+            (Assigned, Cancelled),
             (Prefilling, Transferring),
             (Prefilling, Queued),
             (Prefilling, Failed),
+            (Prefilling, Cancelled),
             (Transferring, Decoding),
             (Transferring, Queued),
             (Transferring, Failed),
+            (Transferring, Cancelled),
             (Decoding, Done),
             (Decoding, Queued),
             (Decoding, Failed),
+            (Decoding, Cancelled),
         ];
         for from in JobState::ALL {
             for to in JobState::ALL {
-                assert_eq!(
-                    from.can_transition_to(to),
-                    allowed.contains(&(from, to)),
-                    "{from} -> {to}"
-                );
+                let mut j = job_in(from);
+                let before = j.clone();
+                let moved = j.transition(to, 99).is_ok();
+                assert_eq!(moved, allowed.contains(&(from, to)), "{from} -> {to}");
+                if moved {
+                    assert_eq!((j.state, j.history.last().map(|h| h.state)), (to, Some(to)));
+                } else {
+                    assert_eq!(j, before, "a refused {from} -> {to} changed the record");
+                }
             }
         }
-        for s in JobState::ALL {
-            assert_eq!(s.is_finished(), matches!(s, Done | Failed));
+    }
+
+    #[test]
+    fn cancel_ends_an_unfinished_job_once() {
+        for from in [Queued, Assigned, Prefilling, Transferring, Decoding] {
+            let mut j = job_in(from);
+            j.cancel("user asked", 50).unwrap();
             assert_eq!(
-                serde_json::to_string(&s).unwrap(),
-                format!("\"{}\"", s.as_str())
+                (j.state, j.error.as_deref()),
+                (Cancelled, Some("user asked"))
             );
+            // Asking again changes nothing, not even the reason.
+            let once = j.clone();
+            j.cancel("asked twice", 60).unwrap();
+            assert_eq!(j, once);
+        }
+        for from in [Done, Failed] {
+            let mut j = job_in(from);
+            let before = j.clone();
+            assert!(matches!(
+                j.cancel("too late", 50),
+                Err(JobError::InvalidTransition { from: f, to: Cancelled, .. }) if f == from
+            ));
+            assert_eq!(j, before);
+        }
+    }
+
+    #[test]
+    fn records_keep_their_json_field_names() {
+        let mut trace = TraceContext::new();
+        trace
+            .insert(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )
+            .unwrap();
+        let j =
+            JobRecord::new(JobId::from_u128(0xab), "sotu", Mode::DroidSpeak, 2).with_trace(trace);
+        let value = serde_json::to_value(&j).unwrap();
+        assert_eq!(value["id"], "000000000000000000000000000000ab");
+        assert_eq!(value["mode"], "droidspeak");
+        assert_eq!(value["state"], "queued");
+        assert_eq!(value["trace"][0]["key"], "traceparent");
+        assert_eq!(serde_json::from_value::<JobRecord>(value).unwrap(), j);
+        // A record written before the trace field existed still reads, with an empty trace.
+        let old = r#"{"id":"00000000000000000000000000000007","expert":"sotu","mode":"scd",
+            "state":"assigned","producer":"p1","consumer":"c1","attempts":1,"max_attempts":3,
+            "created_at_ms":1,"updated_at_ms":2}"#;
+        let old: JobRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(
+            (old.id, old.mode, old.state, old.trace.is_empty()),
+            (JobId::from_u128(7), Mode::Scd, Assigned, true)
+        );
+        // Ids and modes are validated on the way in.
+        for bad in [
+            r#"{"id":"j-1","expert":"e","mode":"scd","state":"queued","attempts":0,"max_attempts":1,"created_at_ms":0,"updated_at_ms":0}"#,
+            r#"{"id":"01","expert":"e","mode":"reuse-only","state":"queued","attempts":0,"max_attempts":1,"created_at_ms":0,"updated_at_ms":0}"#,
+        ] {
+            assert!(serde_json::from_str::<JobRecord>(bad).is_err(), "{bad}");
         }
     }
 
     #[test]
     fn a_job_runs_through_the_pipeline() {
-        let mut job = JobRecord::new("j", "sotu", "scd", 3);
+        let mut job = job(3);
         assert!(matches!(
             job.transition(Prefilling, 1),
             Err(JobError::InvalidTransition { .. })
@@ -543,7 +581,7 @@ mod tests {
 
     #[test]
     fn retries_until_attempts_run_out() {
-        let mut job = JobRecord::new("j", "sotu", "scd", 2);
+        let mut job = job(2);
         job.assign("p1", "c1", 1).unwrap();
         job.transition(Prefilling, 2).unwrap();
         job.retry("producer p1 lost", true, 3).unwrap();

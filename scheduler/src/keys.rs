@@ -1,6 +1,8 @@
 //! Typed builders for the key layout of the cluster state (see docs/architecture.md). Every key
 //! is built here, so a typo cannot invent a new key, and every id is checked to be one path
-//! segment.
+//! segment (a [`JobId`] is one by construction, so job keys cannot fail).
+
+use scd_types::JobId;
 
 /// The default root of every scd key.
 pub const DEFAULT_ROOT: &str = "/scd/v1";
@@ -137,10 +139,9 @@ impl Keys {
         format!("{}/jobs/", self.root)
     }
 
-    /// `<root>/jobs/<job-id>`
-    pub fn job(&self, job_id: &str) -> Result<String, InvalidId> {
-        check_id("job id", job_id)?;
-        Ok(format!("{}{job_id}", self.jobs_prefix()))
+    /// `<root>/jobs/<job-id>`, the id in its 32-hex-digit text form.
+    pub fn job(&self, job_id: JobId) -> String {
+        format!("{}{job_id}", self.jobs_prefix())
     }
 
     /// `<root>/election/<name>` (the scheduler's is `scheduler`).
@@ -174,7 +175,10 @@ mod tests {
             "/scd/v1/translators/base/sotu/active"
         );
         assert_eq!(k.pool("sotu").unwrap(), "/scd/v1/pools/sotu");
-        assert_eq!(k.job("j-1").unwrap(), "/scd/v1/jobs/j-1");
+        assert_eq!(
+            k.job(JobId::from_u128(0xa1)),
+            "/scd/v1/jobs/000000000000000000000000000000a1"
+        );
         assert_eq!(
             k.election("scheduler").unwrap(),
             "/scd/v1/election/scheduler"
@@ -187,7 +191,7 @@ mod tests {
         let k = Keys::default();
         assert!(k.node("").is_err());
         assert!(k.node("a/b").is_err());
-        assert!(k.job("a b").is_err());
+        assert!(k.pool("a b").is_err());
         assert!(k.translator_version("p", "c", ACTIVE).is_err());
         assert!(k.model(&"x".repeat(129)).is_err());
     }

@@ -34,13 +34,14 @@ pub use assign::{
     choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools, ProducerChoice,
 };
 pub use etcd_server::{EtcdServer, EtcdServerError};
-pub use jobs::{JobError, JobRecord, JobState, JobStore};
+pub use jobs::{JobError, JobRecord, JobStore};
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 pub use membership::{
     LiveNodes, NodeInfo, NodeMap, Registration, RegistrationConfig, RegistrationEvent,
 };
 pub use models::{ModelRecord, ModelRegistry};
+pub use scd_types::{JobId, JobState, Mode, TraceContext, TranslatorHash};
 pub use service::{Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
 pub use translators::{

@@ -7,12 +7,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use scd_types::JobState;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
 use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
 use crate::codec::{self, CodecError};
-use crate::jobs::{now_ms, JobError, JobState, JobStore};
+use crate::jobs::{now_ms, JobError, JobStore};
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, LeaderGuard, Leadership};
 use crate::membership::{LiveNodes, MembershipError, NodeMap};
@@ -182,7 +183,7 @@ pub async fn reconcile(
         );
         if let Some((reason, _)) = lost {
             let updated = jobs
-                .update_as_leader(&job.id, guard, |j| {
+                .update_as_leader(job.id, guard, |j| {
                     // Re-check on the fresh record: someone may have moved it on meanwhile.
                     match lost_party(
                         &j.state,
@@ -203,7 +204,7 @@ pub async fn reconcile(
                 JobState::Failed => report.jobs_failed += 1,
                 _ => {}
             }
-            tracing::info!(job = job.id, reason, state = %updated.state, "job attempt abandoned");
+            tracing::info!(job = %job.id, reason, state = %updated.state, "job attempt abandoned");
             if updated.state != JobState::Queued {
                 continue;
             }
@@ -217,7 +218,7 @@ pub async fn reconcile(
             continue;
         };
         let assigned = jobs
-            .update_as_leader(&job.id, guard, |j| {
+            .update_as_leader(job.id, guard, |j| {
                 if j.state != JobState::Queued {
                     return Ok(());
                 }
@@ -245,7 +246,7 @@ pub async fn reconcile(
                     n.load = n.load.saturating_add(1);
                 }
             }
-            tracing::info!(job = assigned.id, producer = ?assigned.producer, consumer = ?assigned.consumer, attempt = assigned.attempts, "job assigned");
+            tracing::info!(job = %assigned.id, producer = ?assigned.producer, consumer = ?assigned.consumer, attempt = assigned.attempts, "job assigned");
             report.jobs_assigned += 1;
         }
     }

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use scd_types::TranslatorHash;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -29,8 +30,8 @@ pub struct TranslatorManifest {
     pub consumer_model: String,
     /// Version name (one key segment, not `active`).
     pub version: String,
-    /// Content hash of the translator's weights (hex).
-    pub content_hash: String,
+    /// Content hash of the translator's weights: what names this version on the wire.
+    pub content_hash: TranslatorHash,
     /// Ranks of the codes, by name (e.g. `k`, `v`, `h`).
     #[serde(default)]
     pub ranks: BTreeMap<String, u32>,
@@ -53,7 +54,7 @@ pub struct ActiveTranslator {
     /// The live version.
     pub version: String,
     /// Its content hash.
-    pub content_hash: String,
+    pub content_hash: TranslatorHash,
     /// Where its blob is.
     pub blob: String,
     /// Earlier live versions, oldest first (rollback pops the last).
@@ -85,7 +86,7 @@ pub enum TranslatorError {
         /// The version.
         version: String,
         /// The hash already published.
-        existing: String,
+        existing: TranslatorHash,
     },
     /// The version was never published.
     #[error("translator {producer}->{consumer} has no version {version}")]
@@ -115,22 +116,26 @@ pub enum TranslatorError {
 
 /// A consumer asked to decode codes made with another translator.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("stale translator: codes were encoded with {encoded_with}, this consumer has {active}")]
+#[error("stale translator: codes were encoded with {encoded_with}, this consumer has {}", active.map_or_else(|| "none".to_string(), |a| a.to_string()))]
 pub struct StaleTranslator {
     /// Hash the producer encoded with.
-    pub encoded_with: String,
-    /// Hash the consumer has loaded (empty if none).
-    pub active: String,
+    pub encoded_with: TranslatorHash,
+    /// Hash the consumer has loaded, if any.
+    pub active: Option<TranslatorHash>,
 }
 
-/// Refuses to decode unless the producer's translator hash is exactly the consumer's.
-pub fn check_translator(encoded_with: &str, active: &str) -> Result<(), StaleTranslator> {
-    if !encoded_with.is_empty() && encoded_with == active {
+/// Refuses to decode unless the consumer has a translator loaded and it is exactly the one the
+/// producer encoded with.
+pub fn check_translator(
+    encoded_with: TranslatorHash,
+    active: Option<TranslatorHash>,
+) -> Result<(), StaleTranslator> {
+    if active == Some(encoded_with) {
         Ok(())
     } else {
         Err(StaleTranslator {
-            encoded_with: encoded_with.to_string(),
-            active: active.to_string(),
+            encoded_with,
+            active,
         })
     }
 }
@@ -323,7 +328,7 @@ impl TranslatorRegistry {
                     producer,
                     consumer,
                     version = next.version,
-                    hash = next.content_hash,
+                    hash = %next.content_hash,
                     "translator activated"
                 );
                 return Ok(next);
@@ -394,18 +399,15 @@ impl TranslatorWatcher {
         self.rx.clone()
     }
 
-    /// Checks codes encoded with `encoded_with` against the live version.
-    pub fn check(&self, encoded_with: &str) -> Result<ActiveTranslator, StaleTranslator> {
-        let current = self.current();
-        let active = current
-            .as_ref()
-            .map(|a| a.content_hash.as_str())
-            .unwrap_or("");
-        check_translator(encoded_with, active)?;
-        current.ok_or_else(|| StaleTranslator {
-            encoded_with: encoded_with.into(),
-            active: String::new(),
-        })
+    /// Checks codes encoded with `encoded_with` against the live version, and returns it.
+    pub fn check(&self, encoded_with: TranslatorHash) -> Result<ActiveTranslator, StaleTranslator> {
+        match self.current() {
+            Some(active) if active.content_hash == encoded_with => Ok(active),
+            current => Err(StaleTranslator {
+                encoded_with,
+                active: current.map(|a| a.content_hash),
+            }),
+        }
     }
 
     /// Waits until the live version satisfies `condition`.
@@ -496,16 +498,44 @@ mod tests {
 
     #[test]
     fn only_the_exact_hash_decodes() {
-        assert!(check_translator("abc", "abc").is_ok());
-        let err = check_translator("abc", "abd").unwrap_err();
+        let (h1, h2) = (
+            TranslatorHash::from_bytes([1; 32]),
+            TranslatorHash::from_bytes([2; 32]),
+        );
+        assert!(check_translator(h1, Some(h1)).is_ok());
+        let err = check_translator(h1, Some(h2)).unwrap_err();
         assert_eq!(
             err,
             StaleTranslator {
-                encoded_with: "abc".into(),
-                active: "abd".into()
+                encoded_with: h1,
+                active: Some(h2)
             }
         );
-        assert!(check_translator("", "").is_err());
-        assert!(check_translator("abc", "").is_err());
+        assert!(err.to_string().contains(&h2.to_string()), "{err}");
+        let none = check_translator(h1, None).unwrap_err();
+        assert!(
+            none.to_string().ends_with("this consumer has none"),
+            "{none}"
+        );
+    }
+
+    #[test]
+    fn records_keep_their_json_field_names() {
+        let hash = TranslatorHash::from_bytes([0xab; 32]);
+        let active = ActiveTranslator {
+            version: "v1".into(),
+            content_hash: hash,
+            blob: "file:///t.safetensors".into(),
+            history: vec!["v0".into()],
+        };
+        let value = serde_json::to_value(&active).unwrap();
+        assert_eq!(value["content_hash"], "ab".repeat(32));
+        assert_eq!(
+            serde_json::from_value::<ActiveTranslator>(value).unwrap(),
+            active
+        );
+        // A hash that is not 64 hex digits is refused on read.
+        let bad = r#"{"version":"v1","content_hash":"h1","blob":"b"}"#;
+        assert!(serde_json::from_str::<ActiveTranslator>(bad).is_err());
     }
 }

@@ -9,21 +9,25 @@ use common::{eventually, within, Backend, TTL};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::service::read_pools;
 use scd_scheduler::{
-    ElectionConfig, ExpertSpec, JobError, JobRecord, JobState, JobStore, ModelRecord,
+    ElectionConfig, ExpertSpec, JobError, JobId, JobRecord, JobState, JobStore, Mode, ModelRecord,
     ModelRegistry, NodeInfo, Registration, RegistrationConfig, Scheduler, SchedulerConfig,
 };
 
+/// A queued job for the expert `sotu`.
+fn sotu_job(id: JobId, max_attempts: u32) -> JobRecord {
+    JobRecord::new(id, "sotu", Mode::Scd, max_attempts)
+}
+
 async fn concurrent_updates_lose_nothing(b: Backend) {
+    let j1 = JobId::random();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("j1", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(j1, 3)).await.unwrap();
     let mut tasks = Vec::new();
     for t in 0..8 {
         let jobs = JobStore::new(b.client().await, b.keys.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..6 {
-                jobs.update("j1", |j| {
+                jobs.update(j1, |j| {
                     j.timings_ms
                         .insert(format!("t{t}-{i}"), f64::from(t * 10 + i));
                     j.payload_bytes += 1;
@@ -37,7 +41,7 @@ async fn concurrent_updates_lose_nothing(b: Backend) {
     for t in tasks {
         within("updates", t).await.unwrap();
     }
-    let job = jobs.get("j1").await.unwrap().unwrap();
+    let job = jobs.get(j1).await.unwrap().unwrap();
     assert_eq!(job.timings_ms.len(), 48);
     assert_eq!(job.payload_bytes, 48);
     for t in 0..8 {
@@ -48,14 +52,15 @@ async fn concurrent_updates_lose_nothing(b: Backend) {
 }
 
 async fn the_state_machine_guards_the_record(b: Backend) {
+    let j2 = JobId::random();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    let job = JobRecord::new("j2", "sotu", "scd", 3);
+    let job = sotu_job(j2, 3);
     jobs.create(&job).await.unwrap();
     assert!(matches!(
         jobs.create(&job).await,
         Err(JobError::AlreadyExists(_))
     ));
-    let err = jobs.transition("j2", JobState::Decoding).await.unwrap_err();
+    let err = jobs.transition(j2, JobState::Decoding).await.unwrap_err();
     assert!(matches!(
         err,
         JobError::InvalidTransition {
@@ -65,8 +70,8 @@ async fn the_state_machine_guards_the_record(b: Backend) {
         }
     ));
     // A refused change is not written.
-    assert_eq!(jobs.get("j2").await.unwrap().unwrap(), job);
-    jobs.update("j2", |j| j.assign("p1", "c1", now_ms()))
+    assert_eq!(jobs.get(j2).await.unwrap().unwrap(), job);
+    jobs.update(j2, |j| j.assign("p1", "c1", now_ms()))
         .await
         .unwrap();
     for s in [
@@ -75,9 +80,9 @@ async fn the_state_machine_guards_the_record(b: Backend) {
         JobState::Decoding,
         JobState::Done,
     ] {
-        assert_eq!(jobs.transition("j2", s).await.unwrap().state, s);
+        assert_eq!(jobs.transition(j2, s).await.unwrap().state, s);
     }
-    let done = jobs.get("j2").await.unwrap().unwrap();
+    let done = jobs.get(j2).await.unwrap().unwrap();
     let states: Vec<JobState> = done.history.iter().map(|h| h.state).collect();
     assert_eq!(
         states,
@@ -91,19 +96,18 @@ async fn the_state_machine_guards_the_record(b: Backend) {
         ]
     );
     assert!(matches!(
-        jobs.transition("missing", JobState::Done).await,
+        jobs.transition(JobId::random(), JobState::Done).await,
         Err(JobError::NotFound(_))
     ));
 }
 
 async fn finished_records_are_kept_for_the_retention_only(b: Backend) {
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    for id in ["done", "failed", "running"] {
-        jobs.create(&JobRecord::new(id, "sotu", "scd", 3))
-            .await
-            .unwrap();
+    let [done, failed, running] = [JobId::random(), JobId::random(), JobId::random()];
+    for id in [done, failed, running] {
+        jobs.create(&sotu_job(id, 3)).await.unwrap();
     }
-    jobs.update("done", |j| {
+    jobs.update(done, |j| {
         j.assign("p", "c", now_ms())?;
         for s in [
             JobState::Prefilling,
@@ -117,23 +121,170 @@ async fn finished_records_are_kept_for_the_retention_only(b: Backend) {
     })
     .await
     .unwrap();
-    jobs.update("failed", |j| j.fail("no expert", now_ms()))
-        .await
-        .unwrap();
+    jobs.fail(failed, "no expert").await.unwrap();
     let retention = Duration::from_secs(3600);
     // Within the retention nothing goes.
     assert_eq!(jobs.sweep_finished(now_ms(), retention).await.unwrap(), 0);
     // Past it, the finished ones go and the running one stays.
     let later = now_ms() + 3600 * 1000 + 1;
     assert_eq!(jobs.sweep_finished(later, retention).await.unwrap(), 2);
-    let left: Vec<String> = jobs
+    let left: Vec<JobId> = jobs
         .list()
         .await
         .unwrap()
         .into_iter()
         .map(|(j, _)| j.id)
         .collect();
-    assert_eq!(left, ["running"]);
+    assert_eq!(left, [running]);
+}
+
+async fn cancel_is_a_compare_and_swap(b: Backend) {
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let id = JobId::random();
+    jobs.create(&sotu_job(id, 3)).await.unwrap();
+    // Writers record timings while another client cancels: the cancel lands and no write is lost.
+    let mut tasks = Vec::new();
+    for t in 0..4u32 {
+        let jobs = JobStore::new(b.client().await, b.keys.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..6u32 {
+                jobs.update(id, |j| {
+                    j.timings_ms.insert(format!("t{t}-{i}"), 1.0);
+                    Ok(())
+                })
+                .await
+                .unwrap();
+            }
+        }));
+    }
+    let canceller = JobStore::new(b.client().await, b.keys.clone());
+    let cancelled = within("the cancel", canceller.cancel(id, "user asked"))
+        .await
+        .unwrap();
+    assert_eq!(cancelled.state, JobState::Cancelled);
+    for t in tasks {
+        within("updates", t).await.unwrap();
+    }
+    let job = jobs.get(id).await.unwrap().unwrap();
+    assert_eq!(
+        (job.state, job.error.as_deref(), job.timings_ms.len()),
+        (JobState::Cancelled, Some("user asked"), 24)
+    );
+    let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
+    assert_eq!(states, [JobState::Queued, JobState::Cancelled]);
+
+    // Cancelling again answers with the record and writes nothing.
+    let key = b.keys.job(id);
+    let revision = b.store.get(&key).await.unwrap().unwrap().mod_revision;
+    assert_eq!(jobs.cancel(id, "again").await.unwrap(), job);
+    assert_eq!(
+        b.store.get(&key).await.unwrap().unwrap().mod_revision,
+        revision
+    );
+    // A finished job cannot be cancelled, and a refused cancel is not written.
+    let failed = JobId::random();
+    jobs.create(&sotu_job(failed, 3)).await.unwrap();
+    let failed_record = jobs.fail(failed, "no expert").await.unwrap();
+    assert!(matches!(
+        jobs.cancel(failed, "too late").await,
+        Err(JobError::InvalidTransition {
+            from: JobState::Failed,
+            to: JobState::Cancelled,
+            ..
+        })
+    ));
+    assert_eq!(jobs.get(failed).await.unwrap().unwrap(), failed_record);
+    assert!(matches!(
+        jobs.cancel(JobId::random(), "no such job").await,
+        Err(JobError::NotFound(_))
+    ));
+}
+
+async fn cancel_and_fail_racing_have_one_winner(b: Backend) {
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let user = JobStore::new(b.client().await, b.keys.clone());
+    let producer = JobStore::new(b.client().await, b.keys.clone());
+    for _ in 0..8 {
+        let id = JobId::random();
+        jobs.create(&sotu_job(id, 3)).await.unwrap();
+        let (cancel, fail) = within("the race", async {
+            tokio::join!(
+                user.cancel(id, "user asked"),
+                producer.fail(id, "producer error")
+            )
+        })
+        .await;
+        let winner = match (cancel, fail) {
+            (
+                Ok(won),
+                Err(JobError::InvalidTransition {
+                    from: JobState::Cancelled,
+                    to: JobState::Failed,
+                    ..
+                }),
+            )
+            | (
+                Err(JobError::InvalidTransition {
+                    from: JobState::Failed,
+                    to: JobState::Cancelled,
+                    ..
+                }),
+                Ok(won),
+            ) => won,
+            other => panic!("expected exactly one winner, got {other:?}"),
+        };
+        let stored = jobs.get(id).await.unwrap().unwrap();
+        assert_eq!(stored, winner);
+        let finished = stored.history.iter().filter(|h| h.state.is_finished());
+        assert_eq!(finished.count(), 1);
+    }
+}
+
+async fn a_cancelled_job_is_never_assigned_or_retried(b: Backend) {
+    let p1 = register(&b, producer("p1")).await;
+    let _c = register(&b, consumer("c1")).await;
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let (cancelled, queued) = (JobId::random(), JobId::random());
+    jobs.create(&sotu_job(cancelled, 3)).await.unwrap();
+    jobs.cancel(cancelled, "user asked").await.unwrap();
+    jobs.create(&sotu_job(queued, 3)).await.unwrap();
+    let _s = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    // Both were written before the scheduler started, so the pass that assigns one reads both.
+    eventually("the queued job is assigned", || async {
+        jobs.get(queued).await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    let job = jobs.get(cancelled).await.unwrap().unwrap();
+    assert_eq!(
+        (job.state, job.attempts, job.producer),
+        (JobState::Cancelled, 0, None)
+    );
+
+    // An assigned job cancelled, then its producer leaves: it is not sent back to the queue.
+    jobs.cancel(queued, "user changed their mind")
+        .await
+        .unwrap();
+    p1.deregister().await.unwrap();
+    let _p2 = register(&b, producer("p2")).await;
+    let probe = JobId::random();
+    jobs.create(&sotu_job(probe, 3)).await.unwrap();
+    // A pass that assigns the probe to p2 saw p1 gone.
+    eventually("the probe is assigned to p2", || async {
+        jobs.get(probe).await.unwrap().unwrap().producer.as_deref() == Some("p2")
+    })
+    .await;
+    let job = jobs.get(queued).await.unwrap().unwrap();
+    assert_eq!(
+        (job.state, job.attempts, job.error.as_deref()),
+        (JobState::Cancelled, 1, Some("user changed their mind"))
+    );
 }
 
 fn producer(id: &str) -> NodeInfo {
@@ -173,6 +324,7 @@ async fn register(b: &Backend, info: NodeInfo) -> Registration {
 }
 
 async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
+    let id = JobId::random();
     let mut producers = vec![
         register(&b, producer("p1")).await,
         register(&b, producer("p2")).await,
@@ -187,13 +339,11 @@ async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
     .await
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("job", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(id, 3)).await.unwrap();
 
     let first = within("the job is assigned", async {
         loop {
-            let job = jobs.get("job").await.unwrap().unwrap();
+            let job = jobs.get(id).await.unwrap().unwrap();
             if job.state == JobState::Assigned {
                 break job.producer.unwrap();
             }
@@ -201,10 +351,10 @@ async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
         }
     })
     .await;
-    let job = jobs.get("job").await.unwrap().unwrap();
+    let job = jobs.get(id).await.unwrap().unwrap();
     assert_eq!((job.attempts, job.consumer.as_deref()), (1, Some("c1")));
     // The producer starts working on it, then crashes.
-    jobs.transition("job", JobState::Prefilling).await.unwrap();
+    jobs.transition(id, JobState::Prefilling).await.unwrap();
     let index = producers.iter().position(|r| r.node_id() == first).unwrap();
     drop(producers.remove(index));
 
@@ -212,12 +362,12 @@ async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
     eventually(
         "the job is reassigned to the surviving producer",
         || async {
-            let job = jobs.get("job").await.unwrap().unwrap();
+            let job = jobs.get(id).await.unwrap().unwrap();
             job.state == JobState::Assigned && job.producer.as_deref() == Some(survivor.as_str())
         },
     )
     .await;
-    let job = jobs.get("job").await.unwrap().unwrap();
+    let job = jobs.get(id).await.unwrap().unwrap();
     assert_eq!(job.attempts, 2);
     assert_eq!(job.failed_producers, vec![first.clone()]);
     assert!(job.error.as_deref().unwrap_or("").contains(&first));
@@ -244,6 +394,7 @@ async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
 }
 
 async fn a_job_fails_when_attempts_run_out(b: Backend) {
+    let once = JobId::random();
     let p = register(&b, producer("p1")).await;
     let _consumer = register(&b, consumer("c1")).await;
     let _scheduler = Scheduler::start(
@@ -255,23 +406,23 @@ async fn a_job_fails_when_attempts_run_out(b: Backend) {
     .await
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("once", "sotu", "scd", 1))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(once, 1)).await.unwrap();
     eventually("assigned", || async {
-        jobs.get("once").await.unwrap().unwrap().state == JobState::Assigned
+        jobs.get(once).await.unwrap().unwrap().state == JobState::Assigned
     })
     .await;
     p.deregister().await.unwrap();
     eventually("failed", || async {
-        jobs.get("once").await.unwrap().unwrap().state == JobState::Failed
+        jobs.get(once).await.unwrap().unwrap().state == JobState::Failed
     })
     .await;
-    let job = jobs.get("once").await.unwrap().unwrap();
+    let job = jobs.get(once).await.unwrap().unwrap();
     assert!(job.error.unwrap().contains("gave up after 1 attempts"));
 }
 
 async fn prefix_affinity_picks_the_producer_holding_the_prompt(b: Backend) {
+    let affine = JobId::random();
+    let plain = JobId::random();
     let hashes = scd_scheduler::prefix::block_hashes("base", &(0..96).collect::<Vec<u32>>(), 32);
     let mut warm = producer("warm");
     warm.prefix_hashes = hashes[..2].to_vec();
@@ -290,40 +441,30 @@ async fn prefix_affinity_picks_the_producer_holding_the_prompt(b: Backend) {
     .await
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    let mut job = JobRecord::new("affine", "sotu", "scd", 3);
+    let mut job = sotu_job(affine, 3);
     job.prefix_hashes = hashes.clone();
     jobs.create(&job).await.unwrap();
-    jobs.create(&JobRecord::new("plain", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(plain, 3)).await.unwrap();
     eventually("both assigned", || async {
-        let a = jobs.get("affine").await.unwrap().unwrap();
-        let p = jobs.get("plain").await.unwrap().unwrap();
+        let a = jobs.get(affine).await.unwrap().unwrap();
+        let p = jobs.get(plain).await.unwrap().unwrap();
         a.state == JobState::Assigned && p.state == JobState::Assigned
     })
     .await;
     assert_eq!(
-        jobs.get("affine")
-            .await
-            .unwrap()
-            .unwrap()
-            .producer
-            .as_deref(),
+        jobs.get(affine).await.unwrap().unwrap().producer.as_deref(),
         Some("warm")
     );
     // Without a prefix, the less loaded producer wins.
     assert_eq!(
-        jobs.get("plain")
-            .await
-            .unwrap()
-            .unwrap()
-            .producer
-            .as_deref(),
+        jobs.get(plain).await.unwrap().unwrap().producer.as_deref(),
         Some("cold")
     );
 }
 
 async fn finished_jobs_are_swept_after_a_short_retention(b: Backend) {
+    let quick = JobId::random();
+    let waiting = JobId::random();
     let _p = register(&b, producer("p1")).await;
     let _scheduler = Scheduler::start(
         b.client().await,
@@ -334,30 +475,26 @@ async fn finished_jobs_are_swept_after_a_short_retention(b: Backend) {
     .await
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("quick", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(quick, 3)).await.unwrap();
     // No consumer hosts the expert: the job waits, and waiting jobs are never swept.
-    jobs.create(&JobRecord::new("waiting", "sotu", "scd", 3))
-        .await
-        .unwrap();
-    jobs.update("quick", |j| j.fail("cancelled by user", now_ms()))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(waiting, 3)).await.unwrap();
+    jobs.cancel(quick, "cancelled by user").await.unwrap();
     eventually("the finished job is swept", || async {
-        jobs.get("quick").await.unwrap().is_none()
+        jobs.get(quick).await.unwrap().is_none()
     })
     .await;
     assert_eq!(
-        jobs.get("waiting").await.unwrap().unwrap().state,
+        jobs.get(waiting).await.unwrap().unwrap().state,
         JobState::Queued
     );
 }
 
-/// A producer and a consumer, two scheduler replicas, and job "before" already assigned.
+/// A producer and a consumer, two scheduler replicas, and a job (whose id is returned) already
+/// assigned.
 async fn two_schedulers_and_an_assigned_job(
     b: &Backend,
-) -> ([Registration; 2], [Scheduler; 2], JobStore) {
+) -> ([Registration; 2], [Scheduler; 2], JobStore, JobId) {
+    let before = JobId::random();
     let nodes = [
         register(b, producer("p1")).await,
         register(b, consumer("c1")).await,
@@ -370,18 +507,17 @@ async fn two_schedulers_and_an_assigned_job(
         .await
         .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("before", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(before, 3)).await.unwrap();
     eventually("assigned", || async {
-        jobs.get("before").await.unwrap().unwrap().state == JobState::Assigned
+        jobs.get(before).await.unwrap().unwrap().state == JobState::Assigned
     })
     .await;
-    (nodes, [s1, s2], jobs)
+    (nodes, [s1, s2], jobs, before)
 }
 
 async fn scheduler_failover_keeps_assigning(b: Backend) {
-    let (_nodes, [s1, s2], jobs) = two_schedulers_and_an_assigned_job(&b).await;
+    let after = JobId::random();
+    let (_nodes, [s1, s2], jobs, _) = two_schedulers_and_an_assigned_job(&b).await;
     let (leader, follower) = if s1.is_leader() { (s1, s2) } else { (s2, s1) };
     drop(leader);
     within("the follower takes over", async {
@@ -389,11 +525,9 @@ async fn scheduler_failover_keeps_assigning(b: Backend) {
         rx.wait_for(|l| l.is_leader()).await.unwrap();
     })
     .await;
-    jobs.create(&JobRecord::new("after", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(after, 3)).await.unwrap();
     eventually("assigned by the new leader", || async {
-        jobs.get("after").await.unwrap().unwrap().state == JobState::Assigned
+        jobs.get(after).await.unwrap().unwrap().state == JobState::Assigned
     })
     .await;
 }
@@ -452,13 +586,12 @@ async fn experts_come_from_model_records_too(b: Backend) {
 }
 
 async fn a_no_op_update_writes_nothing(b: Backend) {
+    let idle = JobId::random();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("idle", "sotu", "scd", 3))
-        .await
-        .unwrap();
-    let key = b.keys.job("idle").unwrap();
+    jobs.create(&sotu_job(idle, 3)).await.unwrap();
+    let key = b.keys.job(idle);
     let before = b.store.get(&key).await.unwrap().unwrap().mod_revision;
-    jobs.update("idle", |_| Ok(())).await.unwrap();
+    jobs.update(idle, |_| Ok(())).await.unwrap();
     assert_eq!(
         b.store.get(&key).await.unwrap().unwrap().mod_revision,
         before
@@ -473,10 +606,8 @@ async fn a_burst_of_jobs_spreads_over_the_pool(b: Backend) {
     let _c = register(&b, consumer("c1")).await;
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
     // Queued before any scheduler runs: the first pass assigns them all at once.
-    for i in 0..4 {
-        jobs.create(&JobRecord::new(format!("burst{i}"), "sotu", "scd", 3))
-            .await
-            .unwrap();
+    for _ in 0..4 {
+        jobs.create(&sotu_job(JobId::random(), 3)).await.unwrap();
     }
     let _s = Scheduler::start(
         b.client().await,
@@ -505,6 +636,9 @@ async fn a_burst_of_jobs_spreads_over_the_pool(b: Backend) {
 }
 
 on_both_stores!(
+    cancel_is_a_compare_and_swap,
+    cancel_and_fail_racing_have_one_winner,
+    a_cancelled_job_is_never_assigned_or_retried,
     a_lost_consumer_retries_without_blaming_the_producer,
     a_no_op_update_writes_nothing,
     a_burst_of_jobs_spreads_over_the_pool,
@@ -522,32 +656,32 @@ on_both_stores!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_restart_keeps_jobs_and_scheduling_resumes() {
     let mut b = Backend::etcd().await;
-    let (_nodes, [s1, s2], jobs) = two_schedulers_and_an_assigned_job(&b).await;
-    let assigned = jobs.get("before").await.unwrap().unwrap();
+    let (_nodes, [s1, s2], jobs, before) = two_schedulers_and_an_assigned_job(&b).await;
+    let after = JobId::random();
+    let assigned = jobs.get(before).await.unwrap().unwrap();
 
     b.etcd.as_mut().unwrap().restart().await.unwrap();
     eventually("the store answers again", || async {
-        jobs.get("before").await.is_ok()
+        jobs.get(before).await.is_ok()
     })
     .await;
     // Nothing was lost or changed by the restart.
-    assert_eq!(jobs.get("before").await.unwrap().unwrap(), assigned);
+    assert_eq!(jobs.get(before).await.unwrap().unwrap(), assigned);
     // One replica leads again and keeps assigning.
     eventually("exactly one leader", || async {
         u8::from(s1.is_leader()) + u8::from(s2.is_leader()) == 1
     })
     .await;
-    jobs.create(&JobRecord::new("after", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(after, 3)).await.unwrap();
     eventually("assigned after the restart", || async {
-        jobs.get("after").await.unwrap().unwrap().state == JobState::Assigned
+        jobs.get(after).await.unwrap().unwrap().state == JobState::Assigned
     })
     .await;
-    assert_eq!(jobs.get("before").await.unwrap().unwrap().attempts, 1);
+    assert_eq!(jobs.get(before).await.unwrap().unwrap().attempts, 1);
 }
 
 async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
+    let dec = JobId::random();
     let _p = register(&b, producer("p1")).await;
     let c1 = register(&b, consumer("c1")).await;
     let _s = Scheduler::start(
@@ -559,11 +693,9 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
     .await
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
-    jobs.create(&JobRecord::new("dec", "sotu", "scd", 3))
-        .await
-        .unwrap();
+    jobs.create(&sotu_job(dec, 3)).await.unwrap();
     eventually("assigned", || async {
-        jobs.get("dec").await.unwrap().unwrap().state == JobState::Assigned
+        jobs.get(dec).await.unwrap().unwrap().state == JobState::Assigned
     })
     .await;
     for s in [
@@ -571,17 +703,17 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
         JobState::Transferring,
         JobState::Decoding,
     ] {
-        jobs.transition("dec", s).await.unwrap();
+        jobs.transition(dec, s).await.unwrap();
     }
     // The decoding consumer dies; another one comes up.
     c1.deregister().await.unwrap();
     let _c2 = register(&b, consumer("c2")).await;
     eventually("reassigned to the new consumer", || async {
-        let job = jobs.get("dec").await.unwrap().unwrap();
+        let job = jobs.get(dec).await.unwrap().unwrap();
         job.state == JobState::Assigned && job.consumer.as_deref() == Some("c2")
     })
     .await;
-    let job = jobs.get("dec").await.unwrap().unwrap();
+    let job = jobs.get(dec).await.unwrap().unwrap();
     assert_eq!((job.attempts, job.producer.as_deref()), (2, Some("p1")));
     assert!(job.failed_producers.is_empty());
     assert!(job.error.unwrap().contains("consumer c1"));

@@ -8,15 +8,23 @@ use std::collections::BTreeMap;
 use common::{within, Backend};
 use scd_scheduler::translators::TranslatorError;
 use scd_scheduler::{
-    check_translator, StaleTranslator, TranslatorManifest, TranslatorRegistry, TranslatorWatcher,
+    check_translator, StaleTranslator, TranslatorHash, TranslatorManifest, TranslatorRegistry,
+    TranslatorWatcher,
 };
+
+/// A distinct content hash per label (what a real SHA-256 of distinct weights gives).
+fn h(label: &str) -> TranslatorHash {
+    let mut bytes = [0u8; 32];
+    bytes[..label.len()].copy_from_slice(label.as_bytes());
+    TranslatorHash::from_bytes(bytes)
+}
 
 fn manifest(version: &str, hash: &str) -> TranslatorManifest {
     TranslatorManifest {
         producer_model: "base".into(),
         consumer_model: "sotu".into(),
         version: version.into(),
-        content_hash: hash.into(),
+        content_hash: h(hash),
         ranks: BTreeMap::from([("k".to_string(), 64), ("v".to_string(), 64)]),
         reuse_layers: vec![0, 1, 2],
         patch_layers: vec![3],
@@ -34,7 +42,7 @@ async fn publish_activate_and_roll_back(b: Backend) {
     reg.publish(&manifest("v1", "h1")).await.unwrap();
     assert!(matches!(
         reg.publish(&manifest("v1", "other")).await,
-        Err(TranslatorError::VersionExists { .. })
+        Err(TranslatorError::VersionExists { existing, .. }) if existing == h("h1")
     ));
     assert!(matches!(
         reg.publish(&manifest("active", "x")).await,
@@ -63,8 +71,8 @@ async fn publish_activate_and_roll_back(b: Backend) {
     ));
     let a = reg.activate("base", "sotu", "v1").await.unwrap();
     assert_eq!(
-        (a.version.as_str(), a.content_hash.as_str(), a.history.len()),
-        ("v1", "h1", 0)
+        (a.version.as_str(), a.content_hash, a.history.len()),
+        ("v1", h("h1"), 0)
     );
     let a = reg.activate("base", "sotu", "v2").await.unwrap();
     assert_eq!(
@@ -76,12 +84,8 @@ async fn publish_activate_and_roll_back(b: Backend) {
     assert_eq!(reg.activate("base", "sotu", "v2").await.unwrap(), a);
     let back = reg.rollback("base", "sotu").await.unwrap();
     assert_eq!(
-        (
-            back.version.as_str(),
-            back.content_hash.as_str(),
-            back.history.len()
-        ),
-        ("v1", "h1", 0)
+        (back.version.as_str(), back.content_hash, back.history.len()),
+        ("v1", h("h1"), 0)
     );
     assert_eq!(reg.active("base", "sotu").await.unwrap().unwrap(), back);
     assert!(matches!(
@@ -105,7 +109,7 @@ async fn every_watcher_sees_an_activation(b: Backend) {
     }
     for w in &watchers {
         assert_eq!(w.current().unwrap().version, "v1");
-        assert!(w.check("h1").is_ok());
+        assert!(w.check(h("h1")).is_ok());
     }
     reg.activate("base", "sotu", "v2").await.unwrap();
     for w in &watchers {
@@ -115,22 +119,22 @@ async fn every_watcher_sees_an_activation(b: Backend) {
         )
         .await
         .unwrap();
-        assert_eq!(a.content_hash, "h2");
+        assert_eq!(a.content_hash, h("h2"));
         // Codes made with the old translator are refused from now on.
         assert_eq!(
-            w.check("h1").unwrap_err(),
+            w.check(h("h1")).unwrap_err(),
             StaleTranslator {
-                encoded_with: "h1".into(),
-                active: "h2".into()
+                encoded_with: h("h1"),
+                active: Some(h("h2"))
             }
         );
-        assert_eq!(w.check("h2").unwrap().version, "v2");
+        assert_eq!(w.check(h("h2")).unwrap().version, "v2");
     }
     reg.rollback("base", "sotu").await.unwrap();
     for w in &watchers {
         within(
             "the rollback",
-            w.wait_for(|a| a.is_some_and(|a| a.content_hash == "h1")),
+            w.wait_for(|a| a.is_some_and(|a| a.content_hash == h("h1"))),
         )
         .await;
     }
@@ -139,7 +143,13 @@ async fn every_watcher_sees_an_activation(b: Backend) {
         .await
         .unwrap();
     assert!(other.current().is_none());
-    assert!(other.check("h1").is_err());
+    assert_eq!(
+        other.check(h("h1")).unwrap_err(),
+        StaleTranslator {
+            encoded_with: h("h1"),
+            active: None
+        }
+    );
 }
 
 async fn concurrent_activations_lose_none(b: Backend) {
@@ -179,9 +189,9 @@ on_both_stores!(
 
 #[test]
 fn the_guard_refuses_any_other_hash() {
-    assert!(check_translator("h2", "h2").is_ok());
-    assert!(check_translator("h1", "h2").is_err());
-    assert!(check_translator("h1", "").is_err());
+    assert!(check_translator(h("h2"), Some(h("h2"))).is_ok());
+    assert!(check_translator(h("h1"), Some(h("h2"))).is_err());
+    assert!(check_translator(h("h1"), None).is_err());
 }
 
 /// etcd restored without its data: the watcher's revision is now ahead of the store's, so a
@@ -210,5 +220,5 @@ async fn watcher_follows_an_etcd_restored_empty() {
         watcher.wait_for(|a| a.is_some_and(|a| a.version == "v2")),
     )
     .await;
-    assert_eq!(seen.unwrap().content_hash, "h2");
+    assert_eq!(seen.unwrap().content_hash, h("h2"));
 }
