@@ -14,11 +14,12 @@
 //! * [`jobs`]: durable job records, their state machine, and compare-and-swap updates.
 //! * [`models`]: model records.
 //! * [`service`]: the scheduler replica that ties them together while it leads.
-//! * [`etcd_server`]: a throwaway etcd process for tests and local runs.
+//! * `etcd_server` (feature `test-util`): a throwaway etcd process for tests and local runs.
 #![warn(missing_docs)]
 
 pub mod assign;
 pub mod codec;
+#[cfg(feature = "test-util")]
 pub mod etcd_server;
 pub mod jobs;
 pub mod keys;
@@ -33,6 +34,7 @@ pub mod translators;
 pub use assign::{
     choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools, ProducerChoice,
 };
+#[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError};
 pub use jobs::{JobError, JobRecord, JobStore};
 pub use keys::Keys;
