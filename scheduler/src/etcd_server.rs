@@ -1,13 +1,21 @@
-//! A throwaway etcd for tests and local runs: the system's `etcd` binary on free loopback ports
-//! with its own data directory, stopped (killed) when dropped. Restarting keeps the data
-//! directory and ports, as a real etcd restart would.
+//! A throwaway etcd for tests and local runs (feature `test-util`): the system's `etcd` binary
+//! on free loopback ports with its own data directory, stopped (killed) when dropped.
+//! Restarting keeps the data directory and ports, as a real etcd restart would.
+//!
+//! Each instance names its member (and its cluster token) uniquely and, before handing the
+//! server out, checks through the client that the member answering on its port is that one: a
+//! stray etcd left on the same port by another process would otherwise pass for ours, and a test
+//! would run against someone else's data.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::store::{EtcdStore, MetaStore};
+use etcd_client::{Client, ConnectOptions};
+
+use crate::store::{EtcdStore, StoreError};
 
 /// Errors starting the test etcd.
 #[derive(Debug, thiserror::Error)]
@@ -19,14 +27,37 @@ pub enum EtcdServerError {
     #[error("starting etcd failed: {0}")]
     Io(#[from] std::io::Error),
     /// It started but never answered.
-    #[error("etcd on {endpoint} did not answer within {waited:?}; its log is at {log}")]
+    #[error("etcd on {endpoint} did not answer within {waited:?}; its log ends with:\n{log_tail}")]
     NotReady {
         /// Client endpoint.
         endpoint: String,
         /// How long we waited.
         waited: Duration,
-        /// The log file.
-        log: String,
+        /// The end of its log (the log itself goes with the harness's temporary directory).
+        log_tail: String,
+    },
+    /// The etcd it started exited before answering (a port taken by another program, a bad
+    /// data directory, ...).
+    #[error(
+        "etcd exited ({status}) before answering on {endpoint}; its log ends with:\n{log_tail}"
+    )]
+    Exited {
+        /// Client endpoint.
+        endpoint: String,
+        /// How it exited.
+        status: String,
+        /// The end of its log.
+        log_tail: String,
+    },
+    /// Another etcd answers on the port: the harness would run against someone else's data.
+    #[error("the etcd answering on {endpoint} is not the one this harness started (expected member {expected:?}, found {found}); another etcd holds the port: stop it or let the harness pick free ports")]
+    Foreign {
+        /// Client endpoint.
+        endpoint: String,
+        /// The member name the harness gave its etcd.
+        expected: String,
+        /// The member that answered.
+        found: String,
     },
 }
 
@@ -35,6 +66,7 @@ pub enum EtcdServerError {
 pub struct EtcdServer {
     binary: PathBuf,
     dir: tempfile::TempDir,
+    name: String,
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
@@ -42,16 +74,25 @@ pub struct EtcdServer {
 
 /// How long to wait for etcd to answer after starting it.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on one probe, so a port held by something that accepts but never answers cannot
+/// stall the wait.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl EtcdServer {
     /// Starts etcd on free loopback ports and waits until it answers.
     pub async fn start() -> Result<Self, EtcdServerError> {
+        Self::start_on(free_port()?, free_port()?).await
+    }
+
+    /// Starts etcd on the given loopback ports and waits until it answers. Fails with
+    /// [`EtcdServerError::Foreign`] if another etcd answers on `client_port`.
+    pub async fn start_on(client_port: u16, peer_port: u16) -> Result<Self, EtcdServerError> {
         let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
         let dir = tempfile::Builder::new().prefix("scd-etcd-").tempdir()?;
-        let (client_port, peer_port) = (free_port()?, free_port()?);
         let mut server = Self {
             binary,
             dir,
+            name: unique_name(),
             client_port,
             peer_port,
             child: None,
@@ -65,6 +106,21 @@ impl EtcdServer {
         format!("http://127.0.0.1:{}", self.client_port)
     }
 
+    /// The client port.
+    pub fn client_port(&self) -> u16 {
+        self.client_port
+    }
+
+    /// The peer port.
+    pub fn peer_port(&self) -> u16 {
+        self.peer_port
+    }
+
+    /// The member name, unique to this instance (kept across restarts).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// The etcd process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
@@ -76,7 +132,7 @@ impl EtcdServer {
     }
 
     /// Connects a store to it.
-    pub async fn store(&self) -> Result<EtcdStore, crate::store::StoreError> {
+    pub async fn store(&self) -> Result<EtcdStore, StoreError> {
         EtcdStore::connect(&[self.endpoint()]).await
     }
 
@@ -106,7 +162,7 @@ impl EtcdServer {
     }
 
     async fn spawn(&mut self) -> Result<(), EtcdServerError> {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log_path = self.dir.path().join("etcd.log");
         let log = std::fs::OpenOptions::new()
@@ -117,7 +173,9 @@ impl EtcdServer {
         die_with_parent(&mut cmd);
         let child = cmd
             .arg("--name")
-            .arg("scd-test")
+            .arg(&self.name)
+            .arg("--initial-cluster-token")
+            .arg(&self.name)
             .arg("--data-dir")
             .arg(self.data_dir())
             .arg("--listen-client-urls")
@@ -129,7 +187,7 @@ impl EtcdServer {
             .arg("--initial-advertise-peer-urls")
             .arg(&peer)
             .arg("--initial-cluster")
-            .arg(format!("scd-test={peer}"))
+            .arg(format!("{}={peer}", self.name))
             .arg("--initial-cluster-state")
             .arg("new")
             .arg("--logger")
@@ -141,7 +199,49 @@ impl EtcdServer {
             .stderr(log)
             .spawn()?;
         self.child = Some(child);
-        wait_ready(&client, READY_TIMEOUT, &log_path).await
+        self.wait_ready(&log_path).await
+    }
+
+    /// Waits until our member answers and serves reads. Whatever answers first decides: a
+    /// member with another name is refused at once, so a stray etcd already on the port is
+    /// caught even while our child is still failing to bind it.
+    async fn wait_ready(&mut self, log: &Path) -> Result<(), EtcdServerError> {
+        let endpoint = self.endpoint();
+        let started = tokio::time::Instant::now();
+        while started.elapsed() < READY_TIMEOUT {
+            let probe = tokio::time::timeout(PROBE_TIMEOUT, probe(&endpoint)).await;
+            // An empty name is a member that has not published its attributes yet: ask again.
+            if let Ok(Some(answer)) = probe.map(|a| a.filter(|a| !a.name.is_empty())) {
+                if answer.name != self.name {
+                    return Err(EtcdServerError::Foreign {
+                        endpoint,
+                        expected: self.name.clone(),
+                        found: answer.describe(),
+                    });
+                }
+                if answer.serves {
+                    return Ok(());
+                }
+            }
+            let exited = match self.child.as_mut() {
+                Some(child) => child.try_wait()?,
+                None => None,
+            };
+            if let Some(status) = exited {
+                self.child = None;
+                return Err(EtcdServerError::Exited {
+                    endpoint,
+                    status: status.to_string(),
+                    log_tail: log_tail(log),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(EtcdServerError::NotReady {
+            endpoint,
+            waited: READY_TIMEOUT,
+            log_tail: log_tail(log),
+        })
     }
 }
 
@@ -151,21 +251,68 @@ impl Drop for EtcdServer {
     }
 }
 
-async fn wait_ready(endpoint: &str, limit: Duration, log: &Path) -> Result<(), EtcdServerError> {
-    let started = tokio::time::Instant::now();
-    while started.elapsed() < limit {
-        if let Ok(store) = EtcdStore::connect(&[endpoint.to_string()]).await {
-            if store.get("/scd/ready-probe").await.is_ok() {
-                return Ok(());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+/// What answered a probe.
+struct Answer {
+    /// The answering member's name ("" if it is not in its own member list).
+    name: String,
+    /// Its member id.
+    id: u64,
+    /// Whether it has a leader and serves a read.
+    serves: bool,
+}
+
+impl Answer {
+    fn describe(&self) -> String {
+        format!("member {:?} (id {:x})", self.name, self.id)
     }
-    Err(EtcdServerError::NotReady {
-        endpoint: endpoint.to_string(),
-        waited: limit,
-        log: log.display().to_string(),
-    })
+}
+
+/// Asks whoever answers at `endpoint` which member it is (`status` names the member that
+/// answered, by id; the member list maps the id to its name), and whether it serves reads.
+/// `None` while nothing answers.
+async fn probe(endpoint: &str) -> Option<Answer> {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(PROBE_TIMEOUT)
+        .with_timeout(PROBE_TIMEOUT);
+    let mut client = Client::connect([endpoint], Some(options)).await.ok()?;
+    let status = client.status().await.ok()?;
+    let id = status.header()?.member_id();
+    let members = client.member_list().await.ok()?;
+    let name = members
+        .members()
+        .iter()
+        .find(|m| m.id() == id)
+        .map_or_else(String::new, |m| m.name().to_owned());
+    let serves = status.leader() != 0 && client.get("/scd/ready-probe", None).await.is_ok();
+    Some(Answer { name, id, serves })
+}
+
+/// A member name no other harness instance (in this process or another) uses at the same
+/// time: the process id tells processes apart, the counter instances within one, and the
+/// start time a reused process id.
+fn unique_name() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let instance = NEXT.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "scd-test-{}-{instance}-{:x}",
+        std::process::id(),
+        nanos % (1 << 48)
+    )
+}
+
+/// The last few kilobytes of etcd's log, for an error that outlives the log's directory.
+fn log_tail(path: &Path) -> String {
+    const TAIL: usize = 4096;
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            let tail = &bytes[bytes.len().saturating_sub(TAIL)..];
+            String::from_utf8_lossy(tail).trim_end().to_string()
+        }
+        Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -209,3 +356,17 @@ fn die_with_parent(cmd: &mut Command) {
 
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_cmd: &mut Command) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_within_a_process() {
+        let names: std::collections::BTreeSet<String> = (0..100).map(|_| unique_name()).collect();
+        assert_eq!(names.len(), 100);
+        assert!(names
+            .iter()
+            .all(|n| n.starts_with(&format!("scd-test-{}-", std::process::id()))));
+    }
+}
