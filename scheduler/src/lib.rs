@@ -10,11 +10,20 @@
 //! * [`assign`] and [`prefix`]: pure assignment logic (pools per expert, producer choice with
 //!   prefix affinity) and the prompt-prefix block hashes it matches on.
 //! * [`translators`]: translator versions per model pair (publish, activate, roll back, watch,
-//!   and the stale-hash guard).
-//! * [`jobs`]: durable job records, their state machine, and compare-and-swap updates.
+//!   and the stale-hash guard), named by their [`TranslatorHash`].
+//! * [`jobs`]: durable job records keyed by [`JobId`], moved through the [`JobState`] machine
+//!   (cancelling included) by compare-and-swap; each record carries its [`Mode`] and the
+//!   [`TraceContext`] that joins its spans across nodes.
 //! * [`models`]: model records.
 //! * [`service`]: the scheduler replica that ties them together while it leads.
-//! * `etcd_server` (feature `test-util`): a throwaway etcd process for tests and local runs.
+//! * `etcd_server` (feature `test-util`, off by default): a throwaway etcd process for tests,
+//!   examples and local runs, which checks that the etcd answering on its port is the one it
+//!   started.
+//!
+//! Job ids, job states, modes, translator hashes and trace contexts are the shared types of
+//! `scd-types`, re-exported here, so the records hold the same values the wire and the command
+//! line carry; their JSON forms are those types' own. The crate knows nothing of transport or
+//! models.
 #![warn(missing_docs)]
 
 pub mod assign;
