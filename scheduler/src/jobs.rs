@@ -224,10 +224,11 @@ impl JobRecord {
         self.transition(JobState::Queued, at_ms)
     }
 
-    /// Fails the job.
+    /// Fails an unfinished job; a refused fail leaves the record as it was.
     pub fn fail(&mut self, reason: &str, at_ms: u64) -> Result<(), JobError> {
+        self.transition(JobState::Failed, at_ms)?;
         self.error = Some(reason.to_string());
-        self.transition(JobState::Failed, at_ms)
+        Ok(())
     }
 
     /// Cancels an unfinished job. Cancelling a cancelled job changes nothing (a user may repeat
@@ -496,7 +497,7 @@ mod tests {
     }
 
     #[test]
-    fn cancel_ends_an_unfinished_job_once() {
+    fn cancel_and_fail_end_an_unfinished_job_once() {
         for from in [Queued, Assigned, Prefilling, Transferring, Decoding] {
             let mut j = job_in(from);
             j.cancel("user asked", 50).unwrap();
@@ -508,6 +509,12 @@ mod tests {
             let once = j.clone();
             j.cancel("asked twice", 60).unwrap();
             assert_eq!(j, once);
+        }
+        for from in [Done, Failed, Cancelled] {
+            let mut j = job_in(from);
+            let before = j.clone();
+            assert!(j.fail("too late", 50).is_err());
+            assert_eq!(j, before, "a refused fail changed the record");
         }
         for from in [Done, Failed] {
             let mut j = job_in(from);
