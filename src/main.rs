@@ -4,6 +4,7 @@
 //! operator-facing messages with `anyhow` context.
 
 mod cmd;
+mod paths;
 
 use clap::{Parser, Subcommand};
 

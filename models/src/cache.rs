@@ -73,7 +73,7 @@ impl KvCache {
                     expected: k.dims().to_vec(),
                 });
             }
-            cache.append(l, &k, &v, false)?;
+            cache.append(l, &k, &v)?;
         }
         cache.next_position = next_position;
         Ok(cache)
@@ -181,16 +181,21 @@ impl KvCache {
 
     /// Appends `(kv_heads, T, head_dim)` keys (after RoPE) and values to `layer`.
     ///
-    /// In differentiable mode the buffers are rebuilt by concatenation so that gradients flow
-    /// into the cache; otherwise rows are written in place into spare capacity.
+    /// Rows are written in place into spare capacity; when the new rows or the layer's rows
+    /// carry gradients the buffers are rebuilt by concatenation instead, so that gradients flow
+    /// through the cache (a SemPIC writer's compiled documents).
     pub(crate) fn append(
         &mut self,
         layer: usize,
         k: &Tensor,
         v: &Tensor,
-        differentiable: bool,
     ) -> candle_core::Result<()> {
         let t = k.dim(1)?;
+        let differentiable = k.track_op()
+            || v.track_op()
+            || self.layers[layer]
+                .as_ref()
+                .is_some_and(|l| l.k.track_op() || l.v.track_op());
         let slot = &mut self.layers[layer];
         match slot {
             Some(l) if differentiable => {

@@ -1,13 +1,14 @@
 //! Text corpora for fine-tuning and evaluation: where they live, their fixed train/validation
 //! splits, content hashes for manifests, and cutting tokenised text into training windows.
 //!
-//! A named corpus (`moby-dick`, `sotu`, `brown`) is a directory `$SCD_DATA_DIR/<name>/` holding
+//! A named corpus (`moby-dick`, `sotu`, `brown`) is a directory `<data dir>/<name>/` holding
 //! `train.txt` and `valid.txt`, written by `ops/fetch-corpora.sh` with document-level splits
 //! (docs/data.md). A corpus may also be any directory with those two files, or a single text
 //! file, which is split by [`SINGLE_FILE_SPLIT`].
 //!
-//! WikiText-2 and SQuAD are read from the shared data folder, `$SCD_SHARED_DATA` or
-//! `<repo>/../shared/data`.
+//! WikiText-2 and SQuAD are read from the shared data folder ([`WIKITEXT2_VALID`],
+//! [`SQUAD_PART`] inside it). The library never guesses where folders are: the binary resolves
+//! them (flags, environment, defaults) and passes them in.
 
 use std::path::{Path, PathBuf};
 
@@ -38,7 +39,7 @@ pub const NAMED: [(&str, &str); 3] = [
 #[derive(Debug, thiserror::Error)]
 pub enum CorpusError {
     /// A file could not be read.
-    #[error("cannot read {path}: {source} (named corpora come from ops/fetch-corpora.sh, shared data from $SCD_SHARED_DATA)")]
+    #[error("cannot read {path}: {source} (named corpora come from ops/fetch-corpora.sh, WikiText-2 and SQuAD from the shared data folder)")]
     Io {
         /// The file.
         path: PathBuf,
@@ -68,44 +69,11 @@ pub enum CorpusError {
     },
 }
 
-/// The repository root this crate was built from.
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
+/// Where WikiText-2's validation split sits inside the shared data folder.
+pub const WIKITEXT2_VALID: &str = "wikitext-2/valid.txt";
 
-/// `$SCD_DATA_DIR`, or `<repo>/.cache/data`.
-pub fn data_dir() -> PathBuf {
-    std::env::var_os("SCD_DATA_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join(".cache/data"))
-}
-
-/// `$SCD_SHARED_DATA`, or `<repo>/../shared/data`.
-pub fn shared_data_dir() -> PathBuf {
-    std::env::var_os("SCD_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("../shared/data"))
-}
-
-/// `$SCD_MODEL_DIR`, or `<repo>/.cache/models`.
-pub fn model_dir() -> PathBuf {
-    std::env::var_os("SCD_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join(".cache/models"))
-}
-
-/// The WikiText-2 validation split.
-pub fn wikitext2_valid_path() -> PathBuf {
-    shared_data_dir().join("wikitext-2/valid.txt")
-}
-
-/// The SQuAD 2.0 dev part.
-pub fn squad_path() -> PathBuf {
-    shared_data_dir().join("squad/dev-v2.0-part.json")
-}
+/// Where the SQuAD 2.0 dev part sits inside the shared data folder.
+pub const SQUAD_PART: &str = "squad/dev-v2.0-part.json";
 
 /// Hex SHA-256 of bytes.
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -142,11 +110,11 @@ pub struct Corpus {
 }
 
 impl Corpus {
-    /// Opens `spec`: a known name under [`data_dir`], a directory with `train.txt` and
+    /// Opens `spec`: a known name under `data_dir`, a directory with `train.txt` and
     /// `valid.txt`, or a single text file.
-    pub fn open(spec: &str) -> Result<Self, CorpusError> {
+    pub fn open(spec: &str, data_dir: &Path) -> Result<Self, CorpusError> {
         if let Some((name, rule)) = NAMED.iter().find(|(n, _)| *n == spec) {
-            let dir = data_dir().join(name);
+            let dir = data_dir.join(name);
             return Self::from_dir(name, &dir, rule);
         }
         let path = Path::new(spec);
@@ -282,12 +250,12 @@ mod tests {
         let p = dir.path().join("c.txt");
         let text: Vec<String> = (0..20).map(|i| format!("line {i}")).collect();
         std::fs::write(&p, text.join("\n")).unwrap();
-        let c = Corpus::open(p.to_str().unwrap()).unwrap();
+        let c = Corpus::open(p.to_str().unwrap(), dir.path()).unwrap();
         assert_eq!(c.valid, "line 18\nline 19");
         assert!(c.train.ends_with("line 17"));
         assert_eq!(c.train_sha256, sha256_hex(c.train.as_bytes()));
         assert!(matches!(
-            Corpus::open("no-such-corpus"),
+            Corpus::open("no-such-corpus", dir.path()),
             Err(CorpusError::Unknown(_))
         ));
     }

@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::LlamaConfig;
 use crate::error::LoadError;
-use crate::llama::{check_shape, Block, Linear, Llama, ModelIdentity};
+use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity};
 
 /// An opened, validated GGUF file: its parsed header and its bytes.
 pub struct GgufFile {
@@ -153,20 +153,19 @@ impl GgufFile {
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let lin = |s: &str, out: usize, inp: usize| -> Result<Linear, LoadError> {
-                Ok(Linear::new(get(&p(s), &[out, inp])?))
-            };
-            blocks.push(Block {
+            let lin = |s: &str, out: usize, inp: usize| get(&p(s), &[out, inp]);
+            blocks.push(BlockWeights {
                 attn_norm: get(&p("attn_norm"), &[h])?,
-                q: lin("attn_q", cfg.q_dim(), h)?,
-                k: lin("attn_k", cfg.kv_dim(), h)?,
-                v: lin("attn_v", cfg.kv_dim(), h)?,
-                o: lin("attn_output", h, cfg.q_dim())?,
                 ffn_norm: get(&p("ffn_norm"), &[h])?,
-                gate: lin("ffn_gate", ffn, h)?,
-                up: lin("ffn_up", ffn, h)?,
-                down: lin("ffn_down", h, ffn)?,
-                fused: None,
+                projections: [
+                    lin("attn_q", cfg.q_dim(), h)?,
+                    lin("attn_k", cfg.kv_dim(), h)?,
+                    lin("attn_v", cfg.kv_dim(), h)?,
+                    lin("attn_output", h, cfg.q_dim())?,
+                    lin("ffn_gate", ffn, h)?,
+                    lin("ffn_up", ffn, h)?,
+                    lin("ffn_down", h, ffn)?,
+                ],
             });
         }
         let norm = get("output_norm.weight", &[h])?;

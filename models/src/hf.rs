@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::{HfLlamaConfig, LlamaConfig};
 use crate::error::LoadError;
-use crate::llama::{check_shape, Block, Linear, Llama, ModelIdentity, Proj};
+use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
 
 /// Reorders the rows of a `(n_heads * head_dim, ..)` matrix from half-split to interleaved
 /// pairing: within each head, new row `2i` is old row `i` and new row `2i+1` is old row
@@ -105,34 +105,28 @@ impl Llama {
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}.weight");
-            let mut lin = |proj: Proj| -> Result<Linear, LoadError> {
+            let mut lin = |proj: Proj| -> Result<Tensor, LoadError> {
                 let (out, inp) = proj.shape(&cfg);
                 let w = take(&p(proj.hf_name()), &[out, inp])?;
-                let w = match proj {
-                    Proj::Q => to_interleaved_rows(&w, cfg.num_heads).map_err(wrap)?,
-                    Proj::K => to_interleaved_rows(&w, cfg.num_kv_heads).map_err(wrap)?,
-                    _ => w,
-                };
-                Ok(Linear::new(w))
+                match proj {
+                    Proj::Q => to_interleaved_rows(&w, cfg.num_heads).map_err(wrap),
+                    Proj::K => to_interleaved_rows(&w, cfg.num_kv_heads).map_err(wrap),
+                    _ => Ok(w),
+                }
             };
-            let q = lin(Proj::Q)?;
-            let k = lin(Proj::K)?;
-            let v = lin(Proj::V)?;
-            let o = lin(Proj::O)?;
-            let gate = lin(Proj::Gate)?;
-            let up = lin(Proj::Up)?;
-            let down = lin(Proj::Down)?;
-            blocks.push(Block {
+            let projections = [
+                lin(Proj::Q)?,
+                lin(Proj::K)?,
+                lin(Proj::V)?,
+                lin(Proj::O)?,
+                lin(Proj::Gate)?,
+                lin(Proj::Up)?,
+                lin(Proj::Down)?,
+            ];
+            blocks.push(BlockWeights {
                 attn_norm: take(&p("input_layernorm"), &[h])?,
-                q,
-                k,
-                v,
-                o,
                 ffn_norm: take(&p("post_attention_layernorm"), &[h])?,
-                gate,
-                up,
-                down,
-                fused: None,
+                projections,
             });
         }
         let norm = take("model.norm.weight", &[h])?;
@@ -181,11 +175,11 @@ impl Llama {
             out.insert(p("input_layernorm"), b.attn_norm.clone());
             out.insert(p("post_attention_layernorm"), b.ffn_norm.clone());
             for proj in Proj::ALL {
-                let w = &b.proj(proj).weight;
+                let w = b.linear(proj).weight_of(proj).map_err(wrap)?;
                 let w = match proj {
-                    Proj::Q => to_half_split_rows(w, cfg.num_heads).map_err(wrap)?,
-                    Proj::K => to_half_split_rows(w, cfg.num_kv_heads).map_err(wrap)?,
-                    _ => w.clone(),
+                    Proj::Q => to_half_split_rows(&w, cfg.num_heads).map_err(wrap)?,
+                    Proj::K => to_half_split_rows(&w, cfg.num_kv_heads).map_err(wrap)?,
+                    _ => w.contiguous().map_err(wrap)?,
                 };
                 out.insert(p(proj.hf_name()), w);
             }

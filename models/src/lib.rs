@@ -3,36 +3,54 @@
 //! - weight and tokenizer loading (GGUF and Hugging Face directories) for llama-family models;
 //! - a transformer forward pass with state hooks (capture K before RoPE, V and the attention
 //!   input; inject a per-layer KV cache; run a range of layers), RoPE apply/inverse;
-//! - LoRA adapters, sampling and generation;
-//! - later: SCD translators (calibration, Reuse, Patch, layer selection), baseline codecs and
-//!   quality metrics.
+//! - LoRA adapters (merged or on the fly), fine-tuning, sampling and generation;
+//! - the codecs that carry a prompt's state from producer to consumer (oracle, raw so far; the
+//!   SCD translators follow), and the quality harness with its metrics.
 //!
 //! All math is f32 on the CPU; f16/bf16 appear only where tensors are packed for the wire.
 //!
 //! Files, top-down: `config` (hyperparameters from GGUF metadata or `config.json`), `gguf` and
-//! `hf` (loaders, as constructors of [`Llama`]), `llama` (the model and its forward pass with
-//! hooks), `cache` (the per-layer KV cache, injectable), `rope` (rotary embedding at arbitrary
-//! positions, apply and inverse), `lora` (adapters), `sampling` and `generate`, `baseline`
-//! (candle-transformers' quantized llama, the independent reference), `bench` (timing helpers
-//! of `scd bench model`), `error`.
+//! `hf` (loaders, as constructors of [`Llama`]), `llama` (the model and its one forward pass
+//! with hooks), `ops` (the forward pass's operations: fused kernels from `kernels` for
+//! inference, candle's differentiable ops while gradients are recorded), `cache` (the per-layer
+//! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
+//! `lora` (adapters), `sampling` and `generate`; `codec` (the transfer modes: producer-side
+//! encode into layer codes, consumer-side rebuild of a KV cache); `optim` (AdamW), `train`
+//! (LoRA fine-tuning) and `expert` (an expert folder and its manifest); `corpus` (training
+//! text), `perplexity`, `metrics` and `stats` (quality figures with intervals), `eval` (the
+//! quality harness and the drift report); `baseline` (candle-transformers' quantized llama, an
+//! independent reference), `bench` (timing helpers of `scd bench model`), `json_file` (atomic
+//! JSON files), `error`.
 #![warn(missing_docs)]
 
 pub mod baseline;
 pub mod bench;
 pub mod cache;
+pub mod codec;
 pub mod config;
+pub mod corpus;
 pub mod error;
+pub mod eval;
+pub mod expert;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
+pub mod json_file;
 mod kernels;
 pub mod llama;
 pub mod lora;
+pub mod metrics;
+mod ops;
+pub mod optim;
+pub mod perplexity;
 pub mod rope;
 pub mod sampling;
+pub mod stats;
 pub mod tokenizer;
+pub mod train;
 
 pub use cache::KvCache;
+pub use codec::{Codec, CodecError, LayerDecoder, Prefix};
 pub use config::{HfLlamaConfig, LlamaConfig, RopeVariant};
 pub use error::{AdapterError, ForwardError, GenerateError, LoadError};
 pub use generate::{generate, generate_with_cache, GenerateParams, Generation, StopReason};
@@ -41,7 +59,3 @@ pub use llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity
 pub use lora::{AdapterMode, LoraAdapter};
 pub use rope::Rope;
 pub use sampling::{Sampler, Sampling};
-pub mod corpus;
-pub mod eval;
-pub mod metrics;
-pub mod train;

@@ -16,13 +16,13 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 use crate::cache::KvCache;
 use crate::config::LlamaConfig;
 use crate::error::ForwardError;
-use crate::kernels;
-use crate::rope::{rotate_heads, Rope};
+use crate::ops;
+use crate::rope::Rope;
 
 /// Query rows per attention chunk: bounds the score matrix at `heads * CHUNK * keys` floats
 /// (about 19 MB at 2,048 keys for 9 heads) and lets each chunk skip the keys its causal mask
@@ -39,28 +39,122 @@ pub(crate) struct LoraDelta {
     pub scale: f64,
 }
 
-/// A projection `y = x W^T` (no bias in llama), optionally with a LoRA term.
+impl LoraDelta {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.matmul(&self.a.t()?)?.matmul(&self.b.t()?)? * self.scale
+    }
+}
+
+/// One projection of a [`Linear`]: its rows and, on the fly, its adapter term.
 #[derive(Debug, Clone)]
-pub(crate) struct Linear {
-    /// `(out, in)`.
-    pub weight: Tensor,
+pub(crate) struct Part {
+    pub proj: Proj,
+    pub rows: usize,
     pub lora: Option<LoraDelta>,
 }
 
+/// `y = x W^T` (no bias in llama) for one projection, or for several that read the same input
+/// fused into one weight: q/k/v and gate/up run as one wider matmul each (fewer passes over the
+/// input and fewer thread fork/joins than three and two narrow ones). An adapter applied on the
+/// fly adds its low-rank term per part, so experts keep the fused base matmul.
+///
+/// This is the one place where the forward pass differs between inference, on-the-fly experts
+/// and training: the weight multiplies through [`ops::linear`] (frozen when gradients flow) and
+/// the parts' adapter terms are added when present. Everything else runs the same code.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    /// `(out, in)`: the parts' rows, one part after another.
+    pub weight: Tensor,
+    pub parts: Vec<Part>,
+}
+
 impl Linear {
-    pub(crate) fn new(weight: Tensor) -> Self {
-        Self { weight, lora: None }
+    /// Fuses `(projection, weight (rows, in))` parts, in order.
+    fn fuse(parts: Vec<(Proj, Tensor)>) -> candle_core::Result<Self> {
+        let weight = if parts.len() == 1 {
+            parts[0].1.clone()
+        } else {
+            Tensor::cat(&parts.iter().map(|(_, w)| w).collect::<Vec<_>>(), 0)?
+        };
+        let parts = parts
+            .into_iter()
+            .map(|(proj, w)| {
+                Ok(Part {
+                    proj,
+                    rows: w.dim(0)?,
+                    lora: None,
+                })
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self { weight, parts })
+    }
+
+    /// The first row of `proj` and its part.
+    fn part(&self, proj: Proj) -> Option<(usize, &Part)> {
+        let mut row = 0;
+        for p in &self.parts {
+            if p.proj == proj {
+                return Some((row, p));
+            }
+            row += p.rows;
+        }
+        None
+    }
+
+    /// The base weight of one projection, `(rows, in)`, a view into the fused weight.
+    pub(crate) fn weight_of(&self, proj: Proj) -> candle_core::Result<Tensor> {
+        match self.part(proj) {
+            Some((row, p)) => self.weight.narrow(0, row, p.rows),
+            None => candle_core::bail!("{proj:?} is not part of this projection"),
+        }
+    }
+
+    /// Sets (or clears) the on-the-fly adapter term of `proj`.
+    pub(crate) fn set_lora(&mut self, proj: Proj, lora: Option<LoraDelta>) {
+        if let Some(p) = self.parts.iter_mut().find(|p| p.proj == proj) {
+            p.lora = lora;
+        }
+    }
+
+    /// Adds `delta` `(rows, in)` to the weight rows of `proj`, in a new weight tensor (the old
+    /// one may be shared with another model).
+    pub(crate) fn add_to_weight(&mut self, proj: Proj, delta: &Tensor) -> candle_core::Result<()> {
+        let Some((row, part)) = self.part(proj) else {
+            candle_core::bail!("{proj:?} is not part of this projection");
+        };
+        let (rows, width) = self.weight.dims2()?;
+        let mut pieces = Vec::with_capacity(3);
+        if row > 0 {
+            pieces.push(Tensor::zeros((row, width), DType::F32, &Device::Cpu)?);
+        }
+        pieces.push(delta.clone());
+        let after = rows - row - part.rows;
+        if after > 0 {
+            pieces.push(Tensor::zeros((after, width), DType::F32, &Device::Cpu)?);
+        }
+        self.weight = (&self.weight + Tensor::cat(&pieces, 0)?)?;
+        Ok(())
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
-        match &self.lora {
-            None => Ok(y),
-            Some(l) => {
-                let delta = x.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
-                y + (delta * l.scale)?
-            }
+        let y = ops::linear(x, &self.weight)?;
+        if self.parts.iter().all(|p| p.lora.is_none()) {
+            return Ok(y);
         }
+        let t = x.dim(0)?;
+        let deltas = self
+            .parts
+            .iter()
+            .map(|p| match &p.lora {
+                Some(l) => l.forward(x),
+                None => Tensor::zeros((t, p.rows), DType::F32, &Device::Cpu),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let delta = match deltas.as_slice() {
+            [one] => one.clone(),
+            many => Tensor::cat(many, 1)?,
+        };
+        y + delta
     }
 }
 
@@ -125,85 +219,54 @@ impl Proj {
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
     pub attn_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// q, k and v fused: `(q_dim + 2 kv_dim, hidden)`.
+    pub qkv: Linear,
     pub o: Linear,
     pub ffn_norm: Tensor,
-    pub gate: Linear,
-    pub up: Linear,
+    /// gate and up fused: `(2 intermediate, hidden)`.
+    pub gate_up: Linear,
     pub down: Linear,
-    /// Set by [`Block::fuse`], cleared by [`Block::proj_mut`]; loaders leave it `None`.
-    pub fused: Option<Fused>,
 }
 
-/// A block's projections that read the same input, concatenated along the output dimension,
-/// so the inference path runs one wider matmul instead of three (q, k, v) and two (gate, up):
-/// fewer passes over the input, fewer thread fork/joins, and the narrow k/v projections stop
-/// being inefficient matmuls of their own. The per-projection weights are views into these
-/// tensors, so fusing costs no memory.
-#[derive(Debug, Clone)]
-pub(crate) struct Fused {
-    /// `(q_dim + 2 kv_dim, hidden)`: rows of q, then k, then v.
-    pub qkv: Tensor,
-    /// `(2 intermediate, hidden)`: rows of gate, then up.
-    pub gate_up: Tensor,
+/// A block's weights as a checkpoint stores them: one `(out, in)` matrix per projection, in
+/// [`Proj::ALL`] order.
+pub(crate) struct BlockWeights {
+    pub attn_norm: Tensor,
+    pub ffn_norm: Tensor,
+    pub projections: [Tensor; 7],
 }
 
 impl Block {
-    /// Concatenates q/k/v and gate/up and re-points the separate weights at views of the
-    /// result (the old separate tensors are released unless another model shares them).
-    pub(crate) fn fuse(&mut self) -> candle_core::Result<()> {
-        let qkv = Tensor::cat(&[&self.q.weight, &self.k.weight, &self.v.weight], 0)?;
-        let mut row = 0;
-        for lin in [&mut self.q, &mut self.k, &mut self.v] {
-            let rows = lin.weight.dim(0)?;
-            lin.weight = qkv.narrow(0, row, rows)?;
-            row += rows;
-        }
-        let gate_up = Tensor::cat(&[&self.gate.weight, &self.up.weight], 0)?;
-        let rows = self.gate.weight.dim(0)?;
-        self.gate.weight = gate_up.narrow(0, 0, rows)?;
-        self.up.weight = gate_up.narrow(0, rows, rows)?;
-        self.fused = Some(Fused { qkv, gate_up });
-        Ok(())
+    /// Assembles a block, fusing q/k/v and gate/up (the separate tensors are released unless a
+    /// caller keeps them).
+    pub(crate) fn new(w: BlockWeights) -> candle_core::Result<Self> {
+        let [q, k, v, o, gate, up, down] = w.projections;
+        Ok(Self {
+            attn_norm: w.attn_norm,
+            qkv: Linear::fuse(vec![(Proj::Q, q), (Proj::K, k), (Proj::V, v)])?,
+            o: Linear::fuse(vec![(Proj::O, o)])?,
+            ffn_norm: w.ffn_norm,
+            gate_up: Linear::fuse(vec![(Proj::Gate, gate), (Proj::Up, up)])?,
+            down: Linear::fuse(vec![(Proj::Down, down)])?,
+        })
     }
 
-    /// The fused q/k/v weight, when it is current and no on-the-fly adapter touches q, k or v.
-    fn fused_qkv(&self) -> Option<&Tensor> {
-        let plain = self.q.lora.is_none() && self.k.lora.is_none() && self.v.lora.is_none();
-        self.fused.as_ref().filter(|_| plain).map(|f| &f.qkv)
-    }
-
-    /// The fused gate/up weight, when it is current and no on-the-fly adapter touches them.
-    fn fused_gate_up(&self) -> Option<&Tensor> {
-        let plain = self.gate.lora.is_none() && self.up.lora.is_none();
-        self.fused.as_ref().filter(|_| plain).map(|f| &f.gate_up)
-    }
-
-    pub(crate) fn proj(&self, p: Proj) -> &Linear {
+    /// The [`Linear`] that computes `p`.
+    pub(crate) fn linear(&self, p: Proj) -> &Linear {
         match p {
-            Proj::Q => &self.q,
-            Proj::K => &self.k,
-            Proj::V => &self.v,
+            Proj::Q | Proj::K | Proj::V => &self.qkv,
             Proj::O => &self.o,
-            Proj::Gate => &self.gate,
-            Proj::Up => &self.up,
+            Proj::Gate | Proj::Up => &self.gate_up,
             Proj::Down => &self.down,
         }
     }
 
-    /// A projection to change; the fused weights no longer match, so they are dropped until
-    /// the next [`Block::fuse`].
-    pub(crate) fn proj_mut(&mut self, p: Proj) -> &mut Linear {
-        self.fused = None;
+    /// The [`Linear`] that computes `p`, to change.
+    pub(crate) fn linear_mut(&mut self, p: Proj) -> &mut Linear {
         match p {
-            Proj::Q => &mut self.q,
-            Proj::K => &mut self.k,
-            Proj::V => &mut self.v,
+            Proj::Q | Proj::K | Proj::V => &mut self.qkv,
             Proj::O => &mut self.o,
-            Proj::Gate => &mut self.gate,
-            Proj::Up => &mut self.up,
+            Proj::Gate | Proj::Up => &mut self.gate_up,
             Proj::Down => &mut self.down,
         }
     }
@@ -312,8 +375,6 @@ pub struct Input<'a> {
     pub capture: Capture,
     /// Which logits to compute.
     pub logits: LogitsWanted,
-    /// Use only ops with gradients (slower), for training through the model.
-    pub differentiable: bool,
 }
 
 impl<'a> Input<'a> {
@@ -325,7 +386,6 @@ impl<'a> Input<'a> {
             cache: None,
             capture: Capture::none(),
             logits: LogitsWanted::Last,
-            differentiable: false,
         }
     }
 
@@ -351,12 +411,6 @@ impl<'a> Input<'a> {
     /// Compute `logits`.
     pub fn logits(mut self, logits: LogitsWanted) -> Self {
         self.logits = logits;
-        self
-    }
-
-    /// Use only differentiable ops.
-    pub fn differentiable(mut self, on: bool) -> Self {
-        self.differentiable = on;
         self
     }
 }
@@ -386,14 +440,15 @@ impl Llama {
     pub(crate) fn assemble(
         cfg: LlamaConfig,
         embed: Tensor,
-        mut blocks: Vec<Block>,
+        blocks: Vec<BlockWeights>,
         norm: Tensor,
         output: Option<Tensor>,
         identity: ModelIdentity,
     ) -> candle_core::Result<Self> {
-        for b in &mut blocks {
-            b.fuse()?;
-        }
+        let blocks = blocks
+            .into_iter()
+            .map(Block::new)
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let lm_head = output.unwrap_or_else(|| embed.clone());
         Ok(Llama {
             rope: Rope::new(&cfg),
@@ -432,6 +487,9 @@ impl Llama {
     }
 
     /// Runs the model over `input.tokens`.
+    ///
+    /// One pass for every use: when an adapter applied on the fly holds `Var`s the pass records
+    /// gradients for them (training), otherwise it runs the fused inference kernels.
     pub fn forward(&self, input: Input<'_>) -> Result<Output, ForwardError> {
         let Input {
             tokens,
@@ -439,7 +497,6 @@ impl Llama {
             cache,
             capture,
             logits,
-            differentiable,
         } = input;
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput);
@@ -463,9 +520,8 @@ impl Llama {
             cache,
             &capture,
             &mut captured,
-            differentiable,
         )?;
-        let logits = self.logits(&x, logits, differentiable)?;
+        let logits = self.logits(&x, logits)?;
         Ok(Output {
             logits,
             captured,
@@ -515,15 +571,7 @@ impl Llama {
                 })
             }
         }
-        self.run_layers(
-            hidden.clone(),
-            layers,
-            start_pos,
-            cache,
-            capture,
-            captured,
-            false,
-        )
+        self.run_layers(hidden.clone(), layers, start_pos, cache, capture, captured)
     }
 
     /// Final norm and output projection of a residual stream `(T, hidden)`.
@@ -531,7 +579,6 @@ impl Llama {
         &self,
         hidden: &Tensor,
         wanted: LogitsWanted,
-        differentiable: bool,
     ) -> Result<Option<Tensor>, ForwardError> {
         let t = hidden.dim(0)?;
         let x = match wanted {
@@ -539,11 +586,10 @@ impl Llama {
             LogitsWanted::Last => hidden.narrow(0, t - 1, 1)?,
             LogitsWanted::All => hidden.clone(),
         };
-        let x = rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, differentiable)?;
-        Ok(Some(x.matmul(&self.lm_head.t()?)?))
+        let x = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+        Ok(Some(ops::linear(&x, &self.lm_head)?))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn run_layers(
         &self,
         mut x: Tensor,
@@ -552,7 +598,6 @@ impl Llama {
         mut cache: Option<&mut KvCache>,
         capture: &Capture,
         captured: &mut Vec<LayerCapture>,
-        differentiable: bool,
     ) -> Result<Tensor, ForwardError> {
         if layers.start > layers.end || layers.end > self.cfg.num_layers {
             return Err(ForwardError::LayerRange {
@@ -571,6 +616,7 @@ impl Llama {
         }
         let positions: Vec<u32> = (start_pos..needed).map(|p| p as u32).collect();
         let (cos, sin) = self.rope.cos_sin(&positions, &Device::Cpu)?;
+        let eps = self.cfg.rms_norm_eps;
         for l in layers {
             let block = &self.blocks[l];
             let mut rec = capture.wants(l).then(|| LayerCapture {
@@ -580,7 +626,7 @@ impl Llama {
                 h_in: None,
                 hidden: capture.hidden.then(|| x.clone()),
             });
-            let h = rms_norm(&x, &block.attn_norm, self.cfg.rms_norm_eps, differentiable)?;
+            let h = ops::rms_norm(&x, &block.attn_norm, eps)?;
             let attn = self.attention(
                 block,
                 l,
@@ -588,7 +634,6 @@ impl Llama {
                 (&cos, &sin),
                 cache.as_deref_mut(),
                 rec.as_mut().map(|r| (r, capture)),
-                differentiable,
             )?;
             if let Some(r) = rec.as_mut() {
                 if capture.h_in {
@@ -596,11 +641,8 @@ impl Llama {
                 }
             }
             x = (x + attn)?;
-            let h = rms_norm(&x, &block.ffn_norm, self.cfg.rms_norm_eps, differentiable)?;
-            let act = match block.fused_gate_up().filter(|_| !differentiable) {
-                Some(w) => kernels::swiglu(&h.matmul(&w.t()?)?)?,
-                None => (block.gate.forward(&h)?.silu()? * block.up.forward(&h)?)?,
-            };
+            let h = ops::rms_norm(&x, &block.ffn_norm, eps)?;
+            let act = ops::swiglu(&block.gate_up.forward(&h)?)?;
             x = (x + block.down.forward(&act)?)?;
             if let Some(r) = rec {
                 captured.push(r);
@@ -616,7 +658,8 @@ impl Llama {
     ///
     /// Queries of the heads that share a key/value head are stacked into one matrix per KV head,
     /// `(kv_heads, groups * T, head_dim)`, so keys and values are never repeated per query head.
-    #[allow(clippy::too_many_arguments)]
+    /// Query rows go in chunks of [`ATTN_CHUNK`], each multiplying only the keys its causal mask
+    /// lets it see.
     fn attention(
         &self,
         block: &Block,
@@ -625,64 +668,37 @@ impl Llama {
         (cos, sin): (&Tensor, &Tensor),
         cache: Option<&mut KvCache>,
         rec: Option<(&mut LayerCapture, &Capture)>,
-        differentiable: bool,
     ) -> Result<Tensor, ForwardError> {
         let cfg = &self.cfg;
         let (t, _) = h.dims2()?;
         let (n_h, n_kv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let groups = n_h / n_kv;
+        let qkv = block.qkv.forward(h)?;
+        if let Some((r, c)) = rec {
+            let (q_dim, kv_dim) = (n_h * d, n_kv * d);
+            if c.k_pre_rope {
+                r.k_pre_rope = Some(qkv.narrow(1, q_dim, kv_dim)?.contiguous()?);
+            }
+            if c.v {
+                r.v = Some(qkv.narrow(1, q_dim + kv_dim, kv_dim)?.contiguous()?);
+            }
+        }
         // Scaling q before the product costs T * q_dim multiplications instead of one per score.
-        let q_scale = 1.0 / (d as f64).sqrt();
-        let (q, k_rot, v_heads) = match block.fused_qkv().filter(|_| !differentiable) {
-            Some(w) => {
-                let qkv = h.matmul(&w.t()?)?;
-                if let Some((r, c)) = rec {
-                    let (q_dim, kv_dim) = (n_h * d, n_kv * d);
-                    if c.k_pre_rope {
-                        r.k_pre_rope = Some(qkv.narrow(1, q_dim, kv_dim)?.contiguous()?);
-                    }
-                    if c.v {
-                        r.v = Some(qkv.narrow(1, q_dim + kv_dim, kv_dim)?.contiguous()?);
-                    }
-                }
-                let split =
-                    kernels::split_qkv_rope(&qkv, cos, sin, (n_h, n_kv, d), q_scale as f32)?;
-                (split.q, split.k_rot, split.v)
-            }
-            None => {
-                let q = block.q.forward(h)?;
-                let k = block.k.forward(h)?;
-                let v = block.v.forward(h)?;
-                let heads = |x: &Tensor, n: usize| -> candle_core::Result<Tensor> {
-                    x.reshape((t, n, d))?.transpose(0, 1)?.contiguous()
-                };
-                let q = (rotate_heads(&heads(&q, n_h)?, cos, sin, differentiable)? * q_scale)?;
-                let k_rot = rotate_heads(&heads(&k, n_kv)?, cos, sin, differentiable)?;
-                let v_heads = heads(&v, n_kv)?;
-                if let Some((r, c)) = rec {
-                    if c.k_pre_rope {
-                        r.k_pre_rope = Some(k);
-                    }
-                    if c.v {
-                        r.v = Some(v);
-                    }
-                }
-                (q, k_rot, v_heads)
-            }
-        };
+        let q_scale = 1.0 / (d as f32).sqrt();
+        let heads = ops::split_qkv_rope(&qkv, cos, sin, (n_h, n_kv, d), q_scale)?;
         let (keys, values, past) = match cache {
             Some(cache) => {
                 let past = cache.layer_len(layer);
-                cache.append(layer, &k_rot, &v_heads, differentiable)?;
+                cache.append(layer, &heads.k_rot, &heads.v)?;
                 let (k_all, v_all) = cache
                     .views(layer)?
                     .ok_or_else(|| candle_core::Error::Msg("cache layer vanished".into()))?;
                 (k_all, v_all, past)
             }
-            None => (k_rot, v_heads, 0),
+            None => (heads.k_rot, heads.v, 0),
         };
         // (n_h, T, d) -> (n_kv, groups, T, d): head h uses KV head h / groups.
-        let q = q.reshape((n_kv, groups, t, d))?;
+        let q = heads.q.reshape((n_kv, groups, t, d))?;
         let keys_t = keys.transpose(1, 2)?;
         let mut outs = Vec::with_capacity(t.div_ceil(ATTN_CHUNK));
         let mut start = 0;
@@ -697,52 +713,15 @@ impl Llama {
             let kc = keys_t.narrow(2, 0, n_keys)?;
             let vc = values.narrow(1, 0, n_keys)?;
             let scores = qc.matmul(&kc)?.reshape((n_kv, groups, rows, n_keys))?;
-            let probs = if differentiable {
-                let mask = causal_mask(rows, n_keys, past + start)?;
-                candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?
-            } else {
-                // The score matrix is fresh from the matmul and owned here: safe to rewrite.
-                kernels::causal_softmax_(&scores, past + start)?;
-                scores
-            };
-            let probs = probs.reshape((n_kv, groups * rows, n_keys))?;
-            let out = probs.matmul(&vc)?.reshape((n_h, rows, d))?;
-            outs.push(out);
+            let probs = ops::causal_softmax(scores, past + start)?.reshape((
+                n_kv,
+                groups * rows,
+                n_keys,
+            ))?;
+            outs.push(probs.matmul(&vc)?.reshape((n_h, rows, d))?);
             start += rows;
         }
-        let out = if differentiable {
-            Tensor::cat(&outs, 1)?
-                .transpose(0, 1)?
-                .contiguous()?
-                .reshape((t, n_h * d))?
-        } else {
-            kernels::merge_heads(&outs)?
-        };
-        Ok(block.o.forward(&out)?)
-    }
-}
-
-/// `(rows, n_keys)` additive mask: query `i` (at key index `first + i`) sees keys `0..=first + i`.
-fn causal_mask(rows: usize, n_keys: usize, first: usize) -> candle_core::Result<Tensor> {
-    let mut m = vec![0f32; rows * n_keys];
-    for i in 0..rows {
-        for v in &mut m[i * n_keys + first + i + 1..(i + 1) * n_keys] {
-            *v = f32::NEG_INFINITY;
-        }
-    }
-    Tensor::from_vec(m, (rows, n_keys), &Device::Cpu)
-}
-
-fn rms_norm(
-    x: &Tensor,
-    weight: &Tensor,
-    eps: f64,
-    differentiable: bool,
-) -> candle_core::Result<Tensor> {
-    if differentiable {
-        candle_nn::ops::rms_norm_slow(x, weight, eps as f32)
-    } else {
-        candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32)
+        Ok(block.o.forward(&ops::merge_heads(&outs)?)?)
     }
 }
 

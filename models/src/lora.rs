@@ -330,30 +330,19 @@ impl Llama {
         let mut model = self.clone();
         let scale = adapter.scale();
         for (&(layer, proj), (a, b)) in &adapter.weights {
-            let lin = model.blocks[layer].proj_mut(proj);
+            let lin = model.blocks[layer].linear_mut(proj);
             match mode {
-                AdapterMode::Merge => {
-                    let delta = (b.matmul(a)? * scale)?;
-                    lin.weight = (&lin.weight + delta)?;
-                }
-                AdapterMode::OnTheFly => {
-                    lin.lora = Some(LoraDelta {
+                // A new weight tensor for the fused projection that holds `proj`; the base's
+                // stays shared with every other model.
+                AdapterMode::Merge => lin.add_to_weight(proj, &(b.matmul(a)? * scale)?)?,
+                AdapterMode::OnTheFly => lin.set_lora(
+                    proj,
+                    Some(LoraDelta {
                         a: a.clone(),
                         b: b.clone(),
                         scale,
-                    });
-                }
-            }
-        }
-        // Changing a projection dropped its block's fused weights. Merged weights are new and
-        // get fused again; on the fly the weights are still the base's, so the base's fused
-        // tensors stay valid and shared (the fast path skips projections with a LoRA term).
-        for (block, base) in model.blocks.iter_mut().zip(&self.blocks) {
-            if block.fused.is_none() {
-                match mode {
-                    AdapterMode::Merge => block.fuse()?,
-                    AdapterMode::OnTheFly => block.fused = base.fused.clone(),
-                }
+                    }),
+                ),
             }
         }
         Ok(model)

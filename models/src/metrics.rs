@@ -50,9 +50,16 @@ pub fn total_variation(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     distances(p_logits, q_logits).1
 }
 
-/// Negative log-likelihood (nats) of `target` under the distribution given by `logits`.
+/// Negative log-likelihood (nats) of `target` under the distribution given by `logits`
+/// (infinite for a target outside the vocabulary: it has probability zero). The one per-position
+/// routine behind every perplexity in the project.
 pub fn nll(logits: &[f32], target: u32) -> f64 {
-    -log_softmax(logits)[target as usize]
+    let Some(&x) = logits.get(target as usize) else {
+        return f64::INFINITY;
+    };
+    let max = f64::from(logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+    let sum: f64 = logits.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+    max + sum.ln() - f64::from(x)
 }
 
 /// Perplexity from per-token negative log-likelihoods: `exp(mean(nll))`.

@@ -98,34 +98,7 @@ impl Rope {
             .reshape((t, heads, self.head_dim))?
             .transpose(0, 1)?
             .contiguous()?;
-        let y = rotate_heads(&per_head, &cos, &sin, false)?;
+        let y = crate::ops::rope_heads(&per_head, &cos, &sin)?;
         Ok(y.transpose(0, 1)?.reshape((t, width))?)
-    }
-}
-
-/// Rotates `x` of shape `(heads, T, head_dim)` with tables `(T, head_dim / 2)`.
-///
-/// The fast path is candle's fused kernel, which has no gradient; `differentiable` selects a
-/// composition of elementary ops instead, for training through the model.
-pub(crate) fn rotate_heads(
-    x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    differentiable: bool,
-) -> candle_core::Result<Tensor> {
-    let (h, t, d) = x.dims3()?;
-    if differentiable {
-        let pairs = x.reshape((h, t, d / 2, 2))?;
-        let x0 = pairs.narrow(3, 0, 1)?;
-        let x1 = pairs.narrow(3, 1, 1)?;
-        let cos = cos.reshape((1, t, d / 2, 1))?;
-        let sin = sin.reshape((1, t, d / 2, 1))?;
-        let y0 = (x0.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
-        let y1 = (x0.broadcast_mul(&sin)? + x1.broadcast_mul(&cos)?)?;
-        Tensor::cat(&[y0, y1], 3)?.reshape((h, t, d))
-    } else {
-        let x4 = x.contiguous()?.reshape((1, h, t, d))?;
-        candle_nn::rotary_emb::rope_i(&x4, &cos.contiguous()?, &sin.contiguous()?)?
-            .reshape((h, t, d))
     }
 }

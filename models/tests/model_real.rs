@@ -190,17 +190,14 @@ fn forward_layers_from_a_captured_hidden_state_equals_the_full_forward() {
     for start in [0usize, 17] {
         let hidden = out.layer(start).unwrap().hidden.clone().unwrap();
         let h = model.forward_layers(&hidden, start..n, 0, None).unwrap();
-        let logits = model.logits(&h, LogitsWanted::All, false).unwrap().unwrap();
+        let logits = model.logits(&h, LogitsWanted::All).unwrap().unwrap();
         assert!(max_abs_diff(&logits, &full) < 1e-3, "from layer {start}");
     }
     // Splitting a run into two ranges changes nothing either.
     let hidden = out.layer(0).unwrap().hidden.clone().unwrap();
     let mid = model.forward_layers(&hidden, 0..10, 0, None).unwrap();
     let end = model.forward_layers(&mid, 10..n, 0, None).unwrap();
-    let logits = model
-        .logits(&end, LogitsWanted::All, false)
-        .unwrap()
-        .unwrap();
+    let logits = model.logits(&end, LogitsWanted::All).unwrap().unwrap();
     assert!(max_abs_diff(&logits, &full) < 1e-3);
     // H_in is RMS-normalised: every row's RMS equals that of the norm weight's scaling, not of
     // the raw residual stream.
@@ -305,6 +302,26 @@ fn greedy_generation_is_deterministic_and_stops_at_eos() {
     })
     .unwrap();
     assert_eq!(again.tokens, g.tokens);
+    // The reply ends at the chat template's end-of-turn token, which is not emitted.
+    match g.stop {
+        scd_models::StopReason::StopToken(id) => {
+            assert!(tok.stop_ids().contains(&id), "stopped at {id}");
+            assert!(!g.tokens.contains(&id));
+        }
+        other => panic!("did not stop at a stop token: {other:?} after {text:?}"),
+    }
+    assert!(g.tokens.len() < params.max_tokens);
+    // With a budget shorter than the reply, the budget ends it.
+    let short = scd_models::GenerateParams {
+        max_tokens: 2,
+        ..params.clone()
+    };
+    let cut = scd_models::generate(model, &prompt, &short, |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(cut.stop, scd_models::StopReason::MaxTokens);
+    assert_eq!(cut.tokens, g.tokens[..2]);
 }
 
 #[test]
@@ -325,27 +342,30 @@ fn real_model_exported_as_hf_dir_gives_the_same_logits() {
     assert!(diff < 1e-4, "max diff {diff}");
 }
 
-/// The inference path (fused q/k/v and gate/up projections, RoPE folded into the head split,
-/// in-place causal softmax, SwiGLU kernel) computes what the differentiable path, built from
-/// candle's elementary ops on separate projections, computes: logits and every capture. 300
-/// tokens span two attention chunks.
+/// The inference kernels (RoPE folded into the head split, in-place causal softmax, SwiGLU,
+/// head merge, fast RMS norm) compute what candle's differentiable ops compute: the same model
+/// with a zero adapter of `Var`s runs the differentiable path and must give the same logits and
+/// captures. 300 tokens span two attention chunks.
 #[test]
-fn fused_inference_path_equals_the_differentiable_path() {
+fn inference_kernels_equal_the_differentiable_path() {
     let (model, tok) = real();
+    let tracked = common::with_zero_var_adapter(model);
     let tokens = wikitext_tokens(tok, 300);
     assert!(tokens.len() > 256);
-    let run = |differentiable: bool| {
-        model
-            .forward(
-                Input::new(&tokens)
-                    .capture(Capture::all())
-                    .logits(LogitsWanted::All)
-                    .differentiable(differentiable),
-            )
-            .unwrap()
+    let run = |m: &scd_models::Llama| {
+        m.forward(
+            Input::new(&tokens)
+                .capture(Capture::all())
+                .logits(LogitsWanted::All),
+        )
+        .unwrap()
     };
-    let (fast, slow) = (run(false), run(true));
+    let (fast, slow) = (run(model), run(&tracked));
     let (lf, ls) = (fast.logits.unwrap(), slow.logits.unwrap());
+    assert!(
+        ls.track_op() && !lf.track_op(),
+        "the paths were not the two intended"
+    );
     assert!(max_abs_diff(&lf, &ls) < 2e-3 * max_abs(&ls).max(1.0));
     assert_eq!(fast.captured.len(), slow.captured.len());
     for (f, s) in fast.captured.iter().zip(&slow.captured) {

@@ -9,11 +9,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::DType;
 use common::{max_abs_diff, real as base};
 use scd_models::corpus::{self, Corpus};
+use scd_models::expert::Manifest;
+use scd_models::perplexity::score_windows;
 use scd_models::train::{
     self, finetune, FinetuneOptions, FinetuneOutcome, LoopEnd, Schedule, TrainConfig, TrainData,
     TrainEvent, Trainer,
 };
-use scd_models::Proj;
+use scd_models::{AdapterMode, Llama, Proj};
+
+fn mean_loss(model: &Llama, windows: &[Vec<u32>]) -> f64 {
+    score_windows(model, windows).unwrap().unwrap().mean_nll
+}
 
 const TEXT: &str = "Call me Ishmael. Some years ago, never mind how long precisely, having little \
 or no money in my purse, and nothing particular to interest me on shore, I thought I would sail \
@@ -61,7 +67,7 @@ fn flat(trainer: &Trainer) -> Vec<f32> {
 fn training_lowers_the_loss_on_what_it_sees() {
     let (model, _) = base();
     let data = tiny_data();
-    let before = train::mean_loss(model, &data.valid).unwrap();
+    let before = mean_loss(model, &data.valid);
     let mut t = Trainer::new(
         model,
         TrainConfig {
@@ -74,20 +80,20 @@ fn training_lowers_the_loss_on_what_it_sees() {
         let r = t.train_step(&data).unwrap();
         assert!(r.loss.is_finite() && r.grad_norm > 0.0);
     }
-    let after = train::mean_loss(t.model(), &data.valid).unwrap();
-    // The training forward (frozen-weight matmuls) computes what the model computes.
+    let after = mean_loss(t.model(), &data.valid);
+    // The training forward (differentiable ops, frozen-weight matmuls) computes what the
+    // inference kernels compute for the same adapter without gradients.
     let w = &data.valid[0];
     let ours = t.train_logits(w).unwrap();
-    let theirs = t
-        .model()
-        .forward(
-            scd_models::Input::new(w)
-                .logits(scd_models::LogitsWanted::All)
-                .differentiable(true),
+    assert!(ours.track_op());
+    let plain = model
+        .with_adapter(
+            &t.adapter(model, DType::F32).unwrap(),
+            AdapterMode::OnTheFly,
         )
-        .unwrap()
-        .logits
         .unwrap();
+    let theirs = common::all_logits(&plain, w);
+    assert!(!theirs.track_op());
     let diff = max_abs_diff(&ours, &theirs);
     assert!(diff < 1e-3, "training forward differs by {diff}");
     assert!(
@@ -95,7 +101,7 @@ fn training_lowers_the_loss_on_what_it_sees() {
         "loss {before:.3} -> {after:.3} after 6 steps"
     );
     // The base itself is untouched: only the adapter's Vars were optimised.
-    assert_eq!(train::mean_loss(model, &data.valid).unwrap(), before);
+    assert_eq!(mean_loss(model, &data.valid), before);
 }
 
 #[test]
@@ -220,7 +226,7 @@ fn finetune_writes_adapter_and_manifest() {
     let FinetuneOutcome::Finished(m) = out else {
         panic!("not finished")
     };
-    let on_disk = train::Manifest::load(&dir.path().join("manifest.json")).unwrap();
+    let on_disk = Manifest::load(&dir.path().join("manifest.json")).unwrap();
     // serde_json reads floats back to within an ulp or so: compare exact fields exactly.
     assert_eq!(on_disk.corpus, m.corpus);
     assert_eq!(on_disk.adapter, m.adapter);
@@ -262,7 +268,7 @@ fn finetune_writes_adapter_and_manifest() {
 #[ignore]
 fn bench_step_seq256_batch4() {
     let (model, tok) = base();
-    let c = Corpus::open("moby-dick").unwrap();
+    let c = Corpus::open("moby-dick", &common::data_dir()).unwrap();
     let train = corpus::tokenize_long(tok, &c.train[..200_000]).unwrap();
     let data = TrainData {
         train,
@@ -293,29 +299,13 @@ fn bench_phases() {
     let (model, _) = base();
     let t = Trainer::new(model, TrainConfig::default()).unwrap();
     let toks: Vec<u32> = (0..257).map(|i| 1000 + i as u32 * 7).collect();
-    for diff in [false, true] {
-        let t0 = Instant::now();
-        let out = t
-            .model()
-            .forward(
-                Input::new(&toks[..256])
-                    .logits(LogitsWanted::All)
-                    .differentiable(diff),
-            )
-            .unwrap();
-        let fwd = t0.elapsed();
-        let logits = out.logits.unwrap();
-        let targets = candle_core::Tensor::new(&toks[1..], &candle_core::Device::Cpu).unwrap();
-        let t1 = Instant::now();
-        let loss = candle_nn::loss::cross_entropy(&logits, &targets).unwrap();
-        let ce = t1.elapsed();
-        let t2 = Instant::now();
-        let _g = loss.backward().unwrap();
-        eprintln!(
-            "diff {diff}: forward {fwd:?}, ce {ce:?}, backward {:?}",
-            t2.elapsed()
-        );
-    }
+    let t0 = Instant::now();
+    let out = t
+        .model()
+        .forward(Input::new(&toks[..256]).logits(LogitsWanted::All))
+        .unwrap();
+    eprintln!("forward (tracked): {:?}", t0.elapsed());
+    drop(out);
     let t0 = Instant::now();
     let logits = t.train_logits(&toks[..256]).unwrap();
     let fwd = t0.elapsed();

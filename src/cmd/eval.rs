@@ -4,10 +4,14 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use scd_models::codec::{codec_for, Codec};
 use scd_models::corpus::{self, Corpus};
 use scd_models::eval::{self, DriftOptions, EvalConfig, EvalData, FileInfo, Pair};
-use scd_models::train::Manifest;
+use scd_models::expert::{expert_files, Manifest};
 use scd_models::{AdapterMode, Llama, LoraAdapter};
+use scd_types::Mode;
+
+use crate::paths::DataDirs;
 
 /// Arguments of `scd eval`.
 #[derive(clap::Args)]
@@ -23,6 +27,9 @@ pub struct Args {
     /// The consumer's LoRA adapter (an expert).
     #[arg(long)]
     pub consumer_adapter: Option<PathBuf>,
+    /// Transfer modes, comma-separated (oracle, raw).
+    #[arg(long, default_value = "oracle,raw", value_delimiter = ',')]
+    pub methods: Vec<Mode>,
     #[command(flatten)]
     pub common: Common,
     /// Where to write the JSON record.
@@ -36,11 +43,8 @@ pub struct Args {
 /// Harness settings shared by `eval` and `eval drift`.
 #[derive(clap::Args, Clone)]
 pub struct Common {
-    /// Cache methods, comma-separated (oracle, raw).
-    #[arg(long, default_value = "oracle,raw", value_delimiter = ',')]
-    pub methods: Vec<String>,
     /// WikiText-2 windows.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     pub wikitext_windows: usize,
     /// Prompt tokens per WikiText-2 window.
     #[arg(long, default_value_t = 256)]
@@ -52,14 +56,16 @@ pub struct Common {
     #[arg(long, default_value_t = 32)]
     pub greedy_tokens: usize,
     /// SQuAD answerable questions.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 200)]
     pub squad_questions: usize,
     /// Greedy answer budget (tokens).
     #[arg(long, default_value_t = 32)]
     pub answer_tokens: usize,
-    /// Seed of the samples.
+    /// Seed of the samples and of the bootstrap intervals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    #[command(flatten)]
+    pub dirs: DataDirs,
 }
 
 /// `scd eval drift`.
@@ -98,7 +104,6 @@ pub struct DriftArgs {
 impl Common {
     fn config(&self) -> EvalConfig {
         EvalConfig {
-            methods: self.methods.clone(),
             seed: self.seed,
             wikitext_windows: self.wikitext_windows,
             prefix_tokens: self.prefix_tokens,
@@ -127,6 +132,15 @@ fn with_adapter(base: &Llama, path: &Path) -> anyhow::Result<Llama> {
         .context("applying the adapter")
 }
 
+fn load_data(dirs: &DataDirs) -> anyhow::Result<EvalData> {
+    EvalData::load(&dirs.shared_data).with_context(|| {
+        format!(
+            "reading WikiText-2 and SQuAD under {} (set --shared-data or SCD_SHARED_DATA)",
+            dirs.shared_data.display()
+        )
+    })
+}
+
 fn write(path: &Option<PathBuf>, text: &str) -> anyhow::Result<()> {
     match path {
         Some(p) => std::fs::write(p, text).with_context(|| format!("writing {}", p.display())),
@@ -152,13 +166,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(p) => (with_adapter(&consumer_base, p)?, Some(adapter_info(p)?)),
         None => (consumer_base, None),
     };
-    let data = EvalData::load_shared().context("reading WikiText-2 and SQuAD")?;
+    let data = load_data(&args.common.dirs)?;
     let cfg = args.common.config();
+    let codecs = args
+        .methods
+        .iter()
+        .map(|&m| codec_for(m))
+        .collect::<Result<Vec<_>, _>>()?;
+    let codecs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
     let record = eval::evaluate(
         Pair {
             producer: &producer,
             consumer: &consumer,
         },
+        &codecs,
         &tok,
         &data,
         &cfg,
@@ -175,11 +196,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
     let (base, tok) = super::generate::load(&args.model)?;
-    let data = EvalData::load_shared().context("reading WikiText-2 and SQuAD")?;
+    let data = load_data(&args.common.dirs)?;
     let mut reports = Vec::new();
     let mut md = String::new();
     for dir in &args.experts {
-        let (adapter_path, manifest_path) = eval::expert_files(dir);
+        let (adapter_path, manifest_path) = expert_files(dir);
         let manifest = Manifest::load(&manifest_path)
             .with_context(|| format!("reading {}", manifest_path.display()))?;
         if manifest.base_model.sha256 != base.identity().sha256 {
@@ -190,7 +211,7 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
                 base.identity().sha256
             );
         }
-        let corpus = Corpus::open(&manifest.corpus.name)
+        let corpus = Corpus::open(&manifest.corpus.name, &args.common.dirs.data_dir)
             .with_context(|| format!("opening the corpus {}", manifest.corpus.name))?;
         if corpus.valid_sha256 != manifest.corpus.valid_sha256 {
             eprintln!(

@@ -21,10 +21,12 @@ pub struct Args {
     /// The base model (GGUF file or Hugging Face directory).
     #[arg(long, env = "SCD_MODEL")]
     pub model: PathBuf,
-    /// `moby-dick`, `sotu`, `brown` (from $SCD_DATA_DIR), a directory with train.txt and
+    /// `moby-dick`, `sotu`, `brown` (from --data-dir), a directory with train.txt and
     /// valid.txt, or a text file (last 10% of lines for validation).
     #[arg(long)]
     pub corpus: String,
+    #[command(flatten)]
+    pub dirs: crate::paths::DataDirs,
     /// Output folder (adapter, manifest, checkpoints/).
     #[arg(long)]
     pub out: PathBuf,
@@ -101,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         clip_norm: (args.clip > 0.0).then_some(args.clip),
         valid_windows: args.valid_windows,
     };
-    let corpus = Corpus::open(&args.corpus).context("opening the corpus")?;
+    let corpus = Corpus::open(&args.corpus, &args.dirs.data_dir).context("opening the corpus")?;
     let (base, tok) = super::generate::load(&args.model)?;
     let stop = Arc::new(AtomicBool::new(false));
     watch_ctrl_c(stop.clone())?;

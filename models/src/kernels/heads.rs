@@ -135,7 +135,8 @@ pub(crate) fn merge_heads(chunks: &[Tensor]) -> candle_core::Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rope::{rotate_heads, Rope};
+    use crate::ops::rope_heads;
+    use crate::rope::Rope;
 
     /// The fused split equals the unfused path: three projections, per-head transposes, RoPE,
     /// a scaled query.
@@ -151,8 +152,8 @@ mod tests {
         let q = heads(qkv.narrow(1, 0, n_h * d)?, n_h)?;
         let k = heads(qkv.narrow(1, n_h * d, n_kv * d)?, n_kv)?;
         let v = heads(qkv.narrow(1, (n_h + n_kv) * d, n_kv * d)?, n_kv)?;
-        let q = (rotate_heads(&q, &cos, &sin, false)? * 0.25)?;
-        let k = rotate_heads(&k, &cos, &sin, false)?;
+        let q = (rope_heads(&q, &cos, &sin)? * 0.25)?;
+        let k = rope_heads(&k, &cos, &sin)?;
         for (got, want) in [(&split.q, &q), (&split.k_rot, &k), (&split.v, &v)] {
             assert_eq!(got.dims(), want.dims());
             let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;

@@ -9,14 +9,40 @@ use std::sync::OnceLock;
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use scd_models::tokenizer::Tokenizer;
-use scd_models::{GgufFile, HfLlamaConfig, Llama, LlamaConfig, RopeVariant};
+use scd_models::{
+    AdapterMode, GgufFile, HfLlamaConfig, Llama, LlamaConfig, LoraAdapter, Proj, RopeVariant,
+};
 
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// Path of the real GGUF (`$SCD_MODEL_DIR` or the project's model cache); panics with the fix
-/// when it is missing.
+/// A folder from the environment, or a default inside the repository (tests, unlike the
+/// library, may know where the repository is).
+fn dir_from_env(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(default)
+    })
+}
+
+/// `$SCD_MODEL_DIR` or `<repo>/.cache/models`.
+pub fn model_dir() -> PathBuf {
+    dir_from_env("SCD_MODEL_DIR", ".cache/models")
+}
+
+/// `$SCD_DATA_DIR` or `<repo>/.cache/data`.
+pub fn data_dir() -> PathBuf {
+    dir_from_env("SCD_DATA_DIR", ".cache/data")
+}
+
+/// `$SCD_SHARED_DATA` or `<repo>/../shared/data`.
+pub fn shared_data_dir() -> PathBuf {
+    dir_from_env("SCD_SHARED_DATA", "../shared/data")
+}
+
+/// Path of the real GGUF; panics with the fix when it is missing.
 pub fn model_path() -> PathBuf {
-    let path = scd_models::corpus::model_dir().join(MODEL_FILE);
+    let path = model_dir().join(MODEL_FILE);
     assert!(
         path.exists(),
         "{} is missing: run `make model` (or set SCD_MODEL_DIR to the folder holding {MODEL_FILE})",
@@ -37,7 +63,7 @@ pub fn real() -> &'static (Llama, Tokenizer) {
 
 /// The first `n` tokens of WikiText-2 validation text (real prose, not the heading lines).
 pub fn wikitext_tokens(tok: &Tokenizer, n: usize) -> Vec<u32> {
-    let path = scd_models::corpus::shared_data_dir().join("wikitext-2/valid.txt");
+    let path = shared_data_dir().join(scd_models::corpus::WIKITEXT2_VALID);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     let prose: String = text
@@ -158,4 +184,26 @@ pub fn all_logits(model: &Llama, tokens: &[u32]) -> Tensor {
         .unwrap()
         .logits
         .unwrap()
+}
+
+/// `model` with an on-the-fly adapter of `Var`s whose `B` is zero on every projection: it
+/// computes the same function as `model`, but its activations carry gradients, so its forward
+/// pass takes the differentiable ops instead of the inference kernels.
+pub fn with_zero_var_adapter(model: &Llama) -> Llama {
+    let cfg = model.config();
+    let mut parts = std::collections::BTreeMap::new();
+    for layer in 0..cfg.num_layers {
+        for proj in Proj::ALL {
+            let (out, inp) = proj.shape(cfg);
+            let a = candle_core::Var::randn(0f32, 0.1, (1, inp), &Device::Cpu).unwrap();
+            let b =
+                candle_core::Var::zeros((out, 1), candle_core::DType::F32, &Device::Cpu).unwrap();
+            parts.insert(
+                (layer, proj),
+                (a.as_tensor().clone(), b.as_tensor().clone()),
+            );
+        }
+    }
+    let adapter = LoraAdapter::from_parts(cfg, 1, 1.0, parts).unwrap();
+    model.with_adapter(&adapter, AdapterMode::OnTheFly).unwrap()
 }

@@ -1,0 +1,251 @@
+//! Codecs: how a prompt's state crosses from the producer (the base model) to the consumer (an
+//! expert), one implementation per transfer [`Mode`].
+//!
+//! The producer runs its prefill of a prompt prefix with the codec's [`Codec::capture`] and
+//! encodes each layer's capture into [`LayerCode`]s (plain data: layer, kind, dtype, shape,
+//! bytes, what transport carries as frames). The consumer feeds the codes, layer by layer as
+//! they arrive, to the codec's [`LayerDecoder`], which rebuilds the consumer's own KV cache for
+//! the prefix's positions; the consumer then continues with its own forward pass. The payload
+//! of a request is exactly the codes' bytes. The evaluation harness and the cluster's actors
+//! call the same codecs.
+//!
+//! Files: [`tensor_bytes`] (tensors to and from code bytes in each dtype), [`oracle`] (no
+//! payload: the consumer's own prefill), [`raw`] (the producer's K and V in bf16).
+
+use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
+
+use crate::cache::KvCache;
+use crate::error::ForwardError;
+use crate::llama::{Capture, LayerCapture, Llama};
+
+pub mod oracle;
+pub mod raw;
+pub mod tensor_bytes;
+
+pub use oracle::Oracle;
+pub use raw::Raw;
+
+/// The prompt prefix whose cache a consumer rebuilds: its tokens (the consumer knows the
+/// prompt; only the oracle reads them) and the position of the first one.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefix<'a> {
+    /// The prefix's tokens.
+    pub tokens: &'a [u32],
+    /// Position of the first token; the rest follow contiguously.
+    pub start_pos: usize,
+}
+
+impl<'a> Prefix<'a> {
+    /// `tokens` at positions `0..tokens.len()`.
+    pub fn new(tokens: &'a [u32]) -> Self {
+        Self {
+            tokens,
+            start_pos: 0,
+        }
+    }
+
+    /// The positions of the prefix's tokens.
+    pub fn positions(&self) -> Vec<u32> {
+        (self.start_pos..self.start_pos + self.tokens.len())
+            .map(|p| p as u32)
+            .collect()
+    }
+}
+
+/// Errors of encoding or decoding codes. A payload from a peer is input: every way it can be
+/// wrong is one of these, never a panic.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    /// A forward pass (the oracle's prefill, a recomputed block) failed.
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    /// Tensor math failed.
+    #[error("tensor operation failed: {0}")]
+    Tensor(#[from] candle_core::Error),
+    /// The producer's capture lacks what the codec encodes.
+    #[error("layer {layer}: the capture has no {what} (the producer must capture it)")]
+    MissingCapture {
+        /// The layer.
+        layer: usize,
+        /// What is missing.
+        what: &'static str,
+    },
+    /// A code of a kind this codec does not take.
+    #[error("{mode} codec: unexpected code of kind {kind} for layer {layer}")]
+    UnexpectedCode {
+        /// The codec's mode.
+        mode: Mode,
+        /// The layer named by the code.
+        layer: u16,
+        /// Its kind (name or number).
+        kind: String,
+    },
+    /// A code for a layer the consumer does not have.
+    #[error("code for layer {layer}, but the consumer has {layers} layers")]
+    LayerOutOfRange {
+        /// The layer named.
+        layer: u16,
+        /// The consumer's layers.
+        layers: usize,
+    },
+    /// The same code twice.
+    #[error("a second {kind} code for layer {layer}")]
+    Duplicate {
+        /// The layer.
+        layer: u16,
+        /// The kind.
+        kind: String,
+    },
+    /// A code with a dtype this codec does not read for its kind.
+    #[error("layer {layer} {kind}: dtype {got}, expected {expected}")]
+    DType {
+        /// The layer.
+        layer: u16,
+        /// The kind.
+        kind: String,
+        /// The dtype received.
+        got: String,
+        /// The dtype(s) accepted.
+        expected: String,
+    },
+    /// A code whose shape is not what the consumer's model and the prefix imply, or whose
+    /// bytes do not match its shape.
+    #[error("layer {layer} {kind}: shape {got:?} ({bytes} bytes), expected {expected}")]
+    Shape {
+        /// The layer.
+        layer: u16,
+        /// The kind.
+        kind: String,
+        /// The shape received.
+        got: Vec<u32>,
+        /// Bytes received.
+        bytes: usize,
+        /// What was expected.
+        expected: String,
+    },
+    /// The payload ended without codes the consumer needs.
+    #[error("incomplete payload: no {kind} code for layer {layer}")]
+    Missing {
+        /// The layer.
+        layer: usize,
+        /// The kind.
+        kind: &'static str,
+    },
+    /// A mode that needs something this build or call does not provide.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// The name of a kind for messages.
+pub(crate) fn kind_name(kind: CodeKind) -> String {
+    kind.name()
+        .map_or_else(|| format!("#{}", kind.0), str::to_owned)
+}
+
+/// The name of a dtype for messages.
+pub(crate) fn dtype_name(dtype: CodeDType) -> String {
+    dtype
+        .name()
+        .map_or_else(|| format!("#{}", dtype.0), str::to_owned)
+}
+
+/// A transfer mode's two halves.
+pub trait Codec: Send + Sync {
+    /// The mode this codec implements.
+    fn mode(&self) -> Mode;
+
+    /// What the producer's prefill must record; `None` when the codec needs no producer pass.
+    fn capture(&self) -> Option<Capture>;
+
+    /// Producer side: appends the codes of one layer's capture to `out`.
+    fn encode_layer(
+        &self,
+        capture: &LayerCapture,
+        out: &mut Vec<LayerCode>,
+    ) -> Result<(), CodecError>;
+
+    /// Consumer side: a decoder that rebuilds `consumer`'s cache for `prefix` from the codes
+    /// pushed into it.
+    fn decoder<'a>(
+        &'a self,
+        consumer: &'a Llama,
+        prefix: Prefix<'a>,
+    ) -> Result<Box<dyn LayerDecoder + 'a>, CodecError>;
+}
+
+/// The consumer half of a codec for one request: takes codes as they arrive, gives the cache.
+pub trait LayerDecoder {
+    /// Takes one code (codes arrive in layer order; a codec may rebuild the layer at once).
+    fn push(&mut self, code: &LayerCode) -> Result<(), CodecError>;
+
+    /// The consumer's cache for the prefix, once every code has arrived.
+    fn finish(self: Box<Self>) -> Result<KvCache, CodecError>;
+}
+
+/// Encodes every captured layer, in order.
+pub fn encode(codec: &dyn Codec, captures: &[LayerCapture]) -> Result<Vec<LayerCode>, CodecError> {
+    let mut out = Vec::new();
+    for c in captures {
+        codec.encode_layer(c, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// Rebuilds the consumer's cache from a whole payload.
+pub fn decode(
+    codec: &dyn Codec,
+    consumer: &Llama,
+    codes: &[LayerCode],
+    prefix: Prefix<'_>,
+) -> Result<KvCache, CodecError> {
+    let mut d = codec.decoder(consumer, prefix)?;
+    for c in codes {
+        d.push(c)?;
+    }
+    d.finish()
+}
+
+/// The bytes a payload puts on the wire (the codes' bytes; frame headers not included).
+pub fn payload_bytes(codes: &[LayerCode]) -> usize {
+    codes.iter().map(|c| c.bytes.len()).sum()
+}
+
+/// The codec of a mode that needs no translator.
+pub fn codec_for(mode: Mode) -> Result<Box<dyn Codec>, CodecError> {
+    match mode {
+        Mode::Oracle => Ok(Box::new(Oracle)),
+        Mode::Raw => Ok(Box::new(Raw)),
+        other => Err(CodecError::Unavailable(format!(
+            "the {other} codec is not implemented yet"
+        ))),
+    }
+}
+
+/// Checks a code's layer against the consumer and its shape against `(rows, width)`.
+pub(crate) fn check_rows(
+    code: &LayerCode,
+    layers: usize,
+    rows: usize,
+    width: usize,
+) -> Result<(), CodecError> {
+    if usize::from(code.layer) >= layers {
+        return Err(CodecError::LayerOutOfRange {
+            layer: code.layer,
+            layers,
+        });
+    }
+    if code.shape != [rows as u32, width as u32] || !code.is_consistent() {
+        return Err(CodecError::Shape {
+            layer: code.layer,
+            kind: kind_name(code.kind),
+            got: code.shape.clone(),
+            bytes: code.bytes.len(),
+            expected: format!(
+                "[{rows}, {width}] ({} bytes of {})",
+                LayerCode::expected_len(code.dtype, &[rows as u32, width as u32]).unwrap_or(0),
+                dtype_name(code.dtype)
+            ),
+        });
+    }
+    Ok(())
+}

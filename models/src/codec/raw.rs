@@ -1,0 +1,132 @@
+//! Raw KV transfer, what disaggregated serving does today: the producer's keys (before RoPE)
+//! and values of every layer in bf16; the consumer rotates the keys to the true positions and
+//! decodes on them as they are, although they come from another model's feature space.
+
+use candle_core::Tensor;
+use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
+
+use super::tensor_bytes::{from_bytes, to_bytes};
+use super::{check_rows, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use crate::cache::KvCache;
+use crate::llama::{Capture, LayerCapture, Llama};
+
+/// The producer's K and V in bf16.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Raw;
+
+/// The wire dtype of raw K and V.
+pub const RAW_DTYPE: CodeDType = CodeDType::BF16;
+
+struct RawDecoder<'a> {
+    consumer: &'a Llama,
+    prefix: Prefix<'a>,
+    /// Per layer: (K before RoPE, V), each `(T, kv_dim)`.
+    layers: Vec<(Option<Tensor>, Option<Tensor>)>,
+}
+
+impl Codec for Raw {
+    fn mode(&self) -> Mode {
+        Mode::Raw
+    }
+
+    fn capture(&self) -> Option<Capture> {
+        Some(Capture {
+            k_pre_rope: true,
+            v: true,
+            ..Capture::none()
+        })
+    }
+
+    fn encode_layer(
+        &self,
+        capture: &LayerCapture,
+        out: &mut Vec<LayerCode>,
+    ) -> Result<(), CodecError> {
+        let layer = capture.layer;
+        let missing = |what| CodecError::MissingCapture { layer, what };
+        for (kind, t, what) in [
+            (CodeKind::RAW_K, &capture.k_pre_rope, "K before RoPE"),
+            (CodeKind::RAW_V, &capture.v, "V"),
+        ] {
+            let t = t.as_ref().ok_or_else(|| missing(what))?;
+            out.push(LayerCode {
+                layer: layer as u16,
+                kind,
+                dtype: RAW_DTYPE,
+                shape: t.dims().iter().map(|&d| d as u32).collect(),
+                bytes: to_bytes(t, RAW_DTYPE)?,
+            });
+        }
+        Ok(())
+    }
+
+    fn decoder<'a>(
+        &'a self,
+        consumer: &'a Llama,
+        prefix: Prefix<'a>,
+    ) -> Result<Box<dyn LayerDecoder + 'a>, CodecError> {
+        Ok(Box::new(RawDecoder {
+            consumer,
+            prefix,
+            layers: vec![(None, None); consumer.config().num_layers],
+        }))
+    }
+}
+
+impl LayerDecoder for RawDecoder<'_> {
+    fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
+        let cfg = self.consumer.config();
+        let is_k = match code.kind {
+            CodeKind::RAW_K => true,
+            CodeKind::RAW_V => false,
+            other => {
+                return Err(CodecError::UnexpectedCode {
+                    mode: Mode::Raw,
+                    layer: code.layer,
+                    kind: kind_name(other),
+                })
+            }
+        };
+        if code.dtype != RAW_DTYPE {
+            return Err(CodecError::DType {
+                layer: code.layer,
+                kind: kind_name(code.kind),
+                got: dtype_name(code.dtype),
+                expected: dtype_name(RAW_DTYPE),
+            });
+        }
+        let (rows, width) = (self.prefix.tokens.len(), cfg.kv_dim());
+        check_rows(code, cfg.num_layers, rows, width)?;
+        let slot = &mut self.layers[usize::from(code.layer)];
+        let slot = if is_k { &mut slot.0 } else { &mut slot.1 };
+        if slot.is_some() {
+            return Err(CodecError::Duplicate {
+                layer: code.layer,
+                kind: kind_name(code.kind),
+            });
+        }
+        *slot = Some(from_bytes(&code.bytes, code.dtype, &[rows, width])?);
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (l, (k, v)) in self.layers.into_iter().enumerate() {
+            let k = k.ok_or(CodecError::Missing {
+                layer: l,
+                kind: "raw_k",
+            })?;
+            let v = v.ok_or(CodecError::Missing {
+                layer: l,
+                kind: "raw_v",
+            })?;
+            layers.push((k, v));
+        }
+        Ok(KvCache::from_pre_rope(
+            self.consumer.config(),
+            self.consumer.rope(),
+            &layers,
+            &self.prefix.positions(),
+        )?)
+    }
+}

@@ -1,0 +1,295 @@
+//! The runs behind a record: for every WikiText-2 window and SQuAD question, each method's
+//! codec carries the prompt prefix from producer to consumer, and the consumer's continuation
+//! is compared with the oracle's.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use scd_types::Mode;
+
+use super::data::{first_line, qa_prompt, sample_questions, seeded_windows};
+use super::record::{DataInfo, EvalRecord, MethodMetrics, MethodTiming, ModelInfo, ModelsInfo};
+use super::{EvalConfig, EvalData, EvalError, FileInfo};
+use crate::cache::KvCache;
+use crate::codec::{self, Codec, Oracle, Prefix};
+use crate::corpus;
+use crate::generate::{generate_with_cache, GenerateParams};
+use crate::llama::{Input, Llama, LogitsWanted};
+use crate::metrics;
+use crate::perplexity::logit_rows;
+use crate::sampling::Sampling;
+use crate::stats::{bootstrap_mean, bootstrap_ratio, Estimate};
+use crate::tokenizer::Tokenizer;
+
+/// The two models of a transfer: the producer prefills the prompt, the consumer continues.
+#[derive(Debug, Clone, Copy)]
+pub struct Pair<'a> {
+    /// The model whose state is shipped (the base).
+    pub producer: &'a Llama,
+    /// The model that decodes (an expert).
+    pub consumer: &'a Llama,
+}
+
+/// One transfer of a prompt prefix and what it cost.
+pub struct Transfer {
+    /// The consumer's rebuilt cache.
+    pub cache: KvCache,
+    /// Payload bytes.
+    pub payload: usize,
+    /// Stage times, milliseconds.
+    pub timing: MethodTiming,
+}
+
+/// Carries `prefix` from `pair.producer` to `pair.consumer` with `codec`, as the cluster does:
+/// the producer's prefill with the codec's capture, encode, then the consumer's rebuild.
+pub fn transfer(codec: &dyn Codec, pair: Pair<'_>, prefix: &[u32]) -> Result<Transfer, EvalError> {
+    let mut codes = Vec::new();
+    let mut timing = MethodTiming::default();
+    if let Some(capture) = codec.capture().filter(|_| !prefix.is_empty()) {
+        let t = Instant::now();
+        let out = pair.producer.forward(
+            Input::new(prefix)
+                .capture(capture)
+                .logits(LogitsWanted::None),
+        )?;
+        timing.producer_prefill_ms = ms(t);
+        let t = Instant::now();
+        codes = codec::encode(codec, &out.captured)?;
+        timing.encode_ms = ms(t);
+    }
+    let t = Instant::now();
+    let cache = codec::decode(codec, pair.consumer, &codes, Prefix::new(prefix))?;
+    timing.rebuild_ms = ms(t);
+    Ok(Transfer {
+        cache,
+        payload: codec::payload_bytes(&codes),
+        timing,
+    })
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Teacher-forced logits of the consumer over `continuation` after a cache for
+/// `prompt[..T-1]`: row `i` predicts `continuation[i]`.
+fn continuation_logits(
+    consumer: &Llama,
+    mut cache: KvCache,
+    last_prompt_token: u32,
+    continuation: &[u32],
+) -> Result<Vec<Vec<f32>>, EvalError> {
+    let mut input = vec![last_prompt_token];
+    input.extend_from_slice(&continuation[..continuation.len().saturating_sub(1)]);
+    let out = consumer.forward(
+        Input::new(&input)
+            .with_cache(&mut cache)
+            .logits(LogitsWanted::All),
+    )?;
+    let logits = out
+        .logits
+        .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()))?;
+    Ok(logit_rows(&logits)?)
+}
+
+fn greedy(
+    consumer: &Llama,
+    mut cache: KvCache,
+    last_prompt_token: u32,
+    max_tokens: usize,
+    stop_tokens: &[u32],
+) -> Result<Vec<u32>, EvalError> {
+    let params = GenerateParams {
+        max_tokens,
+        sampling: Sampling::Greedy,
+        seed: 0,
+        stop_tokens: stop_tokens.to_vec(),
+    };
+    let g = generate_with_cache(consumer, &mut cache, &[last_prompt_token], &params, |_| {
+        ControlFlow::Continue(())
+    })?;
+    Ok(g.tokens)
+}
+
+/// Per-unit values of one method, resampled into intervals at the end.
+#[derive(Default)]
+struct Units {
+    /// Per window: mean KL, mean TV, (NLL sum, positions), greedy agreement.
+    kl: Vec<f64>,
+    tv: Vec<f64>,
+    nll: Vec<(f64, f64)>,
+    greedy: Vec<f64>,
+    /// Per question: F1, EM, answer agreement (0..1).
+    f1: Vec<f64>,
+    em: Vec<f64>,
+    qa_agree: Vec<f64>,
+    positions: usize,
+    payload: f64,
+    raw_bf16: f64,
+    requests: usize,
+    timing: MethodTiming,
+}
+
+impl Units {
+    fn add_transfer(&mut self, t: &Transfer, raw_bf16: usize) {
+        self.payload += t.payload as f64;
+        self.raw_bf16 += raw_bf16 as f64;
+        self.requests += 1;
+        self.timing.producer_prefill_ms += t.timing.producer_prefill_ms;
+        self.timing.encode_ms += t.timing.encode_ms;
+        self.timing.rebuild_ms += t.timing.rebuild_ms;
+    }
+
+    fn metrics(&self, method: Mode, seed: u64) -> MethodMetrics {
+        let per_request = |x: f64| x / self.requests.max(1) as f64;
+        let pct = |e: Estimate| e.map(|x| 100.0 * x);
+        MethodMetrics {
+            method,
+            kl: bootstrap_mean(&self.kl, seed),
+            tv: bootstrap_mean(&self.tv, seed ^ 1),
+            perplexity: bootstrap_ratio(&self.nll, seed ^ 2).map(f64::exp),
+            greedy_agreement: bootstrap_mean(&self.greedy, seed ^ 3),
+            qa_f1: pct(bootstrap_mean(&self.f1, seed ^ 4)),
+            qa_exact_match: pct(bootstrap_mean(&self.em, seed ^ 5)),
+            qa_agreement: bootstrap_mean(&self.qa_agree, seed ^ 6),
+            positions: self.positions,
+            payload_bytes: per_request(self.payload),
+            payload_share_of_raw: if self.raw_bf16 > 0.0 {
+                self.payload / self.raw_bf16
+            } else {
+                f64::NAN
+            },
+            timing: MethodTiming {
+                producer_prefill_ms: per_request(self.timing.producer_prefill_ms),
+                encode_ms: per_request(self.timing.encode_ms),
+                rebuild_ms: per_request(self.timing.rebuild_ms),
+            },
+        }
+    }
+}
+
+/// Runs the harness: every codec against the oracle on the same WikiText-2 windows and SQuAD
+/// questions. The oracle reference is computed on its own, so an `oracle` method is measured
+/// like any other (its distances come out zero because it is the same computation, not because
+/// they are assumed). `consumer_adapter` only labels the record; `progress` receives short
+/// lines as items finish.
+pub fn evaluate(
+    pair: Pair<'_>,
+    codecs: &[&dyn Codec],
+    tok: &Tokenizer,
+    data: &EvalData,
+    cfg: &EvalConfig,
+    consumer_adapter: Option<FileInfo>,
+    mut progress: impl FnMut(&str),
+) -> Result<EvalRecord, EvalError> {
+    let t0 = Instant::now();
+    if codecs.is_empty() || cfg.prefix_tokens < 2 || cfg.continuation_tokens == 0 {
+        return Err(EvalError::Config(
+            "need at least one method, a prefix of 2+ tokens and a continuation".into(),
+        ));
+    }
+    let ccfg = pair.consumer.config();
+    if pair.producer.config().num_layers != ccfg.num_layers
+        || pair.producer.config().kv_dim() != ccfg.kv_dim()
+    {
+        return Err(EvalError::Config(
+            "producer and consumer must share the architecture (layers, KV width)".into(),
+        ));
+    }
+    let raw_bf16 = |prefix: usize| prefix * ccfg.kv_dim() * 2 * 2 * ccfg.num_layers;
+    let mut units: Vec<Units> = codecs.iter().map(|_| Units::default()).collect();
+    let mut oracle_nll = Vec::new();
+
+    if cfg.wikitext_windows > 0 {
+        let tokens = corpus::tokenize_long(tok, &data.wikitext)?;
+        let len = cfg.prefix_tokens + cfg.continuation_tokens;
+        let windows = seeded_windows(&tokens, len, cfg.wikitext_windows, cfg.seed);
+        for (wi, w) in windows.iter().enumerate() {
+            let (prompt, cont) = w.split_at(cfg.prefix_tokens);
+            let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
+            let reference = transfer(&Oracle, pair, prefix)?.cache;
+            let ref_logits =
+                continuation_logits(pair.consumer, reference.try_clone()?, last, cont)?;
+            let ref_greedy = greedy(pair.consumer, reference, last, cfg.greedy_tokens, &[])?;
+            let nll: f64 = (0..cont.len())
+                .map(|i| metrics::nll(&ref_logits[i], cont[i]))
+                .sum();
+            oracle_nll.push((nll, cont.len() as f64));
+            for (codec, u) in codecs.iter().zip(units.iter_mut()) {
+                let t = transfer(*codec, pair, prefix)?;
+                u.add_transfer(&t, raw_bf16(prefix.len()));
+                let logits = continuation_logits(pair.consumer, t.cache.try_clone()?, last, cont)?;
+                let g = greedy(pair.consumer, t.cache, last, cfg.greedy_tokens, &[])?;
+                let (mut kl, mut tv, mut nll) = (0.0, 0.0, 0.0);
+                for (i, (p, q)) in ref_logits.iter().zip(&logits).enumerate() {
+                    let (k, v) = metrics::distances(p, q);
+                    kl += k;
+                    tv += v;
+                    nll += metrics::nll(q, cont[i]);
+                }
+                let n = cont.len() as f64;
+                u.kl.push(kl / n);
+                u.tv.push(tv / n);
+                u.nll.push((nll, n));
+                u.positions += cont.len();
+                u.greedy.push(metrics::agreement(&ref_greedy, &g));
+            }
+            progress(&format!("wikitext window {}/{}", wi + 1, windows.len()));
+        }
+    }
+
+    let questions = sample_questions(&data.squad, cfg.squad_questions, cfg.seed);
+    for (qi, item) in questions.iter().enumerate() {
+        let prompt = qa_prompt(tok, &cfg.qa_template, item)?;
+        let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
+        let golds: Vec<&str> = item.answers.iter().map(String::as_str).collect();
+        let reference = transfer(&Oracle, pair, prefix)?.cache;
+        let ref_answer = greedy(
+            pair.consumer,
+            reference,
+            last,
+            cfg.answer_tokens,
+            tok.stop_ids(),
+        )?;
+        for (codec, u) in codecs.iter().zip(units.iter_mut()) {
+            let t = transfer(*codec, pair, prefix)?;
+            u.add_transfer(&t, raw_bf16(prefix.len()));
+            let answer = greedy(
+                pair.consumer,
+                t.cache,
+                last,
+                cfg.answer_tokens,
+                tok.stop_ids(),
+            )?;
+            let text = tok.decode(&answer, true)?;
+            let pred = first_line(&text);
+            u.f1.push(metrics::squad_f1(pred, &golds));
+            u.em.push(metrics::squad_exact_match(pred, &golds));
+            u.qa_agree.push(metrics::agreement(&ref_answer, &answer));
+        }
+        progress(&format!("squad question {}/{}", qi + 1, questions.len()));
+    }
+
+    let results = codecs
+        .iter()
+        .zip(&units)
+        .map(|(c, u)| u.metrics(c.mode(), cfg.seed))
+        .collect();
+    Ok(EvalRecord {
+        scd_version: env!("CARGO_PKG_VERSION").into(),
+        config: cfg.clone(),
+        models: ModelsInfo {
+            producer: ModelInfo::of(pair.producer),
+            consumer: ModelInfo::of(pair.consumer),
+            consumer_adapter,
+        },
+        data: DataInfo {
+            wikitext: data.wikitext_file.clone(),
+            squad: data.squad_file.clone(),
+            squad_ids: questions.iter().map(|q| q.id.clone()).collect(),
+        },
+        oracle_perplexity: bootstrap_ratio(&oracle_nll, cfg.seed ^ 2).map(f64::exp),
+        results,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,254 @@
+//! A fine-tuning run in memory and its optimisation step.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::{TrainConfig, TrainError};
+use crate::corpus::{random_window, CorpusError};
+use crate::llama::{Input, Llama, LogitsWanted, Proj};
+use crate::lora::{AdapterMode, LoraAdapter};
+use crate::optim::{self, AdamW, AdamWConfig, Moments};
+
+/// Tokenised training data: the train split as one stream and fixed validation windows.
+#[derive(Debug, Clone)]
+pub struct TrainData {
+    /// The train split's tokens.
+    pub train: Vec<u32>,
+    /// Validation windows, each scored on every position after the first.
+    pub valid: Vec<Vec<u32>>,
+}
+
+/// What one optimisation step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Steps done, this one included.
+    pub step: usize,
+    /// Mean next-token cross-entropy over the batch (nats).
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Wall time of the step, seconds.
+    pub seconds: f64,
+    /// Training tokens per second of this step.
+    pub tokens_per_s: f64,
+}
+
+/// A fine-tuning run in memory: the trainable adapter, the model that applies it on the fly,
+/// the optimiser and the losses so far.
+#[derive(Debug)]
+pub struct Trainer {
+    pub(super) cfg: TrainConfig,
+    model: Llama,
+    /// `(layer, projection) -> (A, B)`; the optimiser's parameter order is this map's order,
+    /// A before B.
+    pub(super) vars: BTreeMap<(usize, Proj), (Var, Var)>,
+    pub(super) opt: AdamW,
+    pub(super) losses: Vec<f64>,
+    pub(super) train_seconds: f64,
+}
+
+/// The seed of step `step`'s window generator: splitmix64 of the run seed and the step, so
+/// nearby steps get unrelated streams.
+fn step_seed(seed: u64, step: usize) -> u64 {
+    let mut z = seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Trainer {
+    /// A fresh run: an adapter on every projection of every layer (`A` random from the seed,
+    /// `B` zero) and a fresh optimiser.
+    pub fn new(base: &Llama, cfg: TrainConfig) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        let init = LoraAdapter::init(base.config(), cfg.rank, cfg.alpha, &Proj::ALL, cfg.seed)?;
+        let mut parts = BTreeMap::new();
+        for key in init.targets() {
+            if let Some((a, b)) = init.get(key.0, key.1) {
+                parts.insert(key, (a.clone(), b.clone()));
+            }
+        }
+        Self::from_parts(base, cfg, parts, None, Vec::new(), 0.0)
+    }
+
+    /// A run from adapter matrices and, when resuming, the optimiser's moments and step.
+    pub(super) fn from_parts(
+        base: &Llama,
+        cfg: TrainConfig,
+        parts: BTreeMap<(usize, Proj), (Tensor, Tensor)>,
+        saved: Option<(Vec<Moments>, usize)>,
+        losses: Vec<f64>,
+        train_seconds: f64,
+    ) -> Result<Self, TrainError> {
+        let mut vars = BTreeMap::new();
+        for (key, (a, b)) in parts {
+            vars.insert(
+                key,
+                (Var::from_tensor(&a.copy()?)?, Var::from_tensor(&b.copy()?)?),
+            );
+        }
+        let params: Vec<Var> = vars
+            .values()
+            .flat_map(|(a, b)| [a.clone(), b.clone()])
+            .collect();
+        let opt_cfg = AdamWConfig {
+            weight_decay: cfg.weight_decay,
+            ..AdamWConfig::default()
+        };
+        let opt = match saved {
+            Some((moments, step)) => AdamW::restore(params, opt_cfg, moments, step)?,
+            None => AdamW::new(params, opt_cfg)?,
+        };
+        let live = LoraAdapter::from_parts(
+            base.config(),
+            cfg.rank,
+            cfg.alpha,
+            vars.iter()
+                .map(|(&k, (a, b))| (k, (a.as_tensor().clone(), b.as_tensor().clone())))
+                .collect(),
+        )?;
+        // On the fly, the model holds the Vars' own tensors: updating a Var updates the model,
+        // and its forward pass records gradients for them.
+        let model = base.with_adapter(&live, AdapterMode::OnTheFly)?;
+        Ok(Self {
+            cfg,
+            model,
+            vars,
+            opt,
+            losses,
+            train_seconds,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+
+    /// Steps done.
+    pub fn step(&self) -> usize {
+        self.opt.steps()
+    }
+
+    /// Training loss of every step done.
+    pub fn losses(&self) -> &[f64] {
+        &self.losses
+    }
+
+    /// Seconds spent in optimisation steps (across resumes).
+    pub fn train_seconds(&self) -> f64 {
+        self.train_seconds
+    }
+
+    /// The model with the current adapter applied on the fly.
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    /// A copy of the current adapter (f32, or rounded to `dtype` for shipping).
+    pub fn adapter(&self, base: &Llama, dtype: DType) -> Result<LoraAdapter, TrainError> {
+        let mut parts = BTreeMap::new();
+        for (&k, (a, b)) in &self.vars {
+            parts.insert(
+                k,
+                (
+                    a.as_tensor().detach().to_dtype(dtype)?,
+                    b.as_tensor().detach().to_dtype(dtype)?,
+                ),
+            );
+        }
+        Ok(LoraAdapter::from_parts(
+            base.config(),
+            self.cfg.rank,
+            self.cfg.alpha,
+            parts,
+        )?)
+    }
+
+    /// Logits `(T, vocab)` of `tokens` at positions `0..T`, with gradients for the adapter.
+    pub fn train_logits(&self, tokens: &[u32]) -> Result<Tensor, TrainError> {
+        let out = self
+            .model
+            .forward(Input::new(tokens).logits(LogitsWanted::All))?;
+        out.logits
+            .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()).into())
+    }
+
+    /// One optimisation step on `batch` random windows of `data.train`.
+    pub fn train_step(&mut self, data: &TrainData) -> Result<StepReport, TrainError> {
+        let t0 = Instant::now();
+        let (seq, batch) = (self.cfg.seq_len, self.cfg.batch);
+        if data.train.len() < seq + 1 {
+            return Err(CorpusError::TooShort {
+                split: "train",
+                tokens: data.train.len(),
+                needed: seq + 1,
+            }
+            .into());
+        }
+        let step = self.step();
+        let mut rng = StdRng::seed_from_u64(step_seed(self.cfg.seed, step));
+        let windows: Vec<Vec<u32>> = (0..batch)
+            .map(|_| random_window(&data.train, seq + 1, &mut rng))
+            .collect();
+        let mut grads: Vec<Option<Tensor>> = vec![None; self.opt.params().len()];
+        let mut loss_sum = 0.0;
+        // One backward per window keeps one window's graph alive at a time; gradients add up.
+        for w in &windows {
+            let logits = self.train_logits(&w[..seq])?;
+            let targets = Tensor::new(&w[1..], &Device::Cpu)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
+            loss_sum += f64::from(loss.to_scalar::<f32>()?);
+            let store = (loss / batch as f64)?.backward()?;
+            for (slot, var) in grads.iter_mut().zip(self.opt.params()) {
+                if let Some(g) = store.get(var.as_tensor()) {
+                    *slot = Some(match slot.take() {
+                        None => g.clone(),
+                        Some(acc) => (acc + g)?,
+                    });
+                }
+            }
+        }
+        let loss = loss_sum / batch as f64;
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged { step: step + 1 });
+        }
+        let grad_norm = optim::global_norm(&grads)?;
+        if let Some(c) = self.cfg.clip_norm.filter(|&c| grad_norm > c) {
+            for g in grads.iter_mut().flatten() {
+                *g = (&*g * (c / grad_norm))?;
+            }
+        }
+        let lr = self.cfg.lr_at(step);
+        self.opt.step(&grads, lr)?;
+        self.losses.push(loss);
+        let seconds = t0.elapsed().as_secs_f64();
+        self.train_seconds += seconds;
+        Ok(StepReport {
+            step: self.step(),
+            loss,
+            lr,
+            grad_norm,
+            seconds,
+            tokens_per_s: (seq * batch) as f64 / seconds.max(1e-9),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ() {
+        assert_ne!(step_seed(0, 0), step_seed(0, 1));
+        assert_ne!(step_seed(0, 1), step_seed(1, 1));
+        assert_eq!(step_seed(7, 3), step_seed(7, 3));
+    }
+}
