@@ -1,7 +1,7 @@
 //! Text corpora for fine-tuning and evaluation: where they live, their fixed train/validation
 //! splits, content hashes for manifests, and cutting tokenised text into training windows.
 //!
-//! A named corpus (`moby-dick`, `sotu`, `brown`) is a directory `<data dir>/<name>/` holding
+//! A named corpus (`moby-dick`, `sotu`, `brown`, `mail`) is a directory `<data dir>/<name>/` holding
 //! `train.txt` and `valid.txt`, written by `ops/fetch-corpora.sh` with document-level splits
 //! (docs/data.md). A corpus may also be any directory with those two files, or a single text
 //! file, which is split by [`SINGLE_FILE_SPLIT`].
@@ -20,7 +20,7 @@ pub const SINGLE_FILE_SPLIT: &str =
     "single file: validation = the last 10% of the lines, train = the rest";
 
 /// The corpora `ops/fetch-corpora.sh` provides, with the split rule it applies.
-pub const NAMED: [(&str, &str); 3] = [
+pub const NAMED: [(&str, &str); 4] = [
     (
         "moby-dick",
         "by chapter: validation = chapters whose number is a multiple of 10, train = the rest",
@@ -32,6 +32,10 @@ pub const NAMED: [(&str, &str); 3] = [
     (
         "brown",
         "files sorted by name: validation = every 10th from the first",
+    ),
+    (
+        "mail",
+        "raw messages (base64 bodies dropped) sorted by (group, id): validation = every 10th from the first",
     ),
 ];
 
@@ -47,7 +51,7 @@ pub enum CorpusError {
         source: std::io::Error,
     },
     /// A corpus that is neither a known name nor an existing path.
-    #[error("unknown corpus {0:?}: expected moby-dick, sotu, brown, a directory with train.txt and valid.txt, or a text file")]
+    #[error("unknown corpus {0:?}: expected moby-dick, sotu, brown, mail, a directory with train.txt and valid.txt, or a text file")]
     Unknown(String),
     /// A split that is too short for what was asked of it.
     #[error("the {split} split has {tokens} tokens, fewer than the {needed} needed")]

@@ -14,7 +14,8 @@
 //! with hooks), `ops` (the forward pass's operations: fused kernels from `kernels` for
 //! inference, candle's differentiable ops while gradients are recorded), `cache` (the per-layer
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
-//! `lora` (adapters), `sampling` and `generate`; `codec` (the transfer modes: producer-side
+//! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
+//! `generate`; `codec` (the transfer modes: producer-side
 //! encode into layer codes, consumer-side rebuild of a KV cache); `optim` (AdamW), `train`
 //! (LoRA fine-tuning) and `expert` (an expert folder and its manifest); `corpus` (training
 //! text), `perplexity`, `metrics` and `stats` (quality figures with intervals), `eval` (the
