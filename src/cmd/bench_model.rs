@@ -22,7 +22,24 @@ pub struct Args {
     /// Prompt lengths for the f32 prefill.
     #[arg(long, value_delimiter = ',', default_value = "256,1024,2048")]
     lengths: Vec<usize>,
+<<<<<<< ours
     /// Decode steps timed after a prefill of the first length.
+=======
+    /// Prompt lengths for candle-transformers' quantized llama (slow: 10 to 18 s at 256 on the
+    /// loaded 2-core VM); the flag with no value leaves it out.
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "256")]
+    baseline_lengths: Vec<usize>,
+    /// Untimed prefills of each length before the timed ones, for every implementation.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Timed prefills of each length, for every implementation (best and median reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Untimed decode steps before the timed ones, for every implementation.
+    #[arg(long, default_value_t = 4)]
+    decode_warmup: usize,
+    /// Timed decode steps after a prefill of the first length, for every implementation.
+>>>>>>> theirs
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
     /// Prompt lengths for candle-transformers' quantized llama (slow: ~47 s at 1,024).
