@@ -35,3 +35,20 @@ lint:
 
 fmt:
 	cargo fmt --all
+
+# llama.cpp (llama-cpp-python) in its own environment: the reference of the model-parity fixture
+# and the baseline of `scd bench model`. Neither the build nor the tests need it.
+export SCD_LLAMA_VENV ?= $(CURDIR)/.cache/llama-cpp
+.PHONY: llama-cpp llama-parity-fixture bench-model
+
+llama-cpp:
+	ops/install-llama-cpp.sh
+
+# Regenerates models/tests/fixtures/llama_parity.{json,bin} (models/tests/llama_parity.rs).
+llama-parity-fixture: llama-cpp model
+	$(SCD_LLAMA_VENV)/bin/python ops/llama-parity-fixture.py
+
+# scd, candle-transformers' quantized llama and llama.cpp, same protocol, same run.
+bench-model: model build
+	target/release/scd bench model --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
+		--llama-python $(SCD_LLAMA_VENV)/bin/python

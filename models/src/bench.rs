@@ -1,10 +1,13 @@
-//! Measurements for `scd bench model`: the machine's f32 matmul throughput, timed prefill and
-//! decode of a model, FLOP counts, and the process's peak resident memory.
+//! Measurements for `scd bench model`: the machine's f32 matmul throughput, one timing protocol
+//! (warm-up, repetitions, decode steps) applied alike to every implementation compared, FLOP
+//! counts, and the process's peak resident memory.
 
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::baseline::QuantizedLlama;
+use crate::cache::KvCache;
 use crate::config::LlamaConfig;
 use crate::error::ForwardError;
 use crate::llama::{Input, Llama, LogitsWanted};
@@ -41,43 +44,142 @@ pub fn synthetic_tokens(vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
 }
 
-/// Best-of-`reps` time of a prefill of `tokens` that fills a fresh cache and computes the last
-/// position's logits.
-pub fn time_prefill(model: &Llama, tokens: &[u32], reps: usize) -> Result<Duration, ForwardError> {
-    let mut best = Duration::MAX;
-    for _ in 0..reps.max(1) {
-        let mut cache = model.new_cache();
-        let t = Instant::now();
-        model.forward(
-            Input::new(tokens)
-                .with_cache(&mut cache)
-                .logits(LogitsWanted::Last),
-        )?;
-        best = best.min(t.elapsed());
-    }
-    Ok(best)
+/// How every implementation in one bench run is timed, so that their figures compare: the same
+/// untimed warm-up and the same number of timed runs for each prefill length, and the same
+/// untimed and timed greedy decode steps. `ops/llama-bench.py` follows the same protocol for
+/// llama.cpp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Protocol {
+    /// Untimed prefills of each length before the timed ones.
+    pub warmup: usize,
+    /// Timed prefills of each length.
+    pub reps: usize,
+    /// Untimed decode steps after the prompt, before the timed ones.
+    pub decode_warmup: usize,
+    /// Timed decode steps.
+    pub decode_steps: usize,
 }
 
-/// Mean time per decode step of `steps` greedy steps after a prefill of `prompt`.
-pub fn time_decode(model: &Llama, prompt: &[u32], steps: usize) -> Result<Duration, ForwardError> {
-    let mut cache = model.new_cache();
-    let out = model.forward(Input::new(prompt).with_cache(&mut cache))?;
-    let mut next = argmax_row(out.logits)?;
+/// The timed runs of one measurement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Runs(pub Vec<Duration>);
+
+impl Runs {
+    /// The fastest run (the least disturbed by other work on a shared machine).
+    pub fn best(&self) -> Duration {
+        self.0.iter().copied().min().unwrap_or_default()
+    }
+
+    /// The median run (the upper of the two middle ones for an even count).
+    pub fn median(&self) -> Duration {
+        let mut v = self.0.clone();
+        v.sort();
+        v.get(v.len() / 2).copied().unwrap_or_default()
+    }
+}
+
+/// A model as the bench drives it: a prefill from an empty cache that computes the last
+/// position's logits, then greedy decode steps. Each call returns the argmax of the logits it
+/// computed, so every implementation does the same work per call.
+pub trait Timed {
+    /// Errors of a forward pass.
+    type Error;
+    /// Forgets every token fed so far.
+    fn reset(&mut self);
+    /// Feeds `tokens` after those fed since the last reset.
+    fn feed(&mut self, tokens: &[u32]) -> Result<u32, Self::Error>;
+}
+
+/// `protocol.warmup` untimed then `protocol.reps` timed prefills of `tokens`, each from an
+/// empty cache.
+pub fn time_prefill<M: Timed>(
+    model: &mut M,
+    tokens: &[u32],
+    protocol: &Protocol,
+) -> Result<Runs, M::Error> {
+    let mut runs = Vec::with_capacity(protocol.reps);
+    for i in 0..protocol.warmup + protocol.reps.max(1) {
+        model.reset();
+        let t = Instant::now();
+        model.feed(tokens)?;
+        if i >= protocol.warmup {
+            runs.push(t.elapsed());
+        }
+    }
+    Ok(Runs(runs))
+}
+
+/// Mean time per greedy decode step: a prefill of `prompt`, `protocol.decode_warmup` untimed
+/// steps, then `protocol.decode_steps` timed ones.
+pub fn time_decode<M: Timed>(
+    model: &mut M,
+    prompt: &[u32],
+    protocol: &Protocol,
+) -> Result<Duration, M::Error> {
+    model.reset();
+    let mut next = model.feed(prompt)?;
+    for _ in 0..protocol.decode_warmup {
+        next = model.feed(&[next])?;
+    }
+    let steps = protocol.decode_steps.max(1);
     let t = Instant::now();
     for _ in 0..steps {
-        let out = model.forward(Input::new(&[next]).with_cache(&mut cache))?;
-        next = argmax_row(out.logits)?;
+        next = model.feed(&[next])?;
     }
-    Ok(t.elapsed() / steps.max(1) as u32)
+    Ok(t.elapsed() / steps as u32)
 }
 
-fn argmax_row(logits: Option<Tensor>) -> Result<u32, ForwardError> {
-    let logits = logits.ok_or_else(|| candle_core::Error::Msg("no logits".into()))?;
-    Ok(logits
-        .squeeze(0)?
-        .argmax(0)?
-        .to_dtype(DType::U32)?
-        .to_scalar::<u32>()?)
+/// This crate's f32 model with its own KV cache.
+#[derive(Debug)]
+pub struct TimedLlama<'a> {
+    model: &'a Llama,
+    cache: KvCache,
+}
+
+impl<'a> TimedLlama<'a> {
+    /// `model` with an empty cache.
+    pub fn new(model: &'a Llama) -> Self {
+        Self {
+            cache: model.new_cache(),
+            model,
+        }
+    }
+}
+
+impl Timed for TimedLlama<'_> {
+    type Error = ForwardError;
+
+    fn reset(&mut self) {
+        self.cache = self.model.new_cache();
+    }
+
+    fn feed(&mut self, tokens: &[u32]) -> Result<u32, ForwardError> {
+        let out = self.model.forward(
+            Input::new(tokens)
+                .with_cache(&mut self.cache)
+                .logits(LogitsWanted::Last),
+        )?;
+        let logits = out
+            .logits
+            .ok_or_else(|| candle_core::Error::Msg("no logits".into()))?;
+        Ok(argmax_row(&logits.squeeze(0)?)?)
+    }
+}
+
+impl Timed for QuantizedLlama {
+    type Error = candle_core::Error;
+
+    fn reset(&mut self) {
+        QuantizedLlama::reset(self);
+    }
+
+    fn feed(&mut self, tokens: &[u32]) -> Result<u32, candle_core::Error> {
+        argmax_row(&self.forward(tokens)?)
+    }
+}
+
+fn argmax_row(logits: &Tensor) -> candle_core::Result<u32> {
+    logits.argmax(0)?.to_dtype(DType::U32)?.to_scalar::<u32>()
 }
 
 /// Peak resident set size of this process so far (`VmHWM`), in bytes; `None` off Linux.

@@ -1,17 +1,22 @@
-//! `scd bench model`: prefill and decode speed of the f32 model next to the machine's f32 matmul
-//! throughput (measured in the same run) and candle-transformers' quantized llama on the same
-//! GGUF, plus peak resident memory. Build with `--release`; the figures go into BENCHMARKS.md.
+//! `scd bench model`: prefill and decode speed of scd's f32 model, candle-transformers' quantized
+//! llama and, when llama-cpp-python is installed, llama.cpp on the same GGUF in the same run,
+//! all under one timing protocol (`scd_models::bench::Protocol`), next to the machine's f32
+//! matmul throughput; plus peak resident memory. Build with `--release`; the figures go into
+//! BENCHMARKS.md, with llama.cpp as the baseline that counts.
 
-use std::path::PathBuf;
-use std::time::Instant;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use scd_models::baseline::QuantizedLlama;
 use scd_models::bench::{
     matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes, synthetic_tokens, time_decode,
-    time_prefill,
+    time_prefill, Protocol, Runs, TimedLlama,
 };
-use scd_models::Llama;
+use scd_models::{Llama, LlamaConfig};
+use serde::Deserialize;
 
 /// Arguments of `scd bench model`.
 #[derive(clap::Args)]
@@ -19,12 +24,9 @@ pub struct Args {
     /// The GGUF model.
     #[arg(long, env = "SCD_MODEL")]
     model: PathBuf,
-    /// Prompt lengths for the f32 prefill.
+    /// Prompt lengths for the prefill of scd and llama.cpp.
     #[arg(long, value_delimiter = ',', default_value = "256,1024,2048")]
     lengths: Vec<usize>,
-<<<<<<< ours
-    /// Decode steps timed after a prefill of the first length.
-=======
     /// Prompt lengths for candle-transformers' quantized llama (slow: 10 to 18 s at 256 on the
     /// loaded 2-core VM); the flag with no value leaves it out.
     #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "256")]
@@ -39,34 +41,67 @@ pub struct Args {
     #[arg(long, default_value_t = 4)]
     decode_warmup: usize,
     /// Timed decode steps after a prefill of the first length, for every implementation.
->>>>>>> theirs
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
-    /// Prompt lengths for candle-transformers' quantized llama (slow: ~47 s at 1,024).
-    #[arg(long, value_delimiter = ',', default_value = "256")]
-    baseline_lengths: Vec<usize>,
-    /// Decode steps timed for the quantized baseline.
-    #[arg(long, default_value_t = 16)]
-    baseline_decode_tokens: usize,
-    /// Timed repetitions per prefill length (the best is reported).
+    /// Threads for llama.cpp (the Rust implementations use every core; 2 on the reference VM).
     #[arg(long, default_value_t = 2)]
-    reps: usize,
+    llama_threads: usize,
+    /// Python of the llama.cpp environment (`make llama-cpp` installs it there).
+    #[arg(
+        long,
+        env = "SCD_LLAMA_PYTHON",
+        default_value = ".cache/llama-cpp/bin/python"
+    )]
+    llama_python: PathBuf,
+    /// The script that times llama.cpp.
+    #[arg(long, default_value = "ops/llama-bench.py")]
+    llama_script: PathBuf,
+    /// Leave llama.cpp out.
+    #[arg(long)]
+    no_llama_cpp: bool,
     /// Side of the square matmul that measures the machine's throughput.
     #[arg(long, default_value_t = 1024)]
     matmul_size: usize,
 }
 
+const LLAMA_CPP: &str = "llama.cpp (llama-cpp-python, Q4_1)";
+const INSTALL_HINT: &str = "install it with `make llama-cpp` (ops/install-llama-cpp.sh, 7 to 10 minutes), or pass --llama-python";
+
 fn mb(bytes: Option<u64>) -> String {
     bytes.map_or("n/a".into(), |b| format!("{:.0} MB", b as f64 / 1e6))
 }
 
+/// One implementation's figures in this run.
+struct Measured {
+    name: String,
+    /// `(T, runs)` per prefill length.
+    prefill: Vec<(usize, Runs)>,
+    decode: Duration,
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let protocol = Protocol {
+        warmup: args.warmup,
+        reps: args.reps.max(1),
+        decode_warmup: args.decode_warmup,
+        decode_steps: args.decode_tokens.max(1),
+    };
+    println!("load average at start: {}", load_average());
     let gflops = matmul_gflops(args.matmul_size, 5).context("matmul benchmark")?;
     let n = args.matmul_size;
     println!("f32 matmul {n}x{n}x{n} (candle, best of 5): {gflops:.1} GFLOP/s");
     println!(
-        "threads: {}",
-        std::thread::available_parallelism().map_or(0, |p| p.get())
+        "threads: {} (llama.cpp: {})",
+        std::thread::available_parallelism().map_or(0, |p| p.get()),
+        args.llama_threads
+    );
+    println!(
+        "protocol, every implementation: {} untimed + {} timed prefills per length; decode after a prefill of {}: {} untimed + {} timed greedy steps",
+        protocol.warmup,
+        protocol.reps,
+        first_length(&args),
+        protocol.decode_warmup,
+        protocol.decode_steps
     );
 
     let t = Instant::now();
@@ -78,73 +113,99 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         mb(rss_bytes()),
         mb(peak_rss_bytes())
     );
-    println!();
-    println!("| implementation | T | prefill s | tokens/s | GFLOP/s | % of matmul |");
-    println!("|---|---|---|---|---|---|");
+    let first = first_length(&args);
+    let prompt = synthetic_tokens(cfg.vocab_size, first);
+
+    let mut results = Vec::new();
+    let mut timed = TimedLlama::new(&model);
+    let mut prefill = Vec::new();
     for &len in &args.lengths {
         let tokens = synthetic_tokens(cfg.vocab_size, len);
-        let secs = time_prefill(&model, &tokens, args.reps)
-            .with_context(|| format!("prefill of {len} tokens"))?
-            .as_secs_f64();
-        let g = prefill_flops(&cfg, len) / secs / 1e9;
-        println!(
-            "| scd f32 | {len} | {secs:.3} | {:.0} | {g:.1} | {:.0}% |",
-            len as f64 / secs,
-            100.0 * g / gflops
-        );
+        let runs = time_prefill(&mut timed, &tokens, &protocol)
+            .with_context(|| format!("scd prefill of {len} tokens"))?;
+        prefill.push((len, runs));
     }
-    let first = args.lengths.first().copied().unwrap_or(256);
-    let step = time_decode(
-        &model,
-        &synthetic_tokens(cfg.vocab_size, first),
-        args.decode_tokens,
-    )
-    .context("decode")?;
+    let decode = time_decode(&mut timed, &prompt, &protocol).context("scd decode")?;
+    results.push(Measured {
+        name: "scd f32".into(),
+        prefill,
+        decode,
+    });
     let peak_ours = peak_rss_bytes();
+    drop(timed);
     drop(model);
 
-    let mut baseline_rows = Vec::new();
     if !args.baseline_lengths.is_empty() {
         let mut q = QuantizedLlama::load(&args.model).context("loading the quantized baseline")?;
+        let mut prefill = Vec::new();
         for &len in &args.baseline_lengths {
             let tokens = synthetic_tokens(cfg.vocab_size, len);
-            q.reset();
-            let t = Instant::now();
-            q.forward(&tokens).context("baseline prefill")?;
-            let secs = t.elapsed().as_secs_f64();
-            let g = prefill_flops(&cfg, len) / secs / 1e9;
+            let runs = time_prefill(&mut q, &tokens, &protocol)
+                .with_context(|| format!("quantized_llama prefill of {len} tokens"))?;
+            prefill.push((len, runs));
+        }
+        let decode = time_decode(&mut q, &prompt, &protocol).context("quantized_llama decode")?;
+        results.push(Measured {
+            name: "candle-transformers quantized_llama (Q4_1)".into(),
+            prefill,
+            decode,
+        });
+    }
+
+    let llama_note = if args.no_llama_cpp {
+        "llama.cpp: left out (--no-llama-cpp)".to_string()
+    } else {
+        match llama_cpp(&args, &cfg, &protocol, &prompt)? {
+            LlamaCpp::Measured(m, about) => {
+                results.push(m);
+                about
+            }
+            LlamaCpp::NotInstalled(why) => format!(
+                "llama.cpp: NOT INSTALLED, no llama.cpp figures in this run ({why}); {INSTALL_HINT}"
+            ),
+        }
+    };
+
+    let reference = results.iter().find(|m| m.name == LLAMA_CPP);
+    println!();
+    println!("{llama_note}");
+    println!();
+    println!(
+        "| implementation | T | best s | median s | tokens/s (best) | GFLOP/s | % of matmul | speed vs llama.cpp |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for m in &results {
+        for (len, runs) in &m.prefill {
+            let best = runs.best().as_secs_f64();
+            let g = prefill_flops(&cfg, *len) / best / 1e9;
+            let vs = reference
+                .and_then(|r| r.prefill.iter().find(|(l, _)| l == len))
+                .map_or("n/a".into(), |(_, r)| {
+                    format!("{:.2}x", r.best().as_secs_f64() / best)
+                });
             println!(
-                "| candle-transformers quantized_llama (Q4_1) | {len} | {secs:.3} | {:.0} | {g:.1} | {:.0}% |",
-                len as f64 / secs,
+                "| {} | {len} | {best:.3} | {:.3} | {:.0} | {g:.1} | {:.0}% | {vs} |",
+                m.name,
+                runs.median().as_secs_f64(),
+                *len as f64 / best,
                 100.0 * g / gflops
             );
         }
-        let tokens = synthetic_tokens(cfg.vocab_size, first);
-        q.reset();
-        q.forward(&tokens).context("baseline prefill")?;
-        let t = Instant::now();
-        for i in 0..args.baseline_decode_tokens {
-            q.forward(&[(i % cfg.vocab_size) as u32])
-                .context("baseline decode")?;
-        }
-        let per = t.elapsed().as_secs_f64() / args.baseline_decode_tokens.max(1) as f64;
-        baseline_rows.push(format!(
-            "| candle-transformers quantized_llama (Q4_1) | after {first} | {:.1} ms | {:.1} |",
-            per * 1e3,
-            1.0 / per
-        ));
     }
     println!();
-    println!("| implementation | decode from | ms/token | tokens/s |");
-    println!("|---|---|---|---|");
-    let per = step.as_secs_f64();
-    println!(
-        "| scd f32 | after {first} | {:.1} ms | {:.1} |",
-        per * 1e3,
-        1.0 / per
-    );
-    for r in baseline_rows {
-        println!("{r}");
+    println!("| implementation | decode after | ms/token | tokens/s | speed vs llama.cpp |");
+    println!("|---|---|---|---|---|");
+    for m in &results {
+        let per = m.decode.as_secs_f64();
+        let vs = reference.map_or("n/a".into(), |r| {
+            format!("{:.2}x", r.decode.as_secs_f64() / per)
+        });
+        println!(
+            "| {} | {first} | {:.1} | {:.1} | {vs} |",
+            m.name,
+            per * 1e3,
+            1.0 / per
+        );
     }
     println!();
     println!(
@@ -152,5 +213,145 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.lengths.iter().max().copied().unwrap_or(0),
         mb(peak_ours)
     );
+    println!("load average at the end: {}", load_average());
     Ok(())
+}
+
+/// The 1, 5 and 15 minute load averages: figures from a run on a busy machine are not
+/// comparable with a quiet one's (llama.cpp's OpenMP threads spin while they wait for a core).
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map_or("n/a".into(), |s| {
+        s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    })
+}
+
+fn first_length(args: &Args) -> usize {
+    args.lengths.first().copied().unwrap_or(256)
+}
+
+enum LlamaCpp {
+    /// The figures and a line on what ran.
+    Measured(Measured, String),
+    /// Why llama.cpp could not be run.
+    NotInstalled(String),
+}
+
+#[derive(Deserialize)]
+struct LlamaReply {
+    installed: bool,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default)]
+    llama_cpp_python: Option<String>,
+    #[serde(default)]
+    llama_cpp: Option<String>,
+    #[serde(default)]
+    settings: serde_json::Value,
+    #[serde(default)]
+    prefill: Vec<LlamaPrefill>,
+    #[serde(default)]
+    decode: Option<LlamaDecode>,
+}
+
+#[derive(Deserialize)]
+struct LlamaPrefill {
+    tokens: usize,
+    seconds: Vec<f64>,
+}
+
+#[derive(Deserialize)]
+struct LlamaDecode {
+    steps: usize,
+    seconds: f64,
+}
+
+/// Times llama.cpp through `ops/llama-bench.py` on the same tokens and protocol.
+fn llama_cpp(
+    args: &Args,
+    cfg: &LlamaConfig,
+    protocol: &Protocol,
+    prompt: &[u32],
+) -> anyhow::Result<LlamaCpp> {
+    if !args.llama_python.exists() {
+        return Ok(LlamaCpp::NotInstalled(format!(
+            "no Python at {}",
+            args.llama_python.display()
+        )));
+    }
+    if !args.llama_script.exists() {
+        bail!(
+            "{} not found: run the bench from the repository root or pass --llama-script",
+            args.llama_script.display()
+        );
+    }
+    let request = serde_json::json!({
+        "model": absolute(&args.model)?,
+        "threads": args.llama_threads,
+        "warmup": protocol.warmup,
+        "reps": protocol.reps,
+        "prefill": args
+            .lengths
+            .iter()
+            .map(|&len| synthetic_tokens(cfg.vocab_size, len))
+            .collect::<Vec<_>>(),
+        "decode_prompt": prompt,
+        "decode_warmup": protocol.decode_warmup,
+        "decode_steps": protocol.decode_steps,
+    });
+    let mut child = Command::new(&args.llama_python)
+        .arg(&args.llama_script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", args.llama_python.display()))?;
+    child
+        .stdin
+        .take()
+        .context("llama.cpp script's stdin")?
+        .write_all(request.to_string().as_bytes())
+        .context("writing the request to the llama.cpp script")?;
+    let out = child
+        .wait_with_output()
+        .context("waiting for the llama.cpp script")?;
+    let reply: LlamaReply = serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "the llama.cpp script exited with {} and printed no result",
+            out.status
+        )
+    })?;
+    if !reply.installed {
+        return Ok(LlamaCpp::NotInstalled(
+            reply
+                .reason
+                .unwrap_or_else(|| "llama_cpp not importable".into()),
+        ));
+    }
+    if !out.status.success() {
+        bail!("the llama.cpp script failed: {}", out.status);
+    }
+    let decode = reply.decode.context("llama.cpp reply without decode")?;
+    let measured = Measured {
+        name: LLAMA_CPP.into(),
+        prefill: reply
+            .prefill
+            .iter()
+            .map(|p| {
+                let runs = p.seconds.iter().map(|&s| Duration::from_secs_f64(s));
+                (p.tokens, Runs(runs.collect()))
+            })
+            .collect(),
+        decode: Duration::from_secs_f64(decode.seconds / decode.steps.max(1) as f64),
+    };
+    let about = format!(
+        "llama.cpp: llama-cpp-python {}, llama.cpp {}, settings {}",
+        reply.llama_cpp_python.as_deref().unwrap_or("?"),
+        reply.llama_cpp.as_deref().unwrap_or("?"),
+        reply.settings
+    );
+    Ok(LlamaCpp::Measured(measured, about))
+}
+
+fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("resolving {}", path.display()))
 }
