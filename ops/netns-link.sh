@@ -10,11 +10,13 @@
 #   ops/netns-link.sh check           exit 0 when namespaces can be created here
 #
 # Run a program on either side with: ip netns exec scd-a <cmd> / ip netns exec scd-b <cmd>.
+# SCD_NETNS_PREFIX=<p> names the namespaces <p>-a and <p>-b instead (the transport test uses its
+# process id, so that runs at the same time keep their own links).
 # Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN).
 set -euo pipefail
 
-NS_A=scd-a
-NS_B=scd-b
+NS_A=${SCD_NETNS_PREFIX:-scd}-a
+NS_B=${SCD_NETNS_PREFIX:-scd}-b
 DEV_A=scd-veth-a
 DEV_B=scd-veth-b
 IP_A=10.77.0.1
@@ -23,8 +25,8 @@ IP_B=10.77.0.2
 die() { echo "netns-link: $*" >&2; exit 1; }
 
 check() {
-    command -v ip >/dev/null || die "iproute2 (ip) is not installed"
-    command -v tc >/dev/null || die "tc is not installed"
+    command -v ip >/dev/null || die "iproute2 (ip) is not installed (ops/setup.sh installs it)"
+    command -v tc >/dev/null || die "tc is not installed (package iproute2; ops/setup.sh installs it)"
     local probe="scd-probe-$$"
     if ! ip netns add "$probe" 2>/dev/null; then
         die "cannot create network namespaces here (need root / CAP_SYS_ADMIN)"

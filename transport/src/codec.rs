@@ -8,20 +8,34 @@
 //! 6..8   flags, must be zero
 //! 8..12  body length, u32 little-endian
 //! 12..16 reserved, must be zero
-//! 16..   body: the rkyv archive
+//! 16..   body: the rkyv archive of a Message
 //! ```
 //!
 //! The header is 16 bytes so that an archive written straight after it in an aligned buffer stays
 //! aligned for its widest field. Readers check the header first and refuse oversized frames before
-//! allocating; the body is validated with bytecheck from an aligned buffer before anything in it
-//! is used. No input makes these functions panic.
+//! allocating; the body is validated with bytecheck from an aligned buffer, then its content is
+//! checked ([`ArchivedMessage::check`]: trace contexts within their limits, a code's length
+//! agreeing with its dtype and shape), before anything in it is used. No input makes these
+//! functions panic.
+//!
+//! In a code frame's archive, rkyv writes the out-of-line data first, in field order (the trace
+//! context's strings and entries, the layer code's shape, then the layer code's bytes), and the
+//! fixed-size root last. [`encode_frame`] relies on the code's bytes being one contiguous write: they go to
+//! QUIC as a segment of their own, the caller's buffer itself, between the archive's head (header
+//! included) and its tail (the root):
+//!
+//! ```text
+//! segment 0: header | trace context, shape, padding   (copied, a few hundred bytes)
+//! segment 1: the LayerCode's bytes                    (not copied: the Vec itself)
+//! segment 2: padding | Message and CodeFrame root     (copied, about a hundred bytes)
+//! ```
 
 use bytes::Bytes;
 use rkyv::rancor;
 use rkyv::ser::{Positional, Writer};
 use rkyv::util::AlignedVec;
 
-use crate::wire::{ArchivedMessage, Message, PROTOCOL_VERSION};
+use crate::wire::{ArchivedMessage, ContentError, Message, PROTOCOL_VERSION};
 
 /// Length of the frame header in bytes.
 pub const HEADER_LEN: usize = 16;
@@ -83,6 +97,9 @@ pub enum DecodeError {
     /// The body is not a valid archive of a [`Message`].
     #[error("invalid frame body: {0}")]
     Invalid(String),
+    /// The body is a valid archive, but its content breaks a rule of the protocol.
+    #[error("invalid frame content: {0}")]
+    Content(#[from] ContentError),
 }
 
 impl DecodeError {
@@ -93,7 +110,7 @@ impl DecodeError {
 }
 
 /// Why a message could not be framed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EncodeError {
     /// The archive would exceed the frame cap.
     #[error("encoded frame of {len} bytes exceeds the cap of {max} bytes")]
@@ -106,23 +123,27 @@ pub enum EncodeError {
     /// rkyv failed to serialise (it does not, for these types, short of allocation failure).
     #[error("serialising a frame: {0}")]
     Serialize(String),
+    /// The message breaks a rule of the protocol (see [`Message::check`]); nothing was encoded.
+    #[error("refusing to encode: {0}")]
+    Content(#[from] ContentError),
 }
 
 /// Upper bound of a message's archive, used to allocate once when encoding.
 fn size_hint(msg: &Message) -> usize {
-    let trace = |t: &crate::wire::TraceContext| {
-        t.iter()
+    let trace = |t: &scd_types::TraceContext| {
+        t.entries()
+            .iter()
             .map(|e| e.key.len() + e.value.len() + 32)
             .sum::<usize>()
     };
     256 + match msg {
-        Message::Code(f) => f.payload.len() + f.shape.len() * 4 + trace(&f.trace),
+        Message::Code(f) => f.code.bytes.len() + f.code.shape.len() * 4 + trace(&f.trace),
         Message::Control(crate::wire::Control::PrefillRequest(r)) => {
             let prompt = match &r.prompt {
                 crate::wire::Prompt::Tokens(t) => t.len() * 4,
                 crate::wire::Prompt::Text(s) => s.len(),
             };
-            prompt + r.base_model.len() + r.expert.len() + r.mode.len() + trace(&r.trace)
+            prompt + r.base_model.len() + r.expert.len() + trace(&r.trace)
         }
         Message::Control(_) => 256,
     }
@@ -142,6 +163,7 @@ pub fn encode_into(
     max_frame_bytes: u32,
     buf: &mut FrameBuf,
 ) -> Result<(), EncodeError> {
+    msg.check()?;
     buf.clear();
     buf.extend_from_slice(&[0u8; HEADER_LEN]);
     let taken = std::mem::take(buf);
@@ -244,9 +266,10 @@ impl<E> Writer<E> for SplitWriter<'_> {
 /// path.
 pub fn encode_frame(msg: Message, max_frame_bytes: u32) -> Result<EncodedFrame, EncodeError> {
     let payload: &[u8] = match &msg {
-        Message::Code(f) if f.payload.len() >= ZERO_COPY_MIN_PAYLOAD => &f.payload,
+        Message::Code(f) if f.code.bytes.len() >= ZERO_COPY_MIN_PAYLOAD => &f.code.bytes,
         _ => return encode(&msg, max_frame_bytes).map(EncodedFrame::from),
     };
+    msg.check()?;
     let mut head = Vec::with_capacity(HEADER_LEN + 512);
     head.extend_from_slice(&[0u8; HEADER_LEN]);
     let writer = SplitWriter {
@@ -277,7 +300,11 @@ pub fn encode_frame(msg: Message, max_frame_bytes: u32) -> Result<EncodedFrame, 
     match msg {
         Message::Code(f) if skipped => Ok(EncodedFrame {
             len,
-            segments: vec![Bytes::from(head), Bytes::from(f.payload), Bytes::from(tail)],
+            segments: vec![
+                Bytes::from(head),
+                Bytes::from(f.code.bytes),
+                Bytes::from(tail),
+            ],
         }),
         // rkyv wrote the payload in pieces (not the layout this relies on): nothing was left
         // out, the head holds the whole frame.
@@ -340,10 +367,13 @@ pub fn check(buf: &[u8], max_frame_bytes: u32) -> Result<FrameHeader, DecodeErro
     Ok(header)
 }
 
-/// Validate an archive body that is already in an aligned buffer, without copying it.
+/// Validate an archive body that is already in an aligned buffer, without copying it: bytecheck,
+/// then the content rules of [`ArchivedMessage::check`].
 pub fn access_body(body: &[u8]) -> Result<&ArchivedMessage, DecodeError> {
-    rkyv::access::<ArchivedMessage, rancor::Error>(body)
-        .map_err(|e| DecodeError::Invalid(e.to_string()))
+    let msg = rkyv::access::<ArchivedMessage, rancor::Error>(body)
+        .map_err(|e| DecodeError::Invalid(e.to_string()))?;
+    msg.check()?;
+    Ok(msg)
 }
 
 /// Validate an archive body and turn it into an owned message. A body that is not aligned is
@@ -405,22 +435,27 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(Message, usize), Deco
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{CodeFrame, CodeKind, Control, DType, JobId, TraceEntry};
+    use crate::wire::{CodeFrame, Control};
+    use scd_types::{CodeDType, CodeKind, JobId, LayerCode, TraceContext, TranslatorHash};
 
-    fn frame() -> Message {
-        Message::Code(CodeFrame {
-            job_id: JobId(0xdead_beef),
+    fn code(len: usize) -> LayerCode {
+        LayerCode {
             layer: 7,
             kind: CodeKind::REUSE_K,
-            dtype: DType::F16,
-            shape: vec![3, 4],
-            translator: [9; 32],
-            trace: vec![TraceEntry {
-                key: "traceparent".into(),
-                value: "00-abc-def-01".into(),
-            }],
-            payload: (0..24).collect(),
-        })
+            dtype: CodeDType::U8,
+            shape: vec![len as u32],
+            bytes: (0..len).map(|i| (i * 7) as u8).collect(),
+        }
+    }
+
+    fn frame() -> Message {
+        let mut trace = TraceContext::new();
+        trace.insert("traceparent", "00-abc-def-01").unwrap();
+        Message::Code(
+            CodeFrame::new(JobId::from_u128(0xdead_beef), code(24))
+                .with_translator(TranslatorHash::from_bytes([9; 32]))
+                .with_trace(trace),
+        )
     }
 
     #[test]
@@ -531,11 +566,11 @@ mod tests {
             let Message::Code(mut f) = frame() else {
                 unreachable!()
             };
-            f.payload = (0..len).map(|i| (i * 7) as u8).collect();
+            f.code = code(len);
             let msg = Message::Code(f);
             let whole = encode(&msg, DEFAULT_MAX_FRAME_BYTES).unwrap();
             let payload_ptr = match &msg {
-                Message::Code(f) => f.payload.as_ptr(),
+                Message::Code(f) => f.code.bytes.as_ptr(),
                 Message::Control(_) => unreachable!(),
             };
             let split = encode_frame(msg, DEFAULT_MAX_FRAME_BYTES).unwrap();
@@ -566,11 +601,50 @@ mod tests {
         let Message::Code(mut f) = frame() else {
             unreachable!()
         };
-        f.payload = vec![1; ZERO_COPY_MIN_PAYLOAD * 2];
+        f.code = code(ZERO_COPY_MIN_PAYLOAD * 2);
         assert!(matches!(
             encode_frame(Message::Code(f), ZERO_COPY_MIN_PAYLOAD as u32),
             Err(EncodeError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn content_rules_hold_on_both_sides() {
+        // A code whose bytes disagree with its shape is refused by the encoder, whichever path.
+        let Message::Code(mut f) = frame() else {
+            unreachable!()
+        };
+        f.code.shape = vec![25];
+        let bad = Message::Code(f.clone());
+        assert!(matches!(
+            encode(&bad, DEFAULT_MAX_FRAME_BYTES),
+            Err(EncodeError::Content(ContentError::CodeLength {
+                len: 24,
+                expected: Some(25),
+                ..
+            }))
+        ));
+        f.code = code(ZERO_COPY_MIN_PAYLOAD);
+        f.code.shape = vec![1, 2];
+        assert!(matches!(
+            encode_frame(Message::Code(f.clone()), DEFAULT_MAX_FRAME_BYTES),
+            Err(EncodeError::Content(_))
+        ));
+        // ... and by the decoder, for one written around the check.
+        let mut buf = FrameBuf::new();
+        buf.extend_from_slice(&[0; HEADER_LEN]);
+        let mut buf = rkyv::api::high::to_bytes_in::<_, rancor::Error>(&bad, buf).unwrap();
+        let body_len = (buf.len() - HEADER_LEN) as u32;
+        buf[..HEADER_LEN].copy_from_slice(&header_bytes(body_len));
+        assert!(matches!(
+            decode(&buf, DEFAULT_MAX_FRAME_BYTES),
+            Err(DecodeError::Content(ContentError::CodeLength { .. }))
+        ));
+        // A dtype this version does not know passes: a newer peer's codes still travel.
+        f.code.dtype = scd_types::CodeDType(200);
+        let newer = Message::Code(f);
+        let buf = encode(&newer, DEFAULT_MAX_FRAME_BYTES).unwrap();
+        assert_eq!(decode(&buf, DEFAULT_MAX_FRAME_BYTES).unwrap().0, newer);
     }
 
     #[test]

@@ -62,6 +62,12 @@ pub struct TransportOptions {
     pub max_frame_bytes: u32,
     /// Cap on all frames of one job in one direction.
     pub max_job_bytes: u64,
+    /// Frame-body bytes that all job streams of the endpoint, over all its connections, may
+    /// hold at once on the receiving side (see [`crate::budget`]): a frame whose buffer would
+    /// grow past it fails, and its job is refused as busy. At least `max_frame_bytes`. QUIC's
+    /// own receive windows (below the frame reader) come on top: per connection, at most
+    /// [`LinkProfile::connection_window`].
+    pub receive_budget_bytes: u64,
     /// Frames a job sender may queue ahead of the stream writer (memory bound:
     /// this times `max_frame_bytes`, plus QUIC's send window).
     pub send_queue_frames: usize,
@@ -83,6 +89,7 @@ impl Default for TransportOptions {
             max_concurrent_jobs: 256,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             max_job_bytes: 4 << 30,
+            receive_budget_bytes: 1 << 30,
             send_queue_frames: 4,
             open_timeout: Duration::from_secs(10),
             pacing: None,

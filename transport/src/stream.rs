@@ -1,4 +1,5 @@
-//! Job streams: one bidirectional QUIC stream per job.
+//! Job streams: one bidirectional QUIC stream per job, driven by async code that reads, writes
+//! and carries out what [`crate::session`] decides.
 //!
 //! The opener ([`JobSender`]) writes an [`Control::Open`] frame and then the job's frames, layer
 //! by layer, as the application hands them over; the acceptor ([`JobReceiver`]) yields them as
@@ -7,156 +8,44 @@
 //! Memory is bounded on both sides: the sender encodes a frame in the caller's task (a large
 //! payload is not copied: the frame keeps the payload's buffer and quinn sends from it) and
 //! queues it on a bounded channel (`send_queue_frames`) to a writer task, which blocks on QUIC flow
-//! control when the receiver is slow, so `send` blocks in turn; the receiver holds at most one
-//! frame plus QUIC's stream window. Either side may cancel: the sender resets the stream, the
-//! receiver sends a Cancel frame on its half and stops the sender's. A lost connection ends
-//! every job on it with [`SendError::PeerGone`] / [`RecvError::PeerGone`] on the side that
-//! noticed it and a closed-connection error on the other.
+//! control when the receiver is slow, so `send` blocks in turn; the receiver holds one frame at a
+//! time per job, charged to the endpoint's receive budget (see [`crate::budget`]), plus QUIC's
+//! stream window. Either side may cancel: the sender resets the stream, the receiver sends a
+//! Cancel frame on its half and stops the sender's. A lost connection ends every job on it with
+//! [`SendError::PeerGone`] / [`RecvError::PeerGone`] on the side that noticed it and a
+//! closed-connection error on the other.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use quinn::{ConnectionError, ReadError, RecvStream, SendStream, VarInt, WriteError};
+use quinn::{ConnectionError, RecvStream, SendStream, VarInt, WriteError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::codec::{
-    self, check_header, DecodeError, EncodeError, EncodedFrame, FrameBuf, ValidatedFrame,
-    HEADER_LEN,
+use crate::budget::ReceiveBudget;
+use crate::codec::{self, EncodeError, EncodedFrame};
+use crate::config::TransportOptions;
+use crate::framing::{
+    connection_loss, write_encoded, write_one, FrameReadError, FrameReader, FrameWriteError,
+    ReceivedFrame,
 };
-use crate::endpoint::{Connection, TaskGuard};
 use crate::pacing::Pacer;
-use crate::session::{error_code, FrameFacts, JobTracker, ProtocolViolation};
-use crate::wire::{Control, JobId, Message, TraceContext};
+use crate::pki::PeerIdentity;
+use crate::session::{
+    sender_end, EndAction, FrameFacts, JobTracker, ProtocolViolation, ReadFailure, RecvError,
+    RecvStep, Reply, SendError, SendHalf, SenderEvent,
+};
+use crate::tasks::{TaskCounter, TaskGuard};
+use crate::wire::{ArchivedControl, ArchivedMessage, Control, Message};
+use scd_types::{JobId, TraceContext};
 
-/// Chunk size of paced writes: small enough that the pacer's waits stay short.
-const PACED_CHUNK: usize = 16 << 10;
-/// How long a sender waits for the reason after the receiver stopped its stream.
+/// How long a side waits to write why a job ends (the peer may not be reading), and how long
+/// a stopped sender waits for the receiver's reason.
 const REASON_GRACE: Duration = Duration::from_millis(500);
 
-/// Reading one frame from a stream failed.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameReadError {
-    /// The bytes are not a valid frame.
-    #[error(transparent)]
-    Decode(#[from] DecodeError),
-    /// The stream ended in the middle of a frame.
-    #[error("stream ended inside a frame")]
-    Truncated,
-    /// The peer reset the stream with an application code.
-    #[error("stream reset by peer with code {0}")]
-    Reset(u64),
-    /// The connection is gone.
-    #[error("connection lost: {0}")]
-    Connection(ConnectionError),
-    /// The stream was already closed locally.
-    #[error("stream already closed")]
-    Closed,
-}
-
-impl From<ReadError> for FrameReadError {
-    fn from(e: ReadError) -> Self {
-        match e {
-            ReadError::Reset(code) => FrameReadError::Reset(code.into_inner()),
-            ReadError::ConnectionLost(c) => FrameReadError::Connection(c),
-            ReadError::ClosedStream
-            | ReadError::IllegalOrderedRead
-            | ReadError::ZeroRttRejected => FrameReadError::Closed,
-        }
-    }
-}
-
-/// Reads frames from a stream. Cancel-safe: partial reads are kept in the reader, so a `next`
-/// dropped in a `select!` loses nothing.
-#[derive(Debug)]
-pub(crate) struct FrameReader {
-    max_frame_bytes: u32,
-    header: [u8; HEADER_LEN],
-    header_have: usize,
-    body: Option<FrameBuf>,
-    /// Length of the body being read (valid while `body` is set).
-    body_len: usize,
-}
-
-impl FrameReader {
-    pub(crate) fn new(max_frame_bytes: u32) -> Self {
-        Self {
-            max_frame_bytes,
-            header: [0; HEADER_LEN],
-            header_have: 0,
-            body: None,
-            body_len: 0,
-        }
-    }
-
-    /// The next frame, owned, and its length on the wire; `None` at a clean end of stream.
-    pub(crate) async fn next(
-        &mut self,
-        recv: &mut RecvStream,
-    ) -> Result<Option<(Message, usize)>, FrameReadError> {
-        match self.next_validated(recv).await? {
-            Some(f) => Ok(Some((f.to_message()?, f.frame_len()))),
-            None => Ok(None),
-        }
-    }
-
-    /// The next frame, validated in place; `None` at a clean end of stream.
-    pub(crate) async fn next_validated(
-        &mut self,
-        recv: &mut RecvStream,
-    ) -> Result<Option<ValidatedFrame>, FrameReadError> {
-        loop {
-            if let Some(body) = self.body.as_mut() {
-                if body.len() == self.body_len {
-                    let body = self.body.take().unwrap_or_default();
-                    self.header_have = 0;
-                    return Ok(Some(ValidatedFrame::new(body)?));
-                }
-                // quinn's chunks are appended to the reserved buffer as they come: one copy,
-                // and no zero-filling of the body first. A chunk is taken and appended in the
-                // same poll, so a dropped `next` loses nothing.
-                match recv.read_chunk(self.body_len - body.len(), true).await? {
-                    Some(chunk) => body.extend_from_slice(&chunk.bytes),
-                    None => return Err(FrameReadError::Truncated),
-                }
-            } else if self.header_have < HEADER_LEN {
-                match recv.read(&mut self.header[self.header_have..]).await? {
-                    Some(n) => self.header_have += n,
-                    None if self.header_have == 0 => return Ok(None),
-                    None => return Err(FrameReadError::Truncated),
-                }
-            } else {
-                // The cap is checked here, before the body is allocated.
-                let header = check_header(&self.header, self.max_frame_bytes)?;
-                self.body_len = header.body_len as usize;
-                self.body = Some(FrameBuf::with_capacity(self.body_len));
-            }
-        }
-    }
-}
-
-/// Read one frame from a stream (hello exchange).
-pub(crate) async fn read_one(
-    recv: &mut RecvStream,
-    max: u32,
-) -> Result<Option<Message>, FrameReadError> {
-    Ok(FrameReader::new(max).next(recv).await?.map(|(m, _)| m))
-}
-
-/// Write one frame to a stream (hello exchange).
-pub(crate) async fn write_one(
-    send: &mut SendStream,
-    msg: &Message,
-    max: u32,
-) -> Result<(), FrameReadError> {
-    let buf = codec::encode(msg, max)
-        .map_err(|e| FrameReadError::Decode(DecodeError::Invalid(e.to_string())))?;
-    send.write_all(&buf).await.map_err(|e| match e {
-        WriteError::ConnectionLost(c) => FrameReadError::Connection(c),
-        WriteError::Stopped(code) => FrameReadError::Reset(code.into_inner()),
-        WriteError::ClosedStream | WriteError::ZeroRttRejected => FrameReadError::Closed,
-    })
-}
+/// Cap on frames on a job's back half (status, error, cancel): a reply carries a job id, a code
+/// and a sentence, not data.
+pub const CONTROL_MAX_FRAME_BYTES: u32 = 64 << 10;
 
 /// Errors opening a job stream.
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +56,9 @@ pub enum OpenJobError {
     /// The Open frame could not be encoded (a trace context over the frame cap).
     #[error("opening a job stream: {0}")]
     Encode(#[from] EncodeError),
+    /// The Open frame alone exceeds the per-job byte cap.
+    #[error("opening a job stream: {0}")]
+    Protocol(#[from] ProtocolViolation),
 }
 
 /// Errors accepting a job stream.
@@ -175,99 +67,29 @@ pub enum AcceptJobError {
     /// The connection is gone (peer closed it, died or timed out).
     #[error("accepting a job stream: connection lost: {0}")]
     ConnectionLost(ConnectionError),
-    /// The stream did not start with a valid Open frame.
+    /// The stream did not start with a valid Open frame; it was refused as the error says.
     #[error("bad job stream opening: {0}")]
-    BadOpen(String),
+    BadOpen(RecvError),
     /// No Open frame within the open timeout.
     #[error("job stream opened but not named within {0:?}")]
     OpenTimeout(Duration),
 }
 
-/// Errors sending a job's frames.
+/// Errors sending a report back to a job's sender.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SendError {
-    /// This side cancelled the job.
-    #[error("job cancelled")]
-    Cancelled,
-    /// The receiver cancelled the job.
-    #[error("job cancelled by the receiver{}", reason_suffix(.reason))]
-    CancelledByPeer {
-        /// The receiver's reason, when it arrived.
-        reason: Option<String>,
-    },
-    /// The receiver refused the job (protocol error, cap exceeded ...) or dropped it.
-    #[error("receiver rejected the job (code {code}): {message}")]
-    Rejected {
-        /// Error code (see [`error_code`]).
-        code: u32,
-        /// The receiver's message.
-        message: String,
-    },
-    /// The connection to the receiver is lost (closed, reset, timed out).
-    #[error("receiver gone: {0}")]
-    PeerGone(String),
-    /// This side closed the connection.
-    #[error("connection closed locally")]
-    ConnectionClosed,
-    /// The frame breaks the job stream rules; nothing was sent.
-    #[error(transparent)]
-    Protocol(#[from] ProtocolViolation),
-    /// The frame could not be encoded; nothing was sent.
-    #[error("encoding a frame: {0}")]
-    Encode(String),
-}
-
-/// Errors receiving a job's frames.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RecvError {
-    /// The sender cancelled the job.
-    #[error("job cancelled by the sender{}", reason_suffix(.reason))]
-    CancelledByPeer {
-        /// The sender's reason, when it sent one.
-        reason: Option<String>,
-    },
-    /// The sender reset the stream with another code (it failed or dropped the job).
-    #[error("sender aborted the job stream (code {0})")]
-    Aborted(u64),
-    /// The connection to the sender is lost (closed, reset, timed out).
+pub enum ReportError {
+    /// The message could not be encoded (or is over [`CONTROL_MAX_FRAME_BYTES`]).
+    #[error("encoding a report: {0}")]
+    Encode(#[from] EncodeError),
+    /// The job already ended on this side, or the sender stopped listening.
+    #[error("job stream already ended")]
+    Ended,
+    /// The connection to the sender is lost.
     #[error("sender gone: {0}")]
     PeerGone(String),
     /// This side closed the connection.
     #[error("connection closed locally")]
     ConnectionClosed,
-    /// A frame could not be decoded; the stream was stopped.
-    #[error("bad frame: {0}")]
-    Decode(#[from] DecodeError),
-    /// A frame broke the job stream rules; the stream was stopped.
-    #[error(transparent)]
-    Protocol(#[from] ProtocolViolation),
-    /// The stream ended inside a frame.
-    #[error("job stream ended inside a frame")]
-    Truncated,
-    /// The job already ended on this side.
-    #[error("job stream already ended")]
-    Ended,
-}
-
-fn reason_suffix(reason: &Option<String>) -> String {
-    reason
-        .as_ref()
-        .map(|r| format!(": {r}"))
-        .unwrap_or_default()
-}
-
-fn conn_lost_send(c: ConnectionError) -> SendError {
-    match c {
-        ConnectionError::LocallyClosed => SendError::ConnectionClosed,
-        other => SendError::PeerGone(other.to_string()),
-    }
-}
-
-fn conn_lost_recv(c: ConnectionError) -> RecvError {
-    match c {
-        ConnectionError::LocallyClosed => RecvError::ConnectionClosed,
-        other => RecvError::PeerGone(other.to_string()),
-    }
 }
 
 /// What a finished job stream carried.
@@ -279,106 +101,139 @@ pub struct SendReport {
     pub bytes: u64,
 }
 
-impl Connection {
-    /// Open a job stream for `job_id`; frames sent on it reach the peer's
-    /// [`Connection::accept_job`] in order.
-    pub async fn open_job(
-        &self,
-        job_id: JobId,
-        trace: TraceContext,
-    ) -> Result<JobSender, OpenJobError> {
-        let opts = &self.shared.opts;
-        let (send, back) = self
-            .inner
-            .open_bi()
-            .await
-            .map_err(OpenJobError::ConnectionLost)?;
-        let mut tracker = JobTracker::new(opts.max_job_bytes);
-        let open = Message::Control(Control::Open { job_id, trace });
-        let buf = codec::encode(&open, opts.max_frame_bytes)?;
-        tracker
-            .admit(&open, buf.len())
-            .map_err(|e| OpenJobError::Encode(EncodeError::Serialize(e.to_string())))?;
-        let (tx, rx) = mpsc::channel(opts.send_queue_frames.max(1));
-        let (cancel_tx, cancel_rx) = oneshot::channel();
-        // The Open frame goes first through the same queue, so the stream appears at the peer
-        // even before the first layer is ready.
-        tx.try_send(EncodedFrame::from(buf)).map_err(|_| {
-            OpenJobError::Encode(EncodeError::Serialize("send queue unavailable".into()))
-        })?;
-        let guard = self.shared.tasks.enter();
-        let task = tokio::spawn(writer(
-            Writer {
-                send,
-                back,
-                rx,
-                pacer: self.pacer.clone(),
-                max_frame_bytes: opts.max_frame_bytes,
-            },
-            cancel_rx,
-            guard,
-        ));
-        Ok(JobSender {
-            job_id,
-            tracker,
-            max_frame_bytes: opts.max_frame_bytes,
-            tx: Some(tx),
-            cancel: Some(cancel_tx),
-            task: Some(task),
-        })
-    }
+/// What job streams need from the connection and endpoint they run on.
+pub(crate) struct JobStreams<'a> {
+    pub(crate) opts: &'a TransportOptions,
+    pub(crate) tasks: &'a Arc<TaskCounter>,
+    pub(crate) budget: &'a ReceiveBudget,
+    pub(crate) pacer: Option<&'a Arc<Pacer>>,
+}
 
-    /// Wait for the peer to open a job stream.
-    pub async fn accept_job(&self) -> Result<JobReceiver, AcceptJobError> {
-        let opts = &self.shared.opts;
-        let (mut back, mut recv) = self
-            .inner
-            .accept_bi()
-            .await
-            .map_err(AcceptJobError::ConnectionLost)?;
-        let mut reader = FrameReader::new(opts.max_frame_bytes);
-        let mut tracker = JobTracker::new(opts.max_job_bytes);
-        let first = match tokio::time::timeout(opts.open_timeout, reader.next(&mut recv)).await {
-            Err(_) => {
-                let _ = recv.stop(VarInt::from_u32(error_code::PROTOCOL));
-                let _ = back.reset(VarInt::from_u32(error_code::PROTOCOL));
-                return Err(AcceptJobError::OpenTimeout(opts.open_timeout));
-            }
-            Ok(Err(FrameReadError::Connection(c))) => {
-                return Err(AcceptJobError::ConnectionLost(c))
-            }
-            Ok(Err(e)) => {
-                let _ = recv.stop(VarInt::from_u32(error_code::PROTOCOL));
-                let _ = back.reset(VarInt::from_u32(error_code::PROTOCOL));
-                return Err(AcceptJobError::BadOpen(e.to_string()));
-            }
-            Ok(Ok(None)) => {
-                return Err(AcceptJobError::BadOpen(
-                    "stream ended before the Open frame".into(),
-                ))
-            }
-            Ok(Ok(Some(first))) => first,
-        };
-        let (msg, len) = first;
-        if let Err(e) = tracker.admit(&msg, len) {
-            let _ = recv.stop(VarInt::from_u32(error_code::PROTOCOL));
-            let _ = back.reset(VarInt::from_u32(error_code::PROTOCOL));
-            return Err(AcceptJobError::BadOpen(e.to_string()));
+/// Carry out an end-of-job decision on a job stream's two halves.
+async fn carry_out(action: EndAction, send: &mut SendStream, recv: &mut RecvStream) {
+    if let Some(reply) = action.reply {
+        let msg = Message::Control(reply);
+        let _ = tokio::time::timeout(REASON_GRACE, write_one(send, &msg, CONTROL_MAX_FRAME_BYTES))
+            .await;
+    }
+    match action.send {
+        SendHalf::Keep => {}
+        SendHalf::Finish => {
+            let _ = send.finish();
         }
-        let Message::Control(Control::Open { job_id, trace }) = msg else {
-            return Err(AcceptJobError::BadOpen("first frame is not Open".into()));
-        };
-        Ok(JobReceiver {
-            job_id,
-            trace,
-            peer: self.peer().clone(),
-            recv,
+        SendHalf::Reset(code) => {
+            let _ = send.reset(VarInt::from_u32(code));
+        }
+    }
+    if let Some(code) = action.stop {
+        let _ = recv.stop(VarInt::from_u32(code));
+    }
+}
+
+/// Open a job stream for `job_id` on `conn`.
+pub(crate) async fn open(
+    conn: &quinn::Connection,
+    ctx: JobStreams<'_>,
+    job_id: JobId,
+    trace: TraceContext,
+) -> Result<JobSender, OpenJobError> {
+    let opts = ctx.opts;
+    let mut tracker = JobTracker::new(opts.max_job_bytes);
+    let open = Message::Control(Control::Open { job_id, trace });
+    let first = codec::encode_frame(open.clone(), opts.max_frame_bytes)?;
+    tracker.admit(&open, first.len())?;
+    let (send, back) = conn.open_bi().await.map_err(OpenJobError::ConnectionLost)?;
+    let (tx, rx) = mpsc::channel(opts.send_queue_frames.max(1));
+    let (cancel_tx, cancel_rx) = oneshot::channel();
+    let guard = ctx.tasks.enter();
+    // The Open frame goes first, so the stream appears at the peer even before the first
+    // layer is ready.
+    let task = tokio::spawn(writer(
+        Writer {
+            send,
             back,
-            reader,
-            tracker,
-            max_frame_bytes: opts.max_frame_bytes,
-            ended: false,
-        })
+            rx,
+            pacer: ctx.pacer.cloned(),
+        },
+        first,
+        cancel_rx,
+        guard,
+    ));
+    Ok(JobSender {
+        job_id,
+        tracker,
+        max_frame_bytes: opts.max_frame_bytes,
+        tx: Some(tx),
+        cancel: Some(cancel_tx),
+        task: Some(task),
+    })
+}
+
+/// Wait for the peer to open a job stream on `conn` and read its Open frame.
+pub(crate) async fn accept(
+    conn: &quinn::Connection,
+    ctx: JobStreams<'_>,
+    peer: PeerIdentity,
+) -> Result<JobReceiver, AcceptJobError> {
+    let opts = ctx.opts;
+    let (mut back, mut recv) = conn
+        .accept_bi()
+        .await
+        .map_err(AcceptJobError::ConnectionLost)?;
+    let mut reader = FrameReader::new(opts.max_frame_bytes, Some(ctx.budget.clone()));
+    let mut tracker = JobTracker::new(opts.max_job_bytes);
+    let step = match tokio::time::timeout(opts.open_timeout, reader.next(&mut recv)).await {
+        Err(_) => {
+            carry_out(tracker.on_open_timeout(), &mut back, &mut recv).await;
+            return Err(AcceptJobError::OpenTimeout(opts.open_timeout));
+        }
+        Ok(Err(FrameReadError::Connection(c))) => return Err(AcceptJobError::ConnectionLost(c)),
+        Ok(Err(e)) => tracker.on_read_failure(e.into()),
+        Ok(Ok(None)) => tracker.on_end_of_stream(),
+        Ok(Ok(Some(first))) => {
+            match tracker.on_frame(FrameFacts::of_archived(first.archived()), first.frame_len()) {
+                RecvStep::Deliver => match opening(&first) {
+                    Ok((job_id, trace)) => {
+                        return Ok(JobReceiver {
+                            job_id,
+                            trace,
+                            peer,
+                            recv,
+                            back,
+                            reader,
+                            tracker,
+                        })
+                    }
+                    Err(failure) => tracker.on_read_failure(failure),
+                },
+                step => step,
+            }
+        }
+    };
+    let (action, error) = match step {
+        RecvStep::Failed(action, error) => (action, error),
+        // A stream is delivered or finished only once its Open frame passed, handled above.
+        RecvStep::Deliver | RecvStep::Finished(_) => (
+            EndAction::NOTHING,
+            RecvError::Protocol(ProtocolViolation::MissingOpen),
+        ),
+    };
+    carry_out(action, &mut back, &mut recv).await;
+    Err(AcceptJobError::BadOpen(error))
+}
+
+/// The job and trace context of an admitted Open frame.
+fn opening(frame: &ReceivedFrame) -> Result<(JobId, TraceContext), ReadFailure> {
+    match frame.archived() {
+        ArchivedMessage::Control(ArchivedControl::Open { job_id, trace }) => {
+            let trace = TraceContext::from_archived(trace)
+                .map_err(|e| ReadFailure::Malformed(codec::DecodeError::Content(e.into())))?;
+            Ok((job_id.get(), trace))
+        }
+        // The tracker admits nothing else as a first frame.
+        _ => Err(ReadFailure::Malformed(codec::DecodeError::Invalid(
+            "first frame is not Open".into(),
+        ))),
     }
 }
 
@@ -416,10 +271,17 @@ impl JobSender {
     /// producer. A frame that breaks the job stream rules is refused before anything is sent.
     pub async fn send(&mut self, msg: impl Into<Message>) -> Result<(), SendError> {
         let msg = msg.into();
-        let facts = FrameFacts::of(&msg);
+        // The rules look at ids, layers and kinds only; the facts are copied out so the message
+        // can move into the encoder.
+        let of = FrameFacts::of(&msg);
+        let facts = FrameFacts {
+            job_id: of.job_id,
+            is_open: of.is_open,
+            code: of.code,
+            cancel: None,
+        };
         // The frame keeps a large payload's own buffer (no copy); quinn sends from it.
-        let frame = codec::encode_frame(msg, self.max_frame_bytes)
-            .map_err(|e| SendError::Encode(e.to_string()))?;
+        let frame = codec::encode_frame(msg, self.max_frame_bytes)?;
         self.tracker.admit_facts(facts, frame.len())?;
         let Some(tx) = self.tx.as_ref() else {
             return Err(SendError::Cancelled);
@@ -453,7 +315,7 @@ impl JobSender {
         self.tx = None;
         match task.await {
             Ok(r) => r,
-            Err(e) => Err(SendError::PeerGone(format!("writer task failed: {e}"))),
+            Err(e) => Err(SendError::Internal(format!("writer task: {e}"))),
         }
     }
 }
@@ -474,81 +336,57 @@ struct Writer {
     back: RecvStream,
     rx: mpsc::Receiver<EncodedFrame>,
     pacer: Option<Arc<Pacer>>,
-    max_frame_bytes: u32,
 }
 
-/// What came back on the receiver's half of a job stream.
-enum BackEvent {
-    Cancel(Option<String>),
-    Error(u32, String),
-    Eof,
-    Failed(SendError),
-}
-
-/// How the writer's main loop ended.
-enum Outcome {
-    LocalCancel,
-    Back(BackEvent),
-    WriteFailed(WriteError),
-}
-
-async fn watch_back(back: &mut RecvStream, reader: &mut FrameReader) -> BackEvent {
+/// Read the receiver's half until something that ends the job (status reports are logged and
+/// skipped).
+async fn next_reply(back: &mut RecvStream, reader: &mut FrameReader) -> Reply {
     loop {
-        match reader.next(back).await {
-            Ok(Some((Message::Control(Control::Cancel { reason, .. }), _))) => {
-                return BackEvent::Cancel(Some(reason))
+        let frame = match reader.next(back).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return Reply::End,
+            Err(e) => return Reply::Failed(e.into()),
+        };
+        match frame.archived() {
+            ArchivedMessage::Control(ArchivedControl::Cancel { reason, .. }) => {
+                return Reply::Cancel(reason.as_str().to_owned())
             }
-            Ok(Some((Message::Control(Control::Error { code, message, .. }), _))) => {
-                return BackEvent::Error(code, message)
+            ArchivedMessage::Control(ArchivedControl::Error { code, message, .. }) => {
+                return Reply::Error {
+                    code: code.to_native(),
+                    message: message.as_str().to_owned(),
+                }
             }
-            Ok(Some((other, _))) => tracing::trace!(?other, "job status from receiver"),
-            Ok(None) => return BackEvent::Eof,
-            Err(FrameReadError::Connection(c)) => return BackEvent::Failed(conn_lost_send(c)),
-            Err(FrameReadError::Reset(code)) => {
-                return BackEvent::Failed(SendError::Rejected {
-                    code: code as u32,
-                    message: "receiver reset its half of the job stream".into(),
-                })
-            }
-            Err(e) => {
-                return BackEvent::Failed(SendError::Rejected {
-                    code: error_code::PROTOCOL,
-                    message: format!("bad frame from receiver: {e}"),
-                })
-            }
+            other => tracing::trace!(?other, "job status from receiver"),
         }
     }
 }
 
 async fn pump(
     send: &mut SendStream,
+    first: EncodedFrame,
     rx: &mut mpsc::Receiver<EncodedFrame>,
     pacer: Option<&Pacer>,
     report: &mut SendReport,
 ) -> Result<(), WriteError> {
-    while let Some(frame) = rx.recv().await {
+    let mut next = Some(first);
+    while let Some(frame) = match next.take() {
+        Some(f) => Some(f),
+        None => rx.recv().await,
+    } {
         let len = frame.len();
-        let mut segments = frame.into_segments();
-        match pacer {
-            None => send.write_all_chunks(&mut segments).await?,
-            Some(p) => {
-                for seg in segments {
-                    for start in (0..seg.len()).step_by(PACED_CHUNK) {
-                        let end = (start + PACED_CHUNK).min(seg.len());
-                        p.pace((end - start) as u64).await;
-                        send.write_chunk(seg.slice(start..end)).await?;
-                    }
-                }
-            }
-        }
+        write_encoded(send, frame, pacer).await?;
         report.frames += 1;
         report.bytes += len as u64;
     }
     send.finish().map_err(|_| WriteError::ClosedStream)
 }
 
+/// The writer task of one job: sends queued frames, watches the receiver's half, and ends the
+/// job as [`sender_end`] decides.
 async fn writer(
     mut w: Writer,
+    first: EncodedFrame,
     mut cancel: oneshot::Receiver<()>,
     _guard: TaskGuard,
 ) -> Result<SendReport, SendError> {
@@ -556,10 +394,16 @@ async fn writer(
         frames: 0,
         bytes: 0,
     };
-    let mut reader = FrameReader::new(w.max_frame_bytes);
-    let outcome = {
-        let pump = pump(&mut w.send, &mut w.rx, w.pacer.as_deref(), &mut report);
-        let watch = watch_back(&mut w.back, &mut reader);
+    let mut reader = FrameReader::new(CONTROL_MAX_FRAME_BYTES, None);
+    let event = {
+        let pump = pump(
+            &mut w.send,
+            first,
+            &mut w.rx,
+            w.pacer.as_deref(),
+            &mut report,
+        );
+        let watch = next_reply(&mut w.back, &mut reader);
         tokio::pin!(pump, watch);
         let mut pumped = false;
         let mut cancel_open = true;
@@ -568,69 +412,35 @@ async fn writer(
                 biased;
                 r = &mut cancel, if cancel_open => {
                     // A dropped cancel sender means the handle is finishing, not cancelling.
-                    if r.is_ok() { break Outcome::LocalCancel; }
+                    if r.is_ok() { break Ok(SenderEvent::CancelledLocally); }
                     cancel_open = false;
                 }
-                ev = &mut watch => break Outcome::Back(ev),
+                reply = &mut watch => break Ok(SenderEvent::Replied { reply, all_sent: pumped }),
                 r = &mut pump, if !pumped => match r {
                     Ok(()) => pumped = true,
-                    Err(e) => break Outcome::WriteFailed(e),
+                    Err(e) => break Err(e),
                 },
             }
         }
     };
-    let code = |c: u32| VarInt::from_u32(c);
-    match outcome {
-        Outcome::LocalCancel => {
-            let _ = w.send.reset(code(error_code::CANCELLED));
-            let _ = w.back.stop(code(error_code::CANCELLED));
-            Err(SendError::Cancelled)
-        }
-        Outcome::Back(BackEvent::Eof) if report_complete(&w.rx) => Ok(report),
-        Outcome::Back(BackEvent::Eof) => {
-            let _ = w.send.reset(code(error_code::CANCELLED));
-            Err(SendError::Rejected {
-                code: error_code::DROPPED,
-                message: "receiver ended the job before reading it all".into(),
-            })
-        }
-        Outcome::Back(BackEvent::Cancel(reason)) => {
-            let _ = w.send.reset(code(error_code::CANCELLED));
-            Err(SendError::CancelledByPeer { reason })
-        }
-        Outcome::Back(BackEvent::Error(c, message)) => {
-            let _ = w.send.reset(code(error_code::CANCELLED));
-            Err(SendError::Rejected { code: c, message })
-        }
-        Outcome::Back(BackEvent::Failed(e)) => {
-            let _ = w.send.reset(code(error_code::INTERNAL));
-            Err(e)
-        }
-        Outcome::WriteFailed(WriteError::Stopped(c)) => {
+    let event = match event {
+        Ok(ev) => ev,
+        Err(WriteError::Stopped(code)) => {
             // The receiver writes its Cancel or Error frame before stopping us; fetch it.
-            let ev = tokio::time::timeout(REASON_GRACE, watch_back(&mut w.back, &mut reader)).await;
-            let _ = w.back.stop(code(error_code::CANCELLED));
-            match ev {
-                Ok(BackEvent::Cancel(reason)) => Err(SendError::CancelledByPeer { reason }),
-                Ok(BackEvent::Error(c, message)) => Err(SendError::Rejected { code: c, message }),
-                Ok(BackEvent::Failed(e)) => Err(e),
-                _ if c.into_inner() == u64::from(error_code::CANCELLED) => {
-                    Err(SendError::CancelledByPeer { reason: None })
-                }
-                _ => Err(SendError::Rejected {
-                    code: c.into_inner() as u32,
-                    message: "receiver stopped the job stream".into(),
-                }),
+            let reply = tokio::time::timeout(REASON_GRACE, next_reply(&mut w.back, &mut reader))
+                .await
+                .ok();
+            SenderEvent::Stopped {
+                code: code.into_inner(),
+                reply,
             }
         }
-        Outcome::WriteFailed(WriteError::ConnectionLost(c)) => Err(conn_lost_send(c)),
-        Outcome::WriteFailed(e) => Err(SendError::PeerGone(e.to_string())),
-    }
-}
-
-/// Whether the pump drained and closed the queue (the sender finished).
-fn report_complete(rx: &mpsc::Receiver<EncodedFrame>) -> bool {
-    rx.is_closed() && rx.is_empty()
+        Err(WriteError::ConnectionLost(c)) => SenderEvent::WriteLost(connection_loss(c)),
+        Err(WriteError::ClosedStream | WriteError::ZeroRttRejected) => SenderEvent::WriteClosed,
+    };
+    let (action, result) = sender_end(event);
+    carry_out(action, &mut w.send, &mut w.back).await;
+    result.map(|()| report)
 }
 
 /// The receiving side of a job stream.
@@ -638,13 +448,11 @@ fn report_complete(rx: &mpsc::Receiver<EncodedFrame>) -> bool {
 pub struct JobReceiver {
     job_id: JobId,
     trace: TraceContext,
-    peer: crate::pki::PeerIdentity,
+    peer: PeerIdentity,
     recv: RecvStream,
     back: SendStream,
     reader: FrameReader,
     tracker: JobTracker,
-    max_frame_bytes: u32,
-    ended: bool,
 }
 
 impl JobReceiver {
@@ -659,7 +467,7 @@ impl JobReceiver {
     }
 
     /// Who sent the job.
-    pub fn peer(&self) -> &crate::pki::PeerIdentity {
+    pub fn peer(&self) -> &PeerIdentity {
         &self.peer
     }
 
@@ -669,115 +477,76 @@ impl JobReceiver {
     }
 
     /// The next frame, as soon as it has arrived and passed validation; `Ok(None)` when the
-    /// sender finished the job. Cancel-safe.
+    /// sender finished the job. Cancel-safe while it waits for a frame.
     pub async fn next(&mut self) -> Result<Option<Message>, RecvError> {
         match self.next_frame().await? {
+            // The frame's buffer, and its share of the receive budget, go when it is dropped
+            // here; the owned message is the application's memory.
             Some(f) => Ok(Some(f.to_message()?)),
             None => Ok(None),
         }
     }
 
     /// Like [`next`](Self::next), but the frame stays in its receive buffer: read it in place
-    /// with [`ValidatedFrame::archived`] (no copy of the payload). Cancel-safe.
-    pub async fn next_frame(&mut self) -> Result<Option<ValidatedFrame>, RecvError> {
-        if self.ended {
+    /// with [`ReceivedFrame::archived`] (no copy of the payload). The frame holds its share of
+    /// the endpoint's receive budget until it is dropped, and frames that do not fit beside
+    /// the held ones are refused as busy: drop frames once used. Cancel-safe while it waits for
+    /// a frame.
+    pub async fn next_frame(&mut self) -> Result<Option<ReceivedFrame>, RecvError> {
+        if self.tracker.is_ended() {
             return Err(RecvError::Ended);
         }
-        let r = self.reader.next_validated(&mut self.recv).await;
-        match r {
-            Ok(None) => {
-                self.ended = true;
-                let _ = self.back.finish();
-                Ok(None)
-            }
+        let step = match self.reader.next(&mut self.recv).await {
             Ok(Some(frame)) => {
                 let facts = FrameFacts::of_archived(frame.archived());
-                if let Err(v) = self.tracker.admit_facts(facts, frame.frame_len()) {
-                    self.reject(&v.to_string()).await;
-                    return Err(RecvError::Protocol(v));
-                }
-                if let crate::wire::ArchivedMessage::Control(
-                    crate::wire::ArchivedControl::Cancel { reason, .. },
-                ) = frame.archived()
-                {
-                    self.ended = true;
-                    let _ = self.back.finish();
-                    return Err(RecvError::CancelledByPeer {
-                        reason: Some(reason.as_str().to_owned()),
-                    });
-                }
-                Ok(Some(frame))
-            }
-            Err(FrameReadError::Decode(e)) => {
-                self.reject(&e.to_string()).await;
-                Err(RecvError::Decode(e))
-            }
-            Err(FrameReadError::Truncated) => {
-                self.ended = true;
-                let _ = self.back.reset(VarInt::from_u32(error_code::PROTOCOL));
-                Err(RecvError::Truncated)
-            }
-            Err(FrameReadError::Reset(code)) => {
-                self.ended = true;
-                let _ = self.back.reset(VarInt::from_u32(error_code::CANCELLED));
-                if code == u64::from(error_code::CANCELLED) {
-                    Err(RecvError::CancelledByPeer { reason: None })
-                } else {
-                    Err(RecvError::Aborted(code))
+                match self.tracker.on_frame(facts, frame.frame_len()) {
+                    RecvStep::Deliver => return Ok(Some(frame)),
+                    step => step,
                 }
             }
-            Err(FrameReadError::Connection(c)) => {
-                self.ended = true;
-                Err(conn_lost_recv(c))
+            Ok(None) => self.tracker.on_end_of_stream(),
+            Err(e) => self.tracker.on_read_failure(e.into()),
+        };
+        match step {
+            RecvStep::Deliver => Err(RecvError::Ended),
+            RecvStep::Finished(action) => {
+                carry_out(action, &mut self.back, &mut self.recv).await;
+                Ok(None)
             }
-            Err(FrameReadError::Closed) => {
-                self.ended = true;
-                Err(RecvError::Ended)
+            RecvStep::Failed(action, error) => {
+                carry_out(action, &mut self.back, &mut self.recv).await;
+                Err(error)
             }
         }
     }
 
     /// Send a status or other control message back to the sender (it sees Cancel and Error;
     /// other messages are informational).
-    pub async fn report(&mut self, msg: Control) -> Result<(), RecvError> {
-        self.write_back(&Message::Control(msg)).await
-    }
-
-    async fn write_back(&mut self, msg: &Message) -> Result<(), RecvError> {
-        let buf = codec::encode(msg, self.max_frame_bytes)
-            .map_err(|e| RecvError::Decode(DecodeError::Invalid(e.to_string())))?;
-        self.back.write_all(&buf).await.map_err(|e| match e {
-            WriteError::ConnectionLost(c) => conn_lost_recv(c),
-            _ => RecvError::Ended,
+    pub async fn report(&mut self, msg: Control) -> Result<(), ReportError> {
+        if self.tracker.is_ended() {
+            return Err(ReportError::Ended);
+        }
+        write_one(
+            &mut self.back,
+            &Message::Control(msg),
+            CONTROL_MAX_FRAME_BYTES,
+        )
+        .await
+        .map_err(|e| match e {
+            FrameWriteError::Encode(e) => ReportError::Encode(e),
+            FrameWriteError::Connection(ConnectionError::LocallyClosed) => {
+                ReportError::ConnectionClosed
+            }
+            FrameWriteError::Connection(c) => ReportError::PeerGone(c.to_string()),
+            FrameWriteError::Stopped(_) | FrameWriteError::Closed => ReportError::Ended,
         })
-    }
-
-    /// Refuse the rest of the job after a bad frame: tell the sender why, then stop its stream.
-    async fn reject(&mut self, message: &str) {
-        self.ended = true;
-        let err = Message::Control(Control::Error {
-            job_id: Some(self.job_id),
-            code: error_code::PROTOCOL,
-            message: message.to_owned(),
-        });
-        let _ = tokio::time::timeout(REASON_GRACE, self.write_back(&err)).await;
-        let _ = self.back.finish();
-        let _ = self.recv.stop(VarInt::from_u32(error_code::PROTOCOL));
     }
 
     /// Cancel the job from the receiving side: the sender sees
     /// [`SendError::CancelledByPeer`] with `reason`.
     pub async fn cancel(mut self, reason: &str) {
-        if self.ended {
-            return;
+        if let Some(action) = self.tracker.cancel_locally(reason) {
+            carry_out(action, &mut self.back, &mut self.recv).await;
         }
-        self.ended = true;
-        let msg = Message::Control(Control::Cancel {
-            job_id: self.job_id,
-            reason: reason.to_owned(),
-        });
-        let _ = tokio::time::timeout(REASON_GRACE, self.write_back(&msg)).await;
-        let _ = self.back.finish();
-        let _ = self.recv.stop(VarInt::from_u32(error_code::CANCELLED));
     }
 }

@@ -1,171 +1,53 @@
 //! The messages that cross the wire. They are rkyv archives; [`crate::codec`] frames and
 //! validates them. Everything here is plain data (bytes, shapes, ids): no tensors, no model types.
-
-use std::fmt;
-use std::str::FromStr;
+//! The vocabulary (job ids and states, modes, translator hashes, trace contexts, layer codes) is
+//! that of `scd-types`, so a codec's [`LayerCode`] goes into a [`CodeFrame`] as it is.
 
 use rkyv::{Archive, Deserialize, Serialize};
+use scd_types::{
+    CodeDType, JobId, JobState, LayerCode, Mode, TraceContext, TraceContextError, TranslatorHash,
+};
 
 /// The wire protocol version. It is in the ALPN string (so a peer with another version fails
 /// the TLS handshake) and in every frame header (so a stray frame of another version is refused).
 pub const PROTOCOL_VERSION: u16 = 1;
 
-/// A job's id: 128 bits, shown as 32 lower-case hex digits.
-#[derive(
-    Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord,
-)]
-#[rkyv(derive(Debug, PartialEq, Eq))]
-pub struct JobId(pub u128);
-
-impl fmt::Display for JobId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:032x}", self.0)
-    }
-}
-
-/// A job id string that is not 1 to 32 hex digits.
-#[derive(Debug, thiserror::Error)]
-#[error("job id {0:?} is not 1 to 32 hex digits")]
-pub struct ParseJobIdError(String);
-
-impl FromStr for JobId {
-    type Err = ParseJobIdError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.is_empty() || s.len() > 32 {
-            return Err(ParseJobIdError(s.to_owned()));
-        }
-        u128::from_str_radix(s, 16)
-            .map(JobId)
-            .map_err(|_| ParseJobIdError(s.to_owned()))
-    }
-}
-
-/// What a code frame holds. A `u8` with named values rather than a Rust enum, so that a newer
-/// peer's kinds still decode (the application decides what to do with a kind it does not know).
-#[derive(
-    Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord,
-)]
-#[rkyv(derive(Debug, PartialEq, Eq))]
-pub struct CodeKind(pub u8);
-
-impl CodeKind {
-    /// Reuse code for keys (`Z_K`).
-    pub const REUSE_K: CodeKind = CodeKind(0);
-    /// Reuse code for values (`Z_V`).
-    pub const REUSE_V: CodeKind = CodeKind(1);
-    /// Patch code for the hidden state (`Z_H`).
-    pub const PATCH_H: CodeKind = CodeKind(2);
-    /// Raw keys (the raw-KV baseline).
-    pub const RAW_K: CodeKind = CodeKind(3);
-    /// Raw values (the raw-KV baseline).
-    pub const RAW_V: CodeKind = CodeKind(4);
-    /// A raw hidden state.
-    pub const HIDDEN: CodeKind = CodeKind(5);
-    /// Quantised keys (the q4 baseline).
-    pub const QUANT_K: CodeKind = CodeKind(6);
-    /// Quantised values (the q4 baseline).
-    pub const QUANT_V: CodeKind = CodeKind(7);
-    /// Scales or other side data that go with a quantised or coded tensor.
-    pub const AUX: CodeKind = CodeKind(8);
-
-    /// A short name for logs; `None` for a kind this version does not know.
-    pub fn name(self) -> Option<&'static str> {
-        Some(match self {
-            Self::REUSE_K => "reuse_k",
-            Self::REUSE_V => "reuse_v",
-            Self::PATCH_H => "patch_h",
-            Self::RAW_K => "raw_k",
-            Self::RAW_V => "raw_v",
-            Self::HIDDEN => "hidden",
-            Self::QUANT_K => "quant_k",
-            Self::QUANT_V => "quant_v",
-            Self::AUX => "aux",
-            _ => return None,
-        })
-    }
-}
-
-/// The element type of a code frame's payload. A `u8` with named values, for the same reason as
-/// [`CodeKind`].
-#[derive(
-    Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord,
-)]
-#[rkyv(derive(Debug, PartialEq, Eq))]
-pub struct DType(pub u8);
-
-impl DType {
-    /// IEEE f32, little-endian.
-    pub const F32: DType = DType(0);
-    /// IEEE f16, little-endian.
-    pub const F16: DType = DType(1);
-    /// bfloat16, little-endian.
-    pub const BF16: DType = DType(2);
-    /// Unsigned bytes.
-    pub const U8: DType = DType(3);
-    /// Signed bytes.
-    pub const I8: DType = DType(4);
-    /// u32, little-endian.
-    pub const U32: DType = DType(5);
-    /// Packed 4-bit values, two per byte (quantised baselines).
-    pub const Q4: DType = DType(6);
-
-    /// Bits per element; `None` for a dtype this version does not know.
-    pub fn bits(self) -> Option<usize> {
-        Some(match self {
-            Self::F32 | Self::U32 => 32,
-            Self::F16 | Self::BF16 => 16,
-            Self::U8 | Self::I8 => 8,
-            Self::Q4 => 4,
-            _ => return None,
-        })
-    }
-}
-
-/// One key/value pair of a trace context (W3C `traceparent`, `tracestate`, baggage ...).
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-#[rkyv(derive(Debug))]
-pub struct TraceEntry {
-    /// The propagation key.
-    pub key: String,
-    /// Its value.
-    pub value: String,
-}
-
-/// A trace context as carried in frames: a short list of string pairs.
-pub type TraceContext = Vec<TraceEntry>;
-
-/// One layer's codes (or one part of them) for a job.
+/// One layer's codes for a job, as they go on the wire.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct CodeFrame {
     /// The job this frame belongs to.
     pub job_id: JobId,
-    /// The transformer layer.
-    pub layer: u16,
-    /// What the payload holds.
-    pub kind: CodeKind,
-    /// Element type of the payload.
-    pub dtype: DType,
-    /// The tensor's shape, outermost first.
-    pub shape: Vec<u32>,
-    /// Hash of the translator version that produced the codes (zero for raw baselines).
-    pub translator: [u8; 32],
+    /// The translator version that produced the codes; `None` for modes without one (raw, q4,
+    /// droidspeak).
+    pub translator: Option<TranslatorHash>,
     /// Trace context, so one job is one trace across nodes.
     pub trace: TraceContext,
-    /// The tensor's bytes, row-major, little-endian.
-    pub payload: Vec<u8>,
+    /// The codes: layer, kind, dtype, shape and bytes, as the codec made them.
+    pub code: LayerCode,
 }
 
 impl CodeFrame {
-    /// The payload length implied by shape and dtype, when the dtype is known and it fits.
-    pub fn expected_payload_len(&self) -> Option<usize> {
-        let bits = self.dtype.bits()?;
-        let mut n: usize = 1;
-        for &d in &self.shape {
-            n = n.checked_mul(d as usize)?;
+    /// A frame for `code` of `job_id`, without translator or trace context.
+    pub fn new(job_id: JobId, code: LayerCode) -> Self {
+        Self {
+            job_id,
+            translator: None,
+            trace: TraceContext::new(),
+            code,
         }
-        Some(n.checked_mul(bits)?.div_ceil(8))
+    }
+
+    /// The same frame, naming the translator version that made the codes.
+    pub fn with_translator(mut self, translator: TranslatorHash) -> Self {
+        self.translator = Some(translator);
+        self
+    }
+
+    /// The same frame, with a trace context.
+    pub fn with_trace(mut self, trace: TraceContext) -> Self {
+        self.trace = trace;
+        self
     }
 }
 
@@ -191,30 +73,12 @@ pub struct PrefillRequest {
     pub expert: String,
     /// The prompt.
     pub prompt: Prompt,
-    /// The transfer mode (`scd`, `raw`, `q4`, `droidspeak`, ...), as named by the application.
-    pub mode: String,
-    /// Hash of the translator version the consumer expects.
-    pub translator: [u8; 32],
+    /// The transfer mode.
+    pub mode: Mode,
+    /// The translator version the consumer expects; `None` for modes without one.
+    pub translator: Option<TranslatorHash>,
     /// Trace context.
     pub trace: TraceContext,
-}
-
-/// Where a job stands, as reported by the side doing the work.
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[rkyv(derive(Debug))]
-pub struct JobState(pub u8);
-
-impl JobState {
-    /// Accepted, not started.
-    pub const QUEUED: JobState = JobState(0);
-    /// Work in progress.
-    pub const RUNNING: JobState = JobState(1);
-    /// Finished successfully.
-    pub const DONE: JobState = JobState(2);
-    /// Failed.
-    pub const FAILED: JobState = JobState(3);
-    /// Cancelled.
-    pub const CANCELLED: JobState = JobState(4);
 }
 
 // rkyv generates one struct per struct-like variant, without docs; the allow is scoped to this
@@ -237,7 +101,7 @@ mod control {
         },
         /// Greeting: who is speaking and which protocol it speaks.
         Hello {
-            /// [`PROTOCOL_VERSION`] of the sender.
+            /// [`PROTOCOL_VERSION`](super::PROTOCOL_VERSION) of the sender.
             protocol: u16,
             /// The sender's node id.
             node_id: String,
@@ -304,6 +168,97 @@ impl Message {
             Message::Control(c) => c.job_id(),
             Message::Code(f) => Some(f.job_id),
         }
+    }
+
+    /// Check what bytecheck cannot: a code's length agrees with its dtype and shape. (An owned
+    /// [`TraceContext`] is valid by construction.)
+    pub fn check(&self) -> Result<(), ContentError> {
+        match self {
+            Message::Code(f) => check_code_len(
+                f.code.layer,
+                f.code.dtype,
+                &f.code.shape,
+                f.code.bytes.len(),
+            ),
+            Message::Control(_) => Ok(()),
+        }
+    }
+}
+
+impl ArchivedMessage {
+    /// Check what bytecheck cannot, in place: every trace context within its limits (a peer's
+    /// frame may carry one built around the validation of [`TraceContext`]), and a code's
+    /// length in agreement with its dtype and shape.
+    pub fn check(&self) -> Result<(), ContentError> {
+        match self {
+            ArchivedMessage::Code(f) => {
+                TraceContext::from_archived(&f.trace)?;
+                let shape: Vec<u32> = f.code.shape.iter().map(|d| d.to_native()).collect();
+                check_code_len(
+                    f.code.layer.to_native(),
+                    CodeDType(f.code.dtype.0),
+                    &shape,
+                    f.code.bytes.len(),
+                )
+            }
+            ArchivedMessage::Control(ArchivedControl::Open { trace, .. }) => {
+                TraceContext::from_archived(trace)?;
+                Ok(())
+            }
+            ArchivedMessage::Control(ArchivedControl::PrefillRequest(r)) => {
+                TraceContext::from_archived(&r.trace)?;
+                Ok(())
+            }
+            ArchivedMessage::Control(_) => Ok(()),
+        }
+    }
+}
+
+/// A message whose archive is well formed but whose content breaks a rule of the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ContentError {
+    /// A trace context over its limits.
+    #[error(transparent)]
+    Trace(#[from] TraceContextError),
+    /// A layer code whose byte length is not what its dtype and shape make.
+    #[error("layer {layer}: {len} code bytes, but dtype {dtype} and shape {shape:?} make {}",
+        expected.map_or_else(|| "no valid length (a shape the dtype does not take, or too large)".to_owned(), |n| n.to_string()))]
+    CodeLength {
+        /// The layer.
+        layer: u16,
+        /// The dtype's number.
+        dtype: u8,
+        /// The shape.
+        shape: Vec<u32>,
+        /// The bytes carried.
+        len: usize,
+        /// The bytes dtype and shape make (`None`: no length is valid for them).
+        expected: Option<usize>,
+    },
+}
+
+/// A code of a dtype this version does not know passes: the consumer's codec decides what to
+/// do with it (a newer peer's dtypes still travel).
+fn check_code_len(
+    layer: u16,
+    dtype: CodeDType,
+    shape: &[u32],
+    len: usize,
+) -> Result<(), ContentError> {
+    if dtype.bits().is_none() {
+        return Ok(());
+    }
+    let expected = LayerCode::expected_len(dtype, shape);
+    if expected == Some(len) {
+        Ok(())
+    } else {
+        Err(ContentError::CodeLength {
+            layer,
+            dtype: dtype.0,
+            shape: shape.to_vec(),
+            len,
+            expected,
+        })
     }
 }
 

@@ -1,14 +1,14 @@
-//! Bounded property test of the frame decoder: random valid frames round-trip exactly, and
+//! Bounded property test of the pure frame codec: random valid frames round-trip exactly, and
 //! random mutations of them are either refused with a typed error or decode to a frame that
-//! itself round-trips. Nothing panics. (The open-ended version is the cargo-fuzz target in
-//! transport/fuzz.)
+//! itself round-trips. Nothing panics. (The receiver's whole path, stream reader and job rules
+//! included, is fuzzed by tests/fuzz_receive.rs and the cargo-fuzz target in transport/fuzz.)
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use scd_transport::codec::{decode, encode, DecodeError, HEADER_LEN};
-use scd_transport::wire::{
-    CodeFrame, CodeKind, Control, DType, JobId, JobState, Message, PrefillRequest, Prompt,
-    TraceEntry,
+use scd_transport::wire::{CodeFrame, Control, Message, PrefillRequest, Prompt};
+use scd_transport::{
+    CodeDType, CodeKind, JobId, JobState, LayerCode, Mode, TraceContext, TranslatorHash,
 };
 
 const CASES: usize = 2_000;
@@ -20,29 +20,55 @@ fn string(rng: &mut StdRng) -> String {
         + if rng.gen_bool(0.1) { "é✓" } else { "" }
 }
 
-fn trace(rng: &mut StdRng) -> Vec<TraceEntry> {
-    (0..rng.gen_range(0..4))
-        .map(|_| TraceEntry {
-            key: string(rng),
-            value: string(rng),
-        })
-        .collect()
+/// Printable ASCII keys and values (what a trace context admits), some empty values.
+fn trace(rng: &mut StdRng) -> TraceContext {
+    let mut t = TraceContext::new();
+    for _ in 0..rng.gen_range(0..4) {
+        let key: String = (0..rng.gen_range(1..16))
+            .map(|_| rng.gen_range('!'..='~'))
+            .collect();
+        let value: String = (0..rng.gen_range(0..40))
+            .map(|_| rng.gen_range(' '..='~'))
+            .collect();
+        t.insert(key, value).unwrap();
+    }
+    t
+}
+
+fn translator(rng: &mut StdRng) -> Option<TranslatorHash> {
+    rng.gen::<bool>()
+        .then(|| TranslatorHash::from_bytes(rng.gen()))
+}
+
+/// A layer code whose length agrees with its dtype and shape (or of a dtype this version does
+/// not know, which may hold anything).
+fn layer_code(rng: &mut StdRng) -> LayerCode {
+    let mut dtype = CodeDType(rng.gen_range(0..12));
+    let shape: Vec<u32> = (0..rng.gen_range(0..4))
+        .map(|_| rng.gen_range(0..24))
+        .collect();
+    if dtype.bits().is_some() && LayerCode::expected_len(dtype, &shape).is_none() {
+        // A known dtype this shape does not suit (the encoder would refuse it).
+        dtype = CodeDType::U8;
+    }
+    let len = LayerCode::expected_len(dtype, &shape).unwrap_or_else(|| rng.gen_range(0..2048));
+    LayerCode {
+        layer: rng.gen(),
+        kind: CodeKind(rng.gen()),
+        dtype,
+        shape,
+        bytes: (0..len).map(|_| rng.gen()).collect(),
+    }
 }
 
 fn message(rng: &mut StdRng) -> Message {
-    let job = JobId(rng.gen());
+    let job = JobId::from_u128(rng.gen());
     match rng.gen_range(0..7) {
         0..=2 => Message::Code(CodeFrame {
             job_id: job,
-            layer: rng.gen(),
-            kind: CodeKind(rng.gen()),
-            dtype: DType(rng.gen()),
-            shape: (0..rng.gen_range(0..5))
-                .map(|_| rng.gen_range(0..64))
-                .collect(),
-            translator: rng.gen(),
+            translator: translator(rng),
             trace: trace(rng),
-            payload: (0..rng.gen_range(0..2048)).map(|_| rng.gen()).collect(),
+            code: layer_code(rng),
         }),
         3 => Message::Control(Control::PrefillRequest(PrefillRequest {
             job_id: job,
@@ -53,13 +79,13 @@ fn message(rng: &mut StdRng) -> Message {
             } else {
                 Prompt::Text(string(rng))
             },
-            mode: string(rng),
-            translator: rng.gen(),
+            mode: Mode::ALL[rng.gen_range(0..Mode::ALL.len())],
+            translator: translator(rng),
             trace: trace(rng),
         })),
         4 => Message::Control(Control::JobStatus {
             job_id: job,
-            state: JobState(rng.gen()),
+            state: JobState::ALL[rng.gen_range(0..JobState::ALL.len())],
             detail: string(rng),
         }),
         5 => Message::Control(Control::Error {
@@ -153,7 +179,8 @@ fn mutated_frames_are_refused_or_decode_consistently() {
                 | DecodeError::UnsupportedVersion { .. }
                 | DecodeError::ReservedBits
                 | DecodeError::TooLarge { .. }
-                | DecodeError::Invalid(_),
+                | DecodeError::Invalid(_)
+                | DecodeError::Content(_),
             ) => refused += 1,
         }
     }

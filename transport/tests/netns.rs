@@ -1,7 +1,10 @@
 //! A transfer across a kernel-level shaped link: ops/netns-link.sh builds two network
 //! namespaces joined by veth with tc, and this test runs a receiving node in one and a sending
-//! node in the other, each as a child process (this test binary re-run with a role). Skipped,
-//! with a message, where namespaces cannot be created (not root, no CAP_SYS_ADMIN).
+//! node in the other, each as a child process (this test binary re-run with a role in
+//! `SCD_NETNS_ROLE`). It needs iproute2 (`ip`, `tc`; ops/setup.sh installs them) and the right
+//! to create network namespaces (root, or CAP_SYS_ADMIN and CAP_NET_ADMIN); where either is
+//! missing it fails and says which. The namespaces are named after this process, so runs on
+//! one machine at the same time do not tear down each other's link.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -12,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use scd_transport::pki::{init_ca_dir, issue_in_dir};
 use scd_transport::{
-    CodeFrame, CodeKind, DType, Endpoint, Identity, JobId, LinkProfile, Message, Role,
-    TransportOptions,
+    CodeDType, CodeFrame, CodeKind, Endpoint, Identity, JobId, LayerCode, LinkProfile, Message,
+    Role, TraceContext, TranslatorHash, TransportOptions,
 };
 
 const SERVER_ADDR: &str = "10.77.0.1:47001";
@@ -25,11 +28,22 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/netns-link.sh")
 }
 
+/// The namespaces' name prefix for this run: `scd<pid>` gives `scd<pid>-a` and `scd<pid>-b`.
+fn prefix() -> String {
+    format!("scd{}", std::process::id())
+}
+
+fn link_script() -> Command {
+    let mut c = Command::new(script());
+    c.env("SCD_NETNS_PREFIX", prefix());
+    c
+}
+
 struct LinkGuard;
 
 impl Drop for LinkGuard {
     fn drop(&mut self) {
-        let _ = Command::new(script()).arg("down").status();
+        let _ = link_script().arg("down").status();
     }
 }
 
@@ -43,19 +57,22 @@ fn opts() -> TransportOptions {
     }
 }
 
+const JOB: JobId = JobId::from_u128(77);
+
 fn frame(layer: u16) -> CodeFrame {
-    CodeFrame {
-        job_id: JobId(77),
-        layer,
-        kind: CodeKind::REUSE_K,
-        dtype: DType::F16,
-        shape: vec![(FRAME_BYTES / 2) as u32],
-        translator: [1; 32],
-        trace: vec![],
-        payload: (0..FRAME_BYTES)
-            .map(|i| (i as u8) ^ (layer as u8))
-            .collect(),
-    }
+    CodeFrame::new(
+        JOB,
+        LayerCode {
+            layer,
+            kind: CodeKind::REUSE_K,
+            dtype: CodeDType::F16,
+            shape: vec![(FRAME_BYTES / 2) as u32],
+            bytes: (0..FRAME_BYTES)
+                .map(|i| (i as u8) ^ (layer as u8))
+                .collect(),
+        },
+    )
+    .with_translator(TranslatorHash::from_bytes([1; 32]))
 }
 
 fn spawn_role(role: &str, dir: &Path, ns: &str) -> Child {
@@ -64,8 +81,7 @@ fn spawn_role(role: &str, dir: &Path, ns: &str) -> Child {
         .arg(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "netns_role",
-            "--ignored",
+            "transfer_across_network_namespaces",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -128,27 +144,25 @@ fn wait_exit(child: &mut Reaped, deadline: Instant) -> bool {
 
 #[test]
 fn transfer_across_network_namespaces() {
-    if let Err(why) = Command::new(script())
+    if let Ok(role) = std::env::var("SCD_NETNS_ROLE") {
+        return netns_role(&role);
+    }
+    let check = link_script()
         .arg("check")
         .output()
-        .map_err(|e| e.to_string())
-        .and_then(|o| {
-            if o.status.success() {
-                Ok(())
-            } else {
-                Err(String::from_utf8_lossy(&o.stderr).trim().to_owned())
-            }
-        })
-    {
-        println!("SKIPPED transfer_across_network_namespaces: {why}");
-        return;
-    }
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script().display()));
+    assert!(
+        check.status.success(),
+        "this test needs network namespaces: {} (ops/setup.sh installs iproute2; creating \
+         namespaces needs root, or CAP_SYS_ADMIN and CAP_NET_ADMIN)",
+        String::from_utf8_lossy(&check.stderr).trim()
+    );
     let dir = tempfile::tempdir().unwrap();
     init_ca_dir(dir.path(), "netns").unwrap();
     issue_in_dir(dir.path(), "node-a", Role::Node).unwrap();
     issue_in_dir(dir.path(), "node-b", Role::Node).unwrap();
 
-    let up = Command::new(script())
+    let up = link_script()
         .args(["up", "200mbit", "2ms"])
         .status()
         .unwrap();
@@ -156,10 +170,10 @@ fn transfer_across_network_namespaces() {
     assert!(up.success(), "netns-link.sh up failed");
 
     let deadline = Instant::now() + Duration::from_secs(120);
-    let mut server = Reaped(spawn_role("server", dir.path(), "scd-a"));
+    let mut server = Reaped(spawn_role("server", dir.path(), &format!("{}-a", prefix())));
     let server_out = lines_of(&mut server.0);
     wait_line(&server_out, "LISTENING");
-    let mut client = Reaped(spawn_role("client", dir.path(), "scd-b"));
+    let mut client = Reaped(spawn_role("client", dir.path(), &format!("{}-b", prefix())));
     let client_out = lines_of(&mut client.0);
     let sent = wait_line(&client_out, "SENT");
     let received = wait_line(&server_out, "RECEIVED");
@@ -171,13 +185,8 @@ fn transfer_across_network_namespaces() {
     println!("netns transfer: {sent}");
 }
 
-/// The child side of the test above; does nothing unless started by it.
-#[test]
-#[ignore = "run by transfer_across_network_namespaces inside a namespace"]
-fn netns_role() {
-    let Ok(role) = std::env::var("SCD_NETNS_ROLE") else {
-        return;
-    };
+/// The child side of the test above, run inside a namespace as `role` (server or client).
+fn netns_role(role: &str) {
     let dir = PathBuf::from(std::env::var("SCD_NETNS_DIR").unwrap());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -195,7 +204,7 @@ fn netns_role() {
                 };
                 assert_eq!(f, frame(layer));
                 layer += 1;
-                got += f.payload.len() as u64;
+                got += f.code.bytes.len() as u64;
             }
             println!("SCD-NETNS RECEIVED {got}");
             conn.closed().await;
@@ -205,7 +214,7 @@ fn netns_role() {
             let server: SocketAddr = SERVER_ADDR.parse().unwrap();
             let conn = ep.connect(server, "node-a").await.unwrap();
             let start = Instant::now();
-            let mut tx = conn.open_job(JobId(77), vec![]).await.unwrap();
+            let mut tx = conn.open_job(JOB, TraceContext::new()).await.unwrap();
             for l in 0..FRAMES {
                 tx.send(frame(l)).await.unwrap();
             }

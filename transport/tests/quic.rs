@@ -1,41 +1,43 @@
 //! Real QUIC on loopback: mutual TLS, version negotiation, job streams, backpressure,
 //! cancellation and dead peers. Every test checks that no job task is left behind.
 
-use std::net::SocketAddr;
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use scd_transport::pacing::PacingOptions;
 use scd_transport::{
-    AcceptError, ClusterCa, CodeFrame, CodeKind, ConnectError, Connection, Control, DType,
-    Endpoint, Identity, JobId, JobReceiver, Message, RecvError, Role, SendError, TransportOptions,
+    AcceptError, ClusterCa, CodeDType, CodeFrame, CodeKind, ConnectError, Connection, Control,
+    Endpoint, Identity, JobId, JobReceiver, JobState, LayerCode, Message, RecvError, Role,
+    SendError, TraceContext, TranslatorHash, TransportOptions,
 };
 
-const LOCAL: &str = "127.0.0.1:0";
+use common::{local, open_raw_job, raw_client, serve_as_node_a};
 
-fn local() -> SocketAddr {
-    LOCAL.parse().unwrap()
+fn jid(n: u128) -> JobId {
+    JobId::from_u128(n)
+}
+
+fn no_trace() -> TraceContext {
+    TraceContext::new()
 }
 
 fn frame(job: JobId, layer: u16, kind: CodeKind, len: usize) -> CodeFrame {
-    CodeFrame {
-        job_id: job,
-        layer,
-        kind,
-        dtype: DType::U8,
-        shape: vec![len as u32],
-        translator: [layer as u8; 32],
-        trace: vec![],
-        payload: (0..len)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(layer as u8))
-            .collect(),
-    }
-}
-
-/// A server endpoint on loopback with a node certificate "node-a" from `ca`.
-fn serve_as_node_a(ca: &ClusterCa, opts: TransportOptions) -> Endpoint {
-    Endpoint::bind(local(), &ca.issue("node-a", Role::Node).unwrap(), opts).unwrap()
+    CodeFrame::new(
+        job,
+        LayerCode {
+            layer,
+            kind,
+            dtype: CodeDType::U8,
+            shape: vec![len as u32],
+            bytes: (0..len)
+                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(layer as u8))
+                .collect(),
+        },
+    )
+    .with_translator(TranslatorHash::from_bytes([layer as u8; 32]))
 }
 
 struct Pair {
@@ -113,11 +115,14 @@ async fn identities_and_a_job_round_trip_in_order() {
     assert_eq!(p.to_client.peer().name, "node-b");
     assert_eq!(p.to_client.peer().role, Role::Node);
 
-    let job = JobId(0xabc);
-    let trace = vec![scd_transport::TraceEntry {
-        key: "traceparent".into(),
-        value: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
-    }];
+    let job = jid(0xabc);
+    let mut trace = TraceContext::new();
+    trace
+        .insert(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        .unwrap();
     let frames: Vec<CodeFrame> = (0..6u16)
         .flat_map(|l| {
             [
@@ -161,9 +166,9 @@ async fn many_concurrent_jobs_on_one_connection() {
     for j in 0..8u128 {
         let conn = p.to_server.clone();
         senders.push(tokio::spawn(async move {
-            let mut tx = conn.open_job(JobId(j), vec![]).await.unwrap();
+            let mut tx = conn.open_job(jid(j), no_trace()).await.unwrap();
             for l in 0..4 {
-                tx.send(frame(JobId(j), l, CodeKind::PATCH_H, 50_000))
+                tx.send(frame(jid(j), l, CodeKind::PATCH_H, 50_000))
                     .await
                     .unwrap();
             }
@@ -177,8 +182,9 @@ async fn many_concurrent_jobs_on_one_connection() {
             let mut layers = vec![];
             while let Some(Message::Code(f)) = rx.next().await.unwrap() {
                 assert_eq!(f.job_id, rx.job_id());
-                assert_eq!(f, frame(rx.job_id(), f.layer, CodeKind::PATCH_H, 50_000));
-                layers.push(f.layer);
+                let layer = f.code.layer;
+                assert_eq!(f, frame(rx.job_id(), layer, CodeKind::PATCH_H, 50_000));
+                layers.push(layer);
             }
             layers
         }));
@@ -328,8 +334,8 @@ async fn a_slow_receiver_slows_the_sender_with_bounded_memory() {
     let p = pair_with(&ClusterCa::generate("t").unwrap(), opts.clone(), opts).await;
     const FRAME: usize = 256 << 10;
     const FRAMES: u16 = 64; // 16 MiB in all, well over window + queue
-    let job = JobId(1);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(1);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     let accepted = Arc::new(AtomicU64::new(0));
     let max_queued = Arc::new(AtomicU64::new(0));
     let (a, q) = (accepted.clone(), max_queued.clone());
@@ -366,7 +372,7 @@ async fn a_slow_receiver_slows_the_sender_with_bounded_memory() {
     // Now drain: everything arrives, in order.
     let mut n = 0;
     while let Some(Message::Code(f)) = rx.next().await.unwrap() {
-        assert_eq!(f.layer, n);
+        assert_eq!(f.code.layer, n);
         n += 1;
     }
     assert_eq!(n, FRAMES);
@@ -385,8 +391,8 @@ async fn recv_all(rx: &mut JobReceiver) -> Result<usize, RecvError> {
 #[tokio::test]
 async fn the_sender_cancels_mid_job() {
     let p = pair().await;
-    let job = JobId(2);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(2);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     tx.send(frame(job, 0, CodeKind::RAW_K, 1000)).await.unwrap();
     let mut rx = p.to_client.accept_job().await.unwrap();
     assert!(matches!(rx.next().await.unwrap(), Some(Message::Code(_))));
@@ -399,8 +405,8 @@ async fn the_sender_cancels_mid_job() {
 #[tokio::test]
 async fn dropping_a_sender_cancels_its_job() {
     let p = pair().await;
-    let job = JobId(3);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(3);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     tx.send(frame(job, 0, CodeKind::RAW_K, 1000)).await.unwrap();
     let mut rx = p.to_client.accept_job().await.unwrap();
     drop(tx);
@@ -412,8 +418,8 @@ async fn dropping_a_sender_cancels_its_job() {
 #[tokio::test]
 async fn the_receiver_cancels_mid_job_with_a_reason() {
     let p = pair().await;
-    let job = JobId(4);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(4);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     let rx = p.to_client.accept_job().await.unwrap();
     rx.cancel("expert unloaded").await;
     // The sender learns on its next send or at finish, whichever comes first.
@@ -440,12 +446,12 @@ async fn the_receiver_cancels_mid_job_with_a_reason() {
 #[tokio::test]
 async fn status_reports_reach_the_sender_without_ending_the_job() {
     let p = pair().await;
-    let job = JobId(5);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(5);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     let mut rx = p.to_client.accept_job().await.unwrap();
     rx.report(Control::JobStatus {
         job_id: job,
-        state: scd_transport::wire::JobState::RUNNING,
+        state: JobState::Decoding,
         detail: "rebuilding".into(),
     })
     .await
@@ -459,15 +465,15 @@ async fn status_reports_reach_the_sender_without_ending_the_job() {
 #[tokio::test]
 async fn the_sender_refuses_frames_that_break_the_rules() {
     let p = pair().await;
-    let job = JobId(6);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(6);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     tx.send(frame(job, 3, CodeKind::REUSE_K, 10)).await.unwrap();
     assert!(matches!(
         tx.send(frame(job, 2, CodeKind::REUSE_K, 10)).await,
         Err(SendError::Protocol(_))
     ));
     assert!(matches!(
-        tx.send(frame(JobId(7), 4, CodeKind::REUSE_K, 10)).await,
+        tx.send(frame(jid(7), 4, CodeKind::REUSE_K, 10)).await,
         Err(SendError::Protocol(_))
     ));
     // The job goes on after a refused frame.
@@ -485,8 +491,8 @@ async fn the_per_job_byte_cap_is_enforced() {
         ..TransportOptions::default()
     };
     let p = pair_with(&ClusterCa::generate("t").unwrap(), opts.clone(), opts).await;
-    let job = JobId(8);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(8);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     tx.send(frame(job, 0, CodeKind::RAW_K, 60_000))
         .await
         .unwrap();
@@ -508,8 +514,8 @@ async fn the_per_job_byte_cap_is_enforced() {
 #[tokio::test]
 async fn closing_the_peer_endpoint_mid_job_ends_the_job_on_both_sides() {
     let p = pair().await;
-    let job = JobId(9);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(9);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     tx.send(frame(job, 0, CodeKind::RAW_K, 1000)).await.unwrap();
     let mut rx = p.to_client.accept_job().await.unwrap();
     assert!(rx.next().await.unwrap().is_some());
@@ -572,8 +578,8 @@ fn a_dead_peer_ends_its_jobs_by_idle_timeout() {
         let client =
             Endpoint::bind(local(), &ca.issue("node-b", Role::Node).unwrap(), opts).unwrap();
         let conn = client.connect(addr, "node-a").await.unwrap();
-        let job = JobId(10);
-        let mut tx = conn.open_job(job, vec![]).await.unwrap();
+        let job = jid(10);
+        let mut tx = conn.open_job(job, no_trace()).await.unwrap();
         tx.send(frame(job, 0, CodeKind::RAW_K, 100)).await.unwrap();
         // Let the frame reach the receiver before it dies.
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -596,8 +602,8 @@ async fn a_paced_connection_delivers_every_byte() {
         ..TransportOptions::default()
     };
     let p = pair_with(&ClusterCa::generate("t").unwrap(), opts.clone(), opts).await;
-    let job = JobId(11);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(11);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     let sender = tokio::spawn(async move {
         for l in 0..4 {
             tx.send(frame(job, l, CodeKind::QUANT_K, 100_000))
@@ -619,8 +625,8 @@ async fn a_paced_connection_delivers_every_byte() {
 #[tokio::test]
 async fn frames_can_be_read_in_place() {
     let p = pair().await;
-    let job = JobId(12);
-    let mut tx = p.to_server.open_job(job, vec![]).await.unwrap();
+    let job = jid(12);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
     tx.send(frame(job, 5, CodeKind::PATCH_H, 4096))
         .await
         .unwrap();
@@ -630,10 +636,10 @@ async fn frames_can_be_read_in_place() {
     let scd_transport::wire::ArchivedMessage::Code(code) = f.archived() else {
         panic!("not a code frame")
     };
-    assert_eq!(code.layer.to_native(), 5);
+    assert_eq!(code.code.layer.to_native(), 5);
     assert_eq!(
-        code.payload.as_slice(),
-        frame(job, 5, CodeKind::PATCH_H, 4096).payload.as_slice()
+        code.code.bytes.as_slice(),
+        frame(job, 5, CodeKind::PATCH_H, 4096).code.bytes.as_slice()
     );
     assert_eq!(
         f.to_message().unwrap(),
@@ -641,65 +647,6 @@ async fn frames_can_be_read_in_place() {
     );
     assert!(rx.next_frame().await.unwrap().is_none());
     sender.await.unwrap().unwrap();
-}
-
-/// A cluster node that speaks the protocol by hand over plain quinn: mutual TLS and the hello
-/// exchange done here, so a test can put on a job stream bytes our `JobSender` never would.
-/// Opens a job stream by hand on a raw connection: its `Open` frame written, nothing else.
-async fn open_raw_job(
-    raw: &quinn::Connection,
-    job: JobId,
-) -> (quinn::SendStream, quinn::RecvStream) {
-    let (mut send, back) = raw.open_bi().await.unwrap();
-    let open = Message::Control(Control::Open {
-        job_id: job,
-        trace: vec![],
-    });
-    send.write_all(&scd_transport::codec::encode(&open, u32::MAX).unwrap())
-        .await
-        .unwrap();
-    (send, back)
-}
-
-async fn raw_client(ca: &ClusterCa, server: &Endpoint) -> quinn::Connection {
-    use quinn::crypto::rustls::QuicClientConfig;
-    use scd_transport::codec;
-    let id = ca.issue("node-raw", Role::Node).unwrap();
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(id.ca.clone()).unwrap();
-    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_client_auth_cert(id.cert_chain.clone(), id.key.clone_key())
-    .unwrap();
-    tls.alpn_protocols = vec![b"scd/1".to_vec()];
-    let mut client = quinn::Endpoint::client(local()).unwrap();
-    client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
-        QuicClientConfig::try_from(tls).unwrap(),
-    )));
-    let conn = client
-        .connect(server.local_addr().unwrap(), "node-a")
-        .unwrap()
-        .await
-        .unwrap();
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let hello = Message::Control(Control::Hello {
-        protocol: scd_transport::PROTOCOL_VERSION,
-        node_id: "node-raw".into(),
-    });
-    send.write_all(&codec::encode(&hello, u32::MAX).unwrap())
-        .await
-        .unwrap();
-    send.finish().unwrap();
-    let back = recv.read_to_end(1 << 16).await.unwrap();
-    assert!(matches!(
-        codec::decode(&back, u32::MAX).unwrap().0,
-        Message::Control(Control::Hello { .. })
-    ));
-    conn
 }
 
 #[tokio::test]
@@ -717,7 +664,7 @@ async fn the_receiver_rejects_a_bad_frame_from_the_wire() {
     let raw = raw_client(&ca, &server).await;
     let conn = accept.await.unwrap().unwrap();
 
-    let job = JobId(0x5eed);
+    let job = jid(0x5eed);
     let good = |layer| {
         codec::encode(
             &Message::Code(frame(job, layer, CodeKind::RAW_K, 64)),
@@ -735,7 +682,7 @@ async fn the_receiver_rejects_a_bad_frame_from_the_wire() {
     // Announces a body over the cap; nothing follows, the header alone must be refused.
     let oversized = header_bytes((1 << 20) + 1).to_vec();
     let other_job = codec::encode(
-        &Message::Code(frame(JobId(1), 1, CodeKind::RAW_K, 64)),
+        &Message::Code(frame(jid(1), 1, CodeKind::RAW_K, 64)),
         u32::MAX,
     )
     .unwrap();
