@@ -28,6 +28,7 @@ demo: setup model build
 
 test: setup model data
 	cargo test --workspace --all-targets --no-fail-fast
+	cargo build --manifest-path transport/fuzz/Cargo.toml
 
 lint:
 	cargo fmt --all -- --check
@@ -52,3 +53,16 @@ llama-parity-fixture: llama-cpp model
 bench-model: model build
 	target/release/scd bench model --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
 		--llama-python $(SCD_LLAMA_VENV)/bin/python
+
+# The transport's open-ended fuzz run (cargo-fuzz, libFuzzer with AddressSanitizer) of the
+# receiver's path, the same function `cargo test` runs bounded (transport/tests/fuzz_receive.rs).
+# cargo-fuzz needs nightly features; RUSTC_BOOTSTRAP=1 unlocks them on the stable toolchain.
+# New inputs go to transport/fuzz/corpus (not checked in); the checked-in seeds are read only.
+# A crash lands in transport/fuzz/artifacts: copy it into transport/fuzz/seeds/receive_path.
+FUZZ_SECS ?= 600
+.PHONY: fuzz
+fuzz:
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	mkdir -p transport/fuzz/corpus/receive_path
+	cd transport/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run receive_path \
+		corpus/receive_path seeds/receive_path -- -max_total_time=$(FUZZ_SECS)
