@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Install the system packages that building and testing scd need, when they are missing:
-# protoc (etcd-client's build) and etcd (the scheduler tests run a real one). Uses Debian's
-# packages; needs root or sudo. Safe to run again.
+# protoc (etcd-client's build), etcd (the scheduler tests run a real one) and iproute2 (`ip` and
+# `tc`: the transport's network-namespace test). Uses Debian's packages; needs root or sudo.
+# Safe to run again.
 set -euo pipefail
 need=()
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || need+=(iproute2)
 if [ ${#need[@]} -eq 0 ]; then
-  echo "setup: protoc and etcd present"
+  echo "setup: protoc, etcd and iproute2 present"
   exit 0
 fi
 sudo=""
