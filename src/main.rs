@@ -5,6 +5,7 @@
 
 mod cmd;
 mod paths;
+mod progress;
 
 use clap::{Parser, Subcommand};
 
@@ -27,6 +28,8 @@ enum Command {
     Finetune(cmd::finetune::Args),
     /// Compare ways of building an expert's cache against its own prefill (and `eval drift`).
     Eval(cmd::eval::Args),
+    /// Fit the SCD translator of a base model and its experts.
+    Calibrate(cmd::calibrate::Args),
     /// Create the cluster CA and issue node and admin certificates.
     Cert(cmd::cert::Args),
     /// Run benchmarks (build with --release).
@@ -46,6 +49,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Finetune(args) => cmd::finetune::run(args),
         Command::Eval(args) => cmd::eval::run(args),
+        Command::Calibrate(args) => cmd::calibrate::run(args),
         Command::Cert(args) => cmd::cert::run(args),
         Command::Bench(args) => cmd::bench::run(args),
     }

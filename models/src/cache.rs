@@ -87,12 +87,51 @@ impl KvCache {
         layers: &[(Tensor, Tensor)],
         positions: &[u32],
     ) -> Result<Self, ForwardError> {
-        let rotated = layers
-            .iter()
-            .map(|(k, v)| Ok((rope.apply(k, positions)?, v.clone())))
-            .collect::<Result<Vec<_>, ForwardError>>()?;
+        if layers.len() != cfg.num_layers {
+            return Err(ForwardError::Shape {
+                what: "injected cache (layers)".into(),
+                got: vec![layers.len()],
+                expected: vec![cfg.num_layers],
+            });
+        }
+        let mut cache = Self::new(cfg);
+        for (l, (k, v)) in layers.iter().enumerate() {
+            cache.fill_layer_pre_rope(rope, l, k, v, positions)?;
+        }
+        Ok(cache)
+    }
+
+    /// Fills the empty `layer` from K before RoPE and V, each `(T, kv_heads * head_dim)`, row
+    /// `t` of K rotated to `positions[t]`; the next position moves past the largest one. A
+    /// consumer rebuilds its cache this way, layer by layer, as codes arrive.
+    pub fn fill_layer_pre_rope(
+        &mut self,
+        rope: &Rope,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &[u32],
+    ) -> Result<(), ForwardError> {
+        if layer >= self.layers.len() || self.layer_len(layer) > 0 {
+            return Err(ForwardError::LayerRange {
+                start: layer,
+                end: layer + 1,
+                layers: self.layers.len(),
+            });
+        }
+        let k = self.rows_to_heads(&rope.apply(k, positions)?, &format!("K of layer {layer}"))?;
+        let v = self.rows_to_heads(v, &format!("V of layer {layer}"))?;
+        if k.dim(1)? != v.dim(1)? {
+            return Err(ForwardError::Shape {
+                what: format!("V of layer {layer}"),
+                got: v.dims().to_vec(),
+                expected: k.dims().to_vec(),
+            });
+        }
+        self.append(layer, &k, &v)?;
         let next = positions.iter().max().map_or(0, |&p| p as usize + 1);
-        Self::from_post_rope(cfg, &rotated, next)
+        self.next_position = self.next_position.max(next);
+        Ok(())
     }
 
     /// A deep copy whose buffers are independent of this cache's.

@@ -175,6 +175,7 @@ impl GgufFile {
             Some(get("output.weight", &[cfg.vocab_size, h])?)
         };
         let identity = ModelIdentity {
+            adapter_sha256: None,
             sha256: self.sha256.clone(),
             source: self.path.clone(),
         };

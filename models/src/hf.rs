@@ -136,6 +136,7 @@ impl Llama {
             Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
         let identity = ModelIdentity {
+            adapter_sha256: None,
             sha256: hex::encode(hasher.finalize()),
             source: dir.clone(),
         };

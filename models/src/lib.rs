@@ -4,8 +4,9 @@
 //! - a transformer forward pass with state hooks (capture K before RoPE, V and the attention
 //!   input; inject a per-layer KV cache; run a range of layers), RoPE apply/inverse;
 //! - LoRA adapters (merged or on the fly), fine-tuning, sampling and generation;
-//! - the codecs that carry a prompt's state from producer to consumer (oracle, raw so far; the
-//!   SCD translators follow), and the quality harness with its metrics.
+//! - the codecs that carry a prompt's state from producer to consumer (oracle, raw, q4,
+//!   DroidSpeak, SCD Reuse and Patch over calibrated translators), and the quality harness
+//!   with its metrics.
 //!
 //! All math is f32 on the CPU; f16/bf16 appear only where tensors are packed for the wire.
 //!
@@ -16,7 +17,8 @@
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
 //! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
 //! `generate`; `codec` (the transfer modes: producer-side
-//! encode into layer codes, consumer-side rebuild of a KV cache); `optim` (AdamW), `train`
+//! encode into layer codes, consumer-side rebuild of a KV cache) and `translator` (SCD's
+//! calibrated translators: low-rank codes, Patch aligners, calibration); `optim` (AdamW), `train`
 //! (LoRA fine-tuning) and `expert` (an expert folder and its manifest); `corpus` (training
 //! text), `perplexity`, `metrics` and `stats` (quality figures with intervals), `eval` (the
 //! quality harness and the drift report); `baseline` (candle-transformers' quantized llama, an
@@ -49,6 +51,7 @@ pub mod sampling;
 pub mod stats;
 pub mod tokenizer;
 pub mod train;
+pub mod translator;
 
 pub use cache::KvCache;
 pub use codec::{Codec, CodecError, LayerDecoder, Prefix};

@@ -136,6 +136,18 @@ impl Linear {
         Ok(())
     }
 
+    /// One part's output `(T, rows)`: its base rows and its adapter term.
+    fn forward_part(&self, proj: Proj, x: &Tensor) -> candle_core::Result<Tensor> {
+        let Some((_, part)) = self.part(proj) else {
+            candle_core::bail!("{proj:?} is not part of this projection");
+        };
+        let y = ops::linear(x, &self.weight_of(proj)?)?;
+        match &part.lora {
+            Some(l) => y + l.forward(x)?,
+            None => Ok(y),
+        }
+    }
+
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = ops::linear(x, &self.weight)?;
         if self.parts.iter().all(|p| p.lora.is_none()) {
@@ -279,6 +291,9 @@ pub struct ModelIdentity {
     pub sha256: String,
     /// The path the model was loaded from.
     pub source: std::path::PathBuf,
+    /// The applied adapter's content hash ([`crate::LoraAdapter::content_sha256`]), if any: an
+    /// expert is its base file plus this.
+    pub adapter_sha256: Option<String>,
 }
 
 /// A llama-family model with f32 weights.
@@ -572,6 +587,26 @@ impl Llama {
             }
         }
         self.run_layers(hidden.clone(), layers, start_pos, cache, capture, captured)
+    }
+
+    /// One projection of `layer` applied to `x` `(T, in)`, with the model's adapter if any:
+    /// how a consumer regenerates K or V from an attention input it did not compute itself
+    /// (K comes out before RoPE, rows in the internal layout).
+    pub fn project(&self, layer: usize, proj: Proj, x: &Tensor) -> Result<Tensor, ForwardError> {
+        let block = self.blocks.get(layer).ok_or(ForwardError::LayerRange {
+            start: layer,
+            end: layer + 1,
+            layers: self.cfg.num_layers,
+        })?;
+        let (_, inp) = proj.shape(&self.cfg);
+        match x.dims() {
+            &[_, w] if w == inp => Ok(block.linear(proj).forward_part(proj, x)?),
+            dims => Err(ForwardError::Shape {
+                what: format!("input of {proj:?}"),
+                got: dims.to_vec(),
+                expected: vec![dims.first().copied().unwrap_or(0), inp],
+            }),
+        }
     }
 
     /// Final norm and output projection of a residual stream `(T, hidden)`.

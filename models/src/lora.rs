@@ -237,6 +237,26 @@ impl LoraAdapter {
         self.weights.get(&(layer, proj)).map(|(a, b)| (a, b))
     }
 
+    /// SHA-256 (hex) of the adapter's content: rank, alpha and every matrix as f32 in
+    /// (layer, projection) order. The same for the same adapter however it was stored (bf16 or
+    /// f32 file, in memory), so an expert's identity does not depend on the file format.
+    pub fn content_sha256(&self) -> Result<String, AdapterError> {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update((self.rank as u64).to_le_bytes());
+        h.update(self.alpha.to_le_bytes());
+        for (&(layer, proj), (a, b)) in &self.weights {
+            h.update((layer as u64).to_le_bytes());
+            h.update(proj.hf_name().as_bytes());
+            for t in [a, b] {
+                for x in t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()? {
+                    h.update(x.to_le_bytes());
+                }
+            }
+        }
+        Ok(hex::encode(h.finalize()))
+    }
+
     /// Every adapted projection.
     pub fn targets(&self) -> impl Iterator<Item = (usize, Proj)> + '_ {
         self.weights.keys().copied()
@@ -328,6 +348,7 @@ impl Llama {
     ) -> Result<Llama, AdapterError> {
         adapter.check(&self.cfg)?;
         let mut model = self.clone();
+        model.identity.adapter_sha256 = Some(adapter.content_sha256()?);
         let scale = adapter.scale();
         for (&(layer, proj), (a, b)) in &adapter.weights {
             let lin = model.blocks[layer].linear_mut(proj);

@@ -4,7 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use scd_models::codec::{codec_for, Codec};
+use std::sync::Arc;
+
+use scd_models::codec::{codec_with, Codec, CodecOptions};
+use scd_models::translator::{Ranks, Translator};
+use scd_types::CodeDType;
 use scd_models::corpus::{self, Corpus};
 use scd_models::eval::{self, DriftOptions, EvalConfig, EvalData, FileInfo, Pair};
 use scd_models::expert::{expert_files, Manifest};
@@ -27,9 +31,22 @@ pub struct Args {
     /// The consumer's LoRA adapter (an expert).
     #[arg(long)]
     pub consumer_adapter: Option<PathBuf>,
-    /// Transfer modes, comma-separated (oracle, raw).
+    /// Transfer modes, comma-separated: oracle, raw, q4, droidspeak, reuse, scd (the last
+    /// three need --translator).
     #[arg(long, default_value = "oracle,raw", value_delimiter = ',')]
     pub methods: Vec<Mode>,
+    /// The pair's translator folder (scd calibrate), for droidspeak, reuse and scd.
+    #[arg(long)]
+    pub translator: Option<PathBuf>,
+    /// Ranks of the reuse / scd codes as K,V,H (default: the translator's).
+    #[arg(long, value_delimiter = ',')]
+    pub ranks: Option<Vec<usize>>,
+    /// Element type of the reuse / scd codes: f16, bf16, f32 or i8-rows.
+    #[arg(long, default_value = "f16")]
+    pub code_dtype: String,
+    /// Group size of q4.
+    #[arg(long, default_value_t = 32)]
+    pub q4_group: usize,
     #[command(flatten)]
     pub common: Common,
     /// Where to write the JSON record.
@@ -132,6 +149,16 @@ fn with_adapter(base: &Llama, path: &Path) -> anyhow::Result<Llama> {
         .context("applying the adapter")
 }
 
+fn code_dtype(name: &str) -> anyhow::Result<CodeDType> {
+    Ok(match name {
+        "f16" => CodeDType::F16,
+        "bf16" => CodeDType::BF16,
+        "f32" => CodeDType::F32,
+        "i8-rows" | "int8" => CodeDType::I8_ROWS,
+        other => bail!("unknown code dtype {other:?}: expected f16, bf16, f32 or i8-rows"),
+    })
+}
+
 fn load_data(dirs: &DataDirs) -> anyhow::Result<EvalData> {
     EvalData::load(&dirs.shared_data).with_context(|| {
         format!(
@@ -168,10 +195,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let data = load_data(&args.common.dirs)?;
     let cfg = args.common.config();
+    let translator = match &args.translator {
+        Some(dir) => {
+            let t = Translator::load(dir)
+                .with_context(|| format!("loading the translator {}", dir.display()))?;
+            let expert = t.check_pair(&producer, &consumer)?;
+            Some((Arc::new(t), expert))
+        }
+        None => None,
+    };
+    let opts = CodecOptions {
+        ranks: match &args.ranks {
+            Some(r) => match r.as_slice() {
+                &[k, v, h] => Some(Ranks { k, v, h }),
+                _ => bail!("--ranks takes three numbers: K,V,H"),
+            },
+            None => None,
+        },
+        code_dtype: code_dtype(&args.code_dtype)?,
+        q4_group: args.q4_group,
+    };
     let codecs = args
         .methods
         .iter()
-        .map(|&m| codec_for(m))
+        .map(|&m| codec_with(m, translator.as_ref().map(|(t, e)| (t, *e)), &opts))
         .collect::<Result<Vec<_>, _>>()?;
     let codecs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
     let record = eval::evaluate(

@@ -2,15 +2,14 @@
 //! periodic atomic checkpoints, `--resume`, and Ctrl-C that finishes the current step, writes a
 //! checkpoint and exits.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use candle_core::DType;
-use indicatif::{ProgressBar, ProgressStyle};
 use scd_models::corpus::Corpus;
+use crate::progress::Progress;
 use scd_models::train::{
     self, FinetuneOptions, FinetuneOutcome, Schedule, TrainConfig, TrainEvent,
 };
@@ -113,57 +112,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         resume: args.resume,
         dtype,
     };
-    let tty = std::io::stderr().is_terminal();
-    let bar = ProgressBar::new(cfg.steps as u64);
-    if tty {
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{elapsed_precise} [{bar:30}] {pos}/{len} steps, eta {eta} {msg}",
-            )
-            .context("progress template")?
-            .progress_chars("=> "),
-        );
-    } else {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
+    let bar = Progress::new(cfg.steps as u64, "steps")?;
     let outcome = train::finetune(&base, &tok, &corpus, &cfg, &opts, &stop, |e| match e {
         TrainEvent::Started { from, total } => {
-            bar.set_length(*total as u64);
-            bar.set_position(*from as u64);
-            if !tty {
+            bar.set(*from as u64, *total as u64);
+            if !bar.is_tty() {
                 eprintln!("training steps {from}..{total}");
             }
         }
         TrainEvent::Step(r) => {
-            let msg = format!(
-                "loss {:.4} lr {:.2e} |g| {:.3} {:.0} tok/s {:.2} s/step",
-                r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.seconds
+            bar.set(r.step as u64, cfg.steps as u64);
+            bar.message(
+                format!(
+                    "step {}/{} loss {:.4} lr {:.2e} |g| {:.3} {:.0} tok/s {:.2} s/step",
+                    r.step, cfg.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.seconds
+                ),
+                true,
             );
-            bar.set_position(r.step as u64);
-            if tty {
-                bar.set_message(msg);
-            } else {
-                eprintln!("step {}/{} {msg}", r.step, cfg.steps);
-            }
         }
         TrainEvent::Checkpoint { step, path } => {
-            let line = format!("checkpoint at step {step}: {}", path.display());
-            if tty {
-                bar.println(line);
-            } else {
-                eprintln!("{line}");
-            }
+            bar.line(format!("checkpoint at step {step}: {}", path.display()));
         }
-        TrainEvent::Note(n) => {
-            if tty {
-                bar.println(n);
-            } else {
-                eprintln!("{n}");
-            }
-        }
+        TrainEvent::Note(n) => bar.line(n),
     })
     .context("fine-tuning")?;
-    bar.finish_and_clear();
+    bar.finish();
     match outcome {
         FinetuneOutcome::Stopped { step, checkpoint } => {
             eprintln!(

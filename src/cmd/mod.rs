@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_model;
 pub mod bench_transport;
+pub mod calibrate;
 pub mod cert;
 pub mod eval;
 pub mod finetune;

@@ -41,6 +41,10 @@ impl CodeKind {
     pub const QUANT_V: CodeKind = CodeKind(7);
     /// Scales or other side data that go with a quantised or coded tensor.
     pub const AUX: CodeKind = CodeKind(8);
+    /// Scales and minima of [`CodeKind::QUANT_K`]'s groups.
+    pub const SCALES_K: CodeKind = CodeKind(9);
+    /// Scales and minima of [`CodeKind::QUANT_V`]'s groups.
+    pub const SCALES_V: CodeKind = CodeKind(10);
 
     /// A short name for logs; `None` for a kind this version does not know.
     pub fn name(self) -> Option<&'static str> {
@@ -54,6 +58,8 @@ impl CodeKind {
             Self::QUANT_K => "quant_k",
             Self::QUANT_V => "quant_v",
             Self::AUX => "aux",
+            Self::SCALES_K => "scales_k",
+            Self::SCALES_V => "scales_v",
             _ => return None,
         })
     }
@@ -92,6 +98,9 @@ impl CodeDType {
     pub const U32: CodeDType = CodeDType(5);
     /// Packed 4-bit values, two per byte, low nibble first.
     pub const Q4: CodeDType = CodeDType(6);
+    /// Rows of signed bytes, each row led by its little-endian f32 scale (the value is
+    /// `byte * scale`): codes quantised per token. Two-dimensional shapes only.
+    pub const I8_ROWS: CodeDType = CodeDType(7);
 
     /// Bits per element; `None` for a dtype this version does not know.
     pub fn bits(self) -> Option<usize> {
@@ -100,6 +109,7 @@ impl CodeDType {
             Self::F16 | Self::BF16 => 16,
             Self::U8 | Self::I8 => 8,
             Self::Q4 => 4,
+            Self::I8_ROWS => 8,
             _ => return None,
         })
     }
@@ -114,6 +124,7 @@ impl CodeDType {
             Self::I8 => "i8",
             Self::U32 => "u32",
             Self::Q4 => "q4",
+            Self::I8_ROWS => "i8-rows",
             _ => return None,
         })
     }
@@ -141,6 +152,12 @@ impl LayerCode {
     /// The byte length implied by shape and dtype; `None` when the dtype is unknown or the
     /// length overflows.
     pub fn expected_len(dtype: CodeDType, shape: &[u32]) -> Option<usize> {
+        if dtype == CodeDType::I8_ROWS {
+            let &[rows, cols] = shape else {
+                return None;
+            };
+            return (rows as usize).checked_mul((cols as usize).checked_add(4)?);
+        }
         let bits = dtype.bits()?;
         let mut n: usize = 1;
         for &d in shape {
@@ -164,6 +181,8 @@ mod tests {
         assert_eq!(LayerCode::expected_len(CodeDType::F16, &[3, 4]), Some(24));
         assert_eq!(LayerCode::expected_len(CodeDType::Q4, &[3]), Some(2));
         assert_eq!(LayerCode::expected_len(CodeDType(99), &[1]), None);
+        assert_eq!(LayerCode::expected_len(CodeDType::I8_ROWS, &[3, 5]), Some(27));
+        assert_eq!(LayerCode::expected_len(CodeDType::I8_ROWS, &[15]), None);
         assert_eq!(
             LayerCode::expected_len(CodeDType::F32, &[u32::MAX, u32::MAX, u32::MAX]),
             None

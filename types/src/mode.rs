@@ -65,9 +65,10 @@ impl Mode {
         }
     }
 
-    /// Whether the mode needs a translator calibrated for the model pair.
+    /// Whether the mode needs the model pair's calibration (a translator, which also holds
+    /// DroidSpeak's recompute blocks).
     pub fn needs_translator(self) -> bool {
-        matches!(self, Mode::Reuse | Mode::Scd)
+        matches!(self, Mode::DroidSpeak | Mode::Reuse | Mode::Scd)
     }
 }
 

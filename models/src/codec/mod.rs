@@ -9,21 +9,33 @@
 //! of a request is exactly the codes' bytes. The evaluation harness and the cluster's actors
 //! call the same codecs.
 //!
-//! Files: [`tensor_bytes`] (tensors to and from code bytes in each dtype), [`oracle`] (no
-//! payload: the consumer's own prefill), [`raw`] (the producer's K and V in bf16).
+//! Files: [`tensor_bytes`] (tensors to and from code bytes in each dtype), one file per mode:
+//! [`oracle`] (no payload: the consumer's own prefill), [`raw`] (the producer's K and V in
+//! bf16), [`q4`] (KIVI-style 4-bit K and V), [`droidspeak`] (raw KV with a few layer blocks
+//! recomputed by the consumer), [`translated`] (`reuse` and `scd`, over a calibrated
+//! translator).
+
+use std::sync::Arc;
 
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use crate::cache::KvCache;
 use crate::error::ForwardError;
 use crate::llama::{Capture, LayerCapture, Llama};
+use crate::translator::{Ranks, Translator};
 
+pub mod droidspeak;
 pub mod oracle;
+pub mod q4;
 pub mod raw;
 pub mod tensor_bytes;
+pub mod translated;
 
+pub use droidspeak::DroidSpeak;
 pub use oracle::Oracle;
+pub use q4::Q4;
 pub use raw::Raw;
+pub use translated::Translated;
 
 /// The prompt prefix whose cache a consumer rebuilds: its tokens (the consumer knows the
 /// prompt; only the oracle reads them) and the position of the first one.
@@ -210,15 +222,58 @@ pub fn payload_bytes(codes: &[LayerCode]) -> usize {
     codes.iter().map(|c| c.bytes.len()).sum()
 }
 
-/// The codec of a mode that needs no translator.
-pub fn codec_for(mode: Mode) -> Result<Box<dyn Codec>, CodecError> {
-    match mode {
-        Mode::Oracle => Ok(Box::new(Oracle)),
-        Mode::Raw => Ok(Box::new(Raw)),
-        other => Err(CodecError::Unavailable(format!(
-            "the {other} codec is not implemented yet"
-        ))),
+/// How a request wants its codes, for the modes that have a choice.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CodecOptions {
+    /// Ranks of `reuse` / `scd` codes; the translator's defaults when `None`.
+    pub ranks: Option<Ranks>,
+    /// Element type of `reuse` / `scd` codes.
+    pub code_dtype: CodeDType,
+    /// Group size of `q4`.
+    pub q4_group: usize,
+}
+
+impl Default for CodecOptions {
+    fn default() -> Self {
+        Self {
+            ranks: None,
+            code_dtype: CodeDType::F16,
+            q4_group: q4::DEFAULT_GROUP,
+        }
     }
+}
+
+/// The codec of a mode that needs no calibration (oracle, raw, q4).
+pub fn codec_for(mode: Mode) -> Result<Box<dyn Codec>, CodecError> {
+    codec_with(mode, None, &CodecOptions::default())
+}
+
+/// The codec of `mode`; `droidspeak`, `reuse` and `scd` need the pair's translator and the
+/// consumer's index in it ([`Translator::check_pair`]).
+pub fn codec_with(
+    mode: Mode,
+    translator: Option<(&Arc<Translator>, usize)>,
+    opts: &CodecOptions,
+) -> Result<Box<dyn Codec>, CodecError> {
+    let need = || {
+        CodecError::Unavailable(format!(
+            "mode {mode} needs a translator calibrated for the model pair (scd calibrate)"
+        ))
+    };
+    Ok(match mode {
+        Mode::Oracle => Box::new(Oracle),
+        Mode::Raw => Box::new(Raw),
+        Mode::Q4 => Box::new(Q4::new(opts.q4_group)?),
+        Mode::DroidSpeak => {
+            let (t, _) = translator.ok_or_else(need)?;
+            Box::new(DroidSpeak::new(t.manifest.droidspeak_blocks.clone())?)
+        }
+        Mode::Reuse | Mode::Scd => {
+            let (t, expert) = translator.ok_or_else(need)?;
+            let ranks = opts.ranks.unwrap_or(t.manifest.default_ranks);
+            Box::new(Translated::new(t.clone(), mode, expert, ranks, opts.code_dtype)?)
+        }
+    })
 }
 
 /// Checks a code's layer against the consumer and its shape against `(rows, width)`.

@@ -1,0 +1,250 @@
+//! The Patch aligner `g`: from a code of the producer's attention input `Z_H` (rank `r`) to
+//! the consumer's own attention input `H_in,B`, from which the consumer regenerates K and V
+//! with its own weights (method.md, "Patch").
+//!
+//! `g(z) = z W_lin + b_lin + W_2 silu(W_1 (z / s) + b_1) + b_2`: the linear part starts as the
+//! low-rank decoder of the joint factorisation, the MLP (candle-nn layers) starts at zero, so
+//! training begins from the linear answer and only adds what the non-linearity can. `s`
+//! whitens the code (its components' variances span orders of magnitude). Training uses the L2
+//! loss against the consumer's `H_in` on calibration tokens, stops early on a held-out split,
+//! and drops trailing code components at random ("nested dropout") so that any rank up to
+//! `r_max` decodes well: ranks stay a per-request choice.
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Linear, Module};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::low_rank::LowRankCode;
+use super::TranslatorError;
+use crate::optim::{AdamW, AdamWConfig};
+
+/// Training settings of an aligner.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlignerConfig {
+    /// Width of the MLP's hidden layer.
+    pub hidden: usize,
+    /// Epochs at most.
+    pub epochs: usize,
+    /// Rows per optimisation step.
+    pub batch: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// Epochs without a held-out improvement before stopping.
+    pub patience: usize,
+    /// Seed of initialisation, shuffling and rank dropout.
+    pub seed: u64,
+}
+
+impl Default for AlignerConfig {
+    fn default() -> Self {
+        Self {
+            hidden: 512,
+            epochs: 30,
+            batch: 256,
+            lr: 1e-3,
+            patience: 3,
+            seed: 0,
+        }
+    }
+}
+
+/// A trained aligner.
+#[derive(Debug, Clone)]
+pub struct Aligner {
+    /// `(r_max)`.
+    pub z_scale: Tensor,
+    /// The linear part: weight `(d, r_max)`, bias `(d)`.
+    pub lin: Linear,
+    /// `(hidden, r_max)`.
+    pub mlp_in: Linear,
+    /// `(d, hidden)`.
+    pub mlp_out: Linear,
+}
+
+/// How training went.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlignerReport {
+    /// Held-out mean squared error of the linear decoder alone (the starting point).
+    pub linear_mse: f64,
+    /// Held-out mean squared error of the trained aligner (the best epoch).
+    pub mse: f64,
+    /// Epochs run.
+    pub epochs: usize,
+}
+
+impl Aligner {
+    /// `H_in` rows `(T, d)` from codes `z` `(T, r)`, any `r <= r_max`.
+    pub fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
+        let r_max = self.z_scale.dim(0)?;
+        let (t, r) = z.dims2()?;
+        let z = if r < r_max {
+            Tensor::cat(&[z, &Tensor::zeros((t, r_max - r), DType::F32, z.device())?], 1)?
+        } else {
+            z.clone()
+        };
+        let hidden = self
+            .mlp_in
+            .forward(&z.broadcast_div(&self.z_scale)?)?
+            .silu()?;
+        self.lin.forward(&z)? + self.mlp_out.forward(&hidden)?
+    }
+
+    /// The named tensors of this aligner (prefix `name.`), for saving.
+    pub fn tensors(&self, name: &str) -> Vec<(String, Tensor)> {
+        let mut out = vec![(format!("{name}.z_scale"), self.z_scale.clone())];
+        for (part, l) in [("lin", &self.lin), ("mlp_in", &self.mlp_in), ("mlp_out", &self.mlp_out)] {
+            out.push((format!("{name}.{part}.weight"), l.weight().clone()));
+            if let Some(b) = l.bias() {
+                out.push((format!("{name}.{part}.bias"), b.clone()));
+            }
+        }
+        out
+    }
+
+    /// An aligner from tensors saved by [`Aligner::tensors`].
+    pub fn from_tensors(
+        name: &str,
+        mut take: impl FnMut(&str) -> Result<Tensor, TranslatorError>,
+    ) -> Result<Self, TranslatorError> {
+        let mut linear = |part: &str| -> Result<Linear, TranslatorError> {
+            Ok(Linear::new(
+                take(&format!("{name}.{part}.weight"))?,
+                Some(take(&format!("{name}.{part}.bias"))?),
+            ))
+        };
+        let lin = linear("lin")?;
+        let mlp_in = linear("mlp_in")?;
+        let mlp_out = linear("mlp_out")?;
+        let z_scale = take(&format!("{name}.z_scale"))?;
+        let r_max = z_scale.dim(0)?;
+        let d = lin.weight().dim(0)?;
+        let hidden = mlp_in.weight().dim(0)?;
+        let shapes_fit = lin.weight().dims() == [d, r_max]
+            && mlp_in.weight().dims() == [hidden, r_max]
+            && mlp_out.weight().dims() == [d, hidden];
+        if !shapes_fit {
+            return Err(TranslatorError::Corrupt(format!(
+                "aligner {name}: inconsistent shapes"
+            )));
+        }
+        Ok(Self {
+            z_scale,
+            lin,
+            mlp_in,
+            mlp_out,
+        })
+    }
+}
+
+fn mse(pred: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
+    Ok(f64::from((pred - target)?.sqr()?.mean_all()?.to_scalar::<f32>()?))
+}
+
+/// Trains the aligner of consumer `expert` from producer rows `h_a` `(N, d_a)` and that
+/// consumer's rows `h_b` `(N, d_b)`; the last `heldout` rows decide when to stop.
+pub fn train(
+    code: &LowRankCode,
+    expert: usize,
+    h_a: &Tensor,
+    h_b: &Tensor,
+    heldout: usize,
+    cfg: &AlignerConfig,
+) -> Result<(Aligner, AlignerReport), TranslatorError> {
+    let dev = Device::Cpu;
+    let r_max = code.max_rank();
+    let n = h_a.dim(0)?;
+    if heldout == 0 || heldout >= n {
+        return Err(TranslatorError::Fit(format!(
+            "aligner: {heldout} held-out rows of {n}"
+        )));
+    }
+    let z = code.encode(h_a, r_max)?;
+    let d = h_b.dim(1)?;
+    let fit_rows = n - heldout;
+    let (z_fit, z_val) = (z.narrow(0, 0, fit_rows)?, z.narrow(0, fit_rows, heldout)?);
+    let (b_fit, b_val) = (h_b.narrow(0, 0, fit_rows)?, h_b.narrow(0, fit_rows, heldout)?);
+
+    let scale: Vec<f32> = code
+        .eigenvalues
+        .iter()
+        .map(|&e| (e.max(1e-12)).sqrt() as f32)
+        .collect();
+    let z_scale = Tensor::from_vec(scale, r_max, &dev)?;
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let bound = (6.0 / r_max as f64).sqrt() as f32;
+    let w1: Vec<f32> = (0..cfg.hidden * r_max)
+        .map(|_| rng.gen_range(-bound..bound))
+        .collect();
+    let vars = [
+        Var::from_tensor(&code.decs[expert].t()?.contiguous()?)?,
+        Var::from_tensor(&code.means_b[expert])?,
+        Var::from_tensor(&Tensor::from_vec(w1, (cfg.hidden, r_max), &dev)?)?,
+        Var::zeros(cfg.hidden, DType::F32, &dev)?,
+        Var::zeros((d, cfg.hidden), DType::F32, &dev)?,
+        Var::zeros(d, DType::F32, &dev)?,
+    ];
+    let build = |v: &[Tensor; 6]| Aligner {
+        z_scale: z_scale.clone(),
+        lin: Linear::new(v[0].clone(), Some(v[1].clone())),
+        mlp_in: Linear::new(v[2].clone(), Some(v[3].clone())),
+        mlp_out: Linear::new(v[4].clone(), Some(v[5].clone())),
+    };
+    let live = build(&vars.clone().map(|v| v.as_tensor().clone()));
+    let snapshot = |vars: &[Var; 6]| -> candle_core::Result<[Tensor; 6]> {
+        let copies = vars
+            .iter()
+            .map(|v| v.as_tensor().detach().copy())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        copies
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("aligner has six tensors".into()))
+    };
+    let linear_mse = mse(&live.forward(&z_val)?, &b_val)?;
+    let mut best = (linear_mse, snapshot(&vars)?);
+    let mut opt = AdamW::new(vars.to_vec(), AdamWConfig::default())?;
+    let mut order: Vec<u32> = (0..fit_rows as u32).collect();
+    let (mut since_best, mut epochs) = (0, 0);
+    for _ in 0..cfg.epochs {
+        epochs += 1;
+        order.shuffle(&mut rng);
+        for chunk in order.chunks(cfg.batch) {
+            let idx = Tensor::new(chunk, &dev)?;
+            let mut zb = z_fit.index_select(&idx, 0)?;
+            // Nested dropout: half the batches see only a random leading part of the code.
+            if rng.gen_bool(0.5) {
+                let keep = rng.gen_range(1..=r_max);
+                let mask: Vec<f32> = (0..r_max).map(|i| f32::from(u8::from(i < keep))).collect();
+                zb = zb.broadcast_mul(&Tensor::from_vec(mask, r_max, &dev)?)?;
+            }
+            let target = b_fit.index_select(&idx, 0)?;
+            let loss = (live.forward(&zb)? - target)?.sqr()?.mean_all()?;
+            let grads = loss.backward()?;
+            let g: Vec<Option<Tensor>> = opt
+                .params()
+                .iter()
+                .map(|v| grads.get(v.as_tensor()).cloned())
+                .collect();
+            opt.step(&g, cfg.lr)?;
+        }
+        let val = mse(&live.forward(&z_val)?, &b_val)?;
+        if val < best.0 {
+            best = (val, snapshot(&vars)?);
+            since_best = 0;
+        } else {
+            since_best += 1;
+            if since_best >= cfg.patience {
+                break;
+            }
+        }
+    }
+    Ok((
+        build(&best.1),
+        AlignerReport {
+            linear_mse,
+            mse: best.0,
+            epochs,
+        },
+    ))
+}

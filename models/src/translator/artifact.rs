@@ -1,0 +1,377 @@
+//! A translator on disk: `translator.safetensors` (every tensor) and `translator.json` (the
+//! manifest: which models it was calibrated for, ranks, Patch layers, the calibration data and
+//! its measured quality, and the weights' content hash). The content hash is the translator
+//! version's name on the wire and in the store ([`scd_types::TranslatorHash`]).
+//!
+//! Loading checks everything a wrong or damaged file could break: the hash of the weights
+//! against the manifest, every tensor's presence and shape, and, before use, that the producer
+//! and consumer models are the ones it was made for.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use scd_types::TranslatorHash;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::aligner::Aligner;
+use super::low_rank::LowRankCode;
+use super::TranslatorError;
+use crate::json_file;
+use crate::llama::Llama;
+
+/// The weights file inside a translator folder.
+pub const WEIGHTS_FILE: &str = "translator.safetensors";
+/// The manifest inside a translator folder.
+pub const MANIFEST_FILE: &str = "translator.json";
+/// The manifest format this build reads and writes.
+pub const FORMAT: u32 = 1;
+
+/// A model as a translator names it: its weight file's hash and, for an expert, its adapter's
+/// content hash.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelRef {
+    /// The weight file's name (for people; not checked).
+    pub file: String,
+    /// Hex SHA-256 of the weight file.
+    pub sha256: String,
+    /// The adapter's content hash, for an expert.
+    #[serde(default)]
+    pub adapter_sha256: Option<String>,
+}
+
+impl ModelRef {
+    /// The reference of a loaded model (base plus adapter, if any).
+    pub fn of(model: &Llama) -> Self {
+        let id = model.identity();
+        Self {
+            file: id
+                .source
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            sha256: id.sha256.clone(),
+            adapter_sha256: id.adapter_sha256.clone(),
+        }
+    }
+
+    /// Whether `model` is this model.
+    pub fn matches(&self, model: &Llama) -> bool {
+        let id = model.identity();
+        id.sha256 == self.sha256 && id.adapter_sha256 == self.adapter_sha256
+    }
+
+    fn describe(&self) -> String {
+        let short = |h: &str| h[..h.len().min(12)].to_string();
+        match &self.adapter_sha256 {
+            Some(a) => format!("{} ({}) + adapter {}", self.file, short(&self.sha256), short(a)),
+            None => format!("{} ({})", self.file, short(&self.sha256)),
+        }
+    }
+}
+
+/// One consumer of a translator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerRef {
+    /// The expert's name (its folder's name).
+    pub name: String,
+    /// Its model.
+    pub model: ModelRef,
+}
+
+/// Ranks of the three codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ranks {
+    /// Rank of `Z_K`.
+    pub k: usize,
+    /// Rank of `Z_V`.
+    pub v: usize,
+    /// Rank of `Z_H` (Patch layers).
+    pub h: usize,
+}
+
+/// Where the calibration data came from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationInfo {
+    /// Corpus name.
+    pub corpus: String,
+    /// Which split was used and how prefixes were cut from it.
+    pub split: String,
+    /// Hex SHA-256 of that split's text.
+    pub text_sha256: String,
+    /// Prefixes the factorisations and aligners were fitted on.
+    pub prefixes: usize,
+    /// Held-out prefixes (aligner early stopping, layer selection).
+    pub heldout: usize,
+    /// Tokens per prefix.
+    pub prefix_tokens: usize,
+    /// Calibration tokens in all.
+    pub tokens: u64,
+    /// Seconds the calibration took.
+    pub seconds: f64,
+}
+
+/// The manifest of a translator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TranslatorManifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// scd version that calibrated it.
+    pub scd_version: String,
+    /// A label for people (the hash is what identifies it).
+    pub version: String,
+    /// SHA-256 of the weights file: the version's identity.
+    pub content_hash: TranslatorHash,
+    /// The producer (base) model.
+    pub producer: ModelRef,
+    /// The consumers, in the order of their decoders.
+    pub consumers: Vec<ConsumerRef>,
+    /// Layers of the architecture.
+    pub layers: usize,
+    /// Width of K and V rows.
+    pub kv_dim: usize,
+    /// Width of `H_in` rows.
+    pub hidden: usize,
+    /// Highest ranks stored.
+    pub r_max: Ranks,
+    /// Ranks a request uses unless it asks for others.
+    pub default_ranks: Ranks,
+    /// Layers rebuilt by Patch in mode `scd`.
+    pub patch_layers: Vec<usize>,
+    /// Layer blocks `[start, end)` recomputed by the consumer in mode `droidspeak`.
+    pub droidspeak_blocks: Vec<(usize, usize)>,
+    /// Whether codes are centred on the calibration means.
+    pub centre: bool,
+    /// Relative ridge strength of the encoders.
+    pub ridge: f64,
+    /// The calibration data.
+    pub calibration: CalibrationInfo,
+    /// What calibration measured (curves, aligner losses), free-form for people and docs.
+    #[serde(default)]
+    pub metrics: serde_json::Value,
+}
+
+/// One Patch layer: the code of `H_in` and an aligner per consumer.
+#[derive(Debug, Clone)]
+pub struct PatchLayer {
+    /// The low-rank code of `H_in`.
+    pub h: LowRankCode,
+    /// Per consumer.
+    pub aligners: Vec<Aligner>,
+}
+
+/// One layer of a translator.
+#[derive(Debug, Clone)]
+pub struct LayerTranslator {
+    /// Reuse code of K before RoPE.
+    pub k: LowRankCode,
+    /// Reuse code of V.
+    pub v: LowRankCode,
+    /// Patch, for the layers in the manifest's `patch_layers`.
+    pub patch: Option<PatchLayer>,
+}
+
+/// A translator in memory.
+#[derive(Debug, Clone)]
+pub struct Translator {
+    /// Its manifest.
+    pub manifest: TranslatorManifest,
+    /// Per layer.
+    pub layers: Vec<LayerTranslator>,
+}
+
+fn low_rank_tensors(name: &str, c: &LowRankCode, out: &mut Vec<(String, Tensor)>) -> candle_core::Result<()> {
+    out.push((format!("{name}.mean_a"), c.mean_a.clone()));
+    out.push((format!("{name}.enc"), c.enc.clone()));
+    let eig: Vec<f32> = c.eigenvalues.iter().map(|&e| e as f32).collect();
+    out.push((format!("{name}.eig"), Tensor::from_vec(eig, c.eigenvalues.len(), &Device::Cpu)?));
+    for (e, (m, d)) in c.means_b.iter().zip(&c.decs).enumerate() {
+        out.push((format!("{name}.mean_b.{e}"), m.clone()));
+        out.push((format!("{name}.dec.{e}"), d.clone()));
+    }
+    Ok(())
+}
+
+fn low_rank_from(
+    name: &str,
+    experts: usize,
+    (d_a, d_b, r): (usize, usize, usize),
+    take: &mut impl FnMut(&str, &[usize]) -> Result<Tensor, TranslatorError>,
+) -> Result<LowRankCode, TranslatorError> {
+    let mut means_b = Vec::with_capacity(experts);
+    let mut decs = Vec::with_capacity(experts);
+    for e in 0..experts {
+        means_b.push(take(&format!("{name}.mean_b.{e}"), &[d_b])?);
+        decs.push(take(&format!("{name}.dec.{e}"), &[r, d_b])?);
+    }
+    let eigenvalues = take(&format!("{name}.eig"), &[r])?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    Ok(LowRankCode {
+        mean_a: take(&format!("{name}.mean_a"), &[d_a])?,
+        enc: take(&format!("{name}.enc"), &[d_a, r])?,
+        means_b,
+        decs,
+        eigenvalues,
+    })
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TranslatorError + '_ {
+    move |source| TranslatorError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Translator {
+    /// The consumer index of `consumer`, after checking that `producer` and `consumer` are the
+    /// models this translator was calibrated for.
+    pub fn check_pair(&self, producer: &Llama, consumer: &Llama) -> Result<usize, TranslatorError> {
+        let m = &self.manifest;
+        if !m.producer.matches(producer) {
+            return Err(TranslatorError::WrongPair(format!(
+                "calibrated with producer {}, given {}",
+                m.producer.describe(),
+                ModelRef::of(producer).describe()
+            )));
+        }
+        m.consumers
+            .iter()
+            .position(|c| c.model.matches(consumer))
+            .ok_or_else(|| {
+                TranslatorError::WrongPair(format!(
+                    "calibrated for consumers [{}], given {}",
+                    m.consumers
+                        .iter()
+                        .map(|c| format!("{}: {}", c.name, c.model.describe()))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    ModelRef::of(consumer).describe()
+                ))
+            })
+    }
+
+    /// Checks requested ranks against what is stored.
+    pub fn check_ranks(&self, r: Ranks) -> Result<(), TranslatorError> {
+        let max = self.manifest.r_max;
+        if r.k == 0 || r.v == 0 || r.k > max.k || r.v > max.v || r.h > max.h || (r.h == 0 && !self.manifest.patch_layers.is_empty()) {
+            return Err(TranslatorError::Ranks(format!(
+                "asked for K {} / V {} / H {}, the translator stores 1..={} / 1..={} / 1..={}",
+                r.k, r.v, r.h, max.k, max.v, max.h
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `dir/translator.safetensors` and `dir/translator.json`, filling in the manifest's
+    /// content hash. Returns the hash.
+    pub fn save(&mut self, dir: &Path) -> Result<TranslatorHash, TranslatorError> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let mut tensors = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            low_rank_tensors(&format!("layer.{l}.k"), &layer.k, &mut tensors)?;
+            low_rank_tensors(&format!("layer.{l}.v"), &layer.v, &mut tensors)?;
+            if let Some(p) = &layer.patch {
+                low_rank_tensors(&format!("layer.{l}.h"), &p.h, &mut tensors)?;
+                for (e, a) in p.aligners.iter().enumerate() {
+                    tensors.extend(a.tensors(&format!("layer.{l}.h.aligner.{e}")));
+                }
+            }
+        }
+        let tensors = tensors
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?.contiguous()?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n, t)), None)
+            .map_err(|e| TranslatorError::Corrupt(e.to_string()))?;
+        let hash = TranslatorHash::from_bytes(Sha256::digest(&bytes).into());
+        let path = dir.join(WEIGHTS_FILE);
+        let tmp = dir.join(format!("{WEIGHTS_FILE}.tmp"));
+        std::fs::write(&tmp, &bytes).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io(&path))?;
+        self.manifest.content_hash = hash;
+        json_file::write_atomic(&dir.join(MANIFEST_FILE), &self.manifest)
+            .map_err(|e| TranslatorError::Corrupt(e.to_string()))?;
+        Ok(hash)
+    }
+
+    /// Reads a translator folder, checking the weights against the manifest's hash and every
+    /// tensor's shape.
+    pub fn load(dir: &Path) -> Result<Self, TranslatorError> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let manifest: TranslatorManifest = json_file::read(&manifest_path).map_err(|e| match e {
+            json_file::JsonFileError::Io { path, source } => TranslatorError::Io { path, source },
+            other => TranslatorError::Corrupt(other.to_string()),
+        })?;
+        if manifest.format != FORMAT {
+            return Err(TranslatorError::Corrupt(format!(
+                "{}: format {}, this build reads {FORMAT}",
+                manifest_path.display(),
+                manifest.format
+            )));
+        }
+        let path: PathBuf = dir.join(WEIGHTS_FILE);
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let hash = TranslatorHash::from_bytes(Sha256::digest(&bytes).into());
+        if hash != manifest.content_hash {
+            return Err(TranslatorError::Corrupt(format!(
+                "{} has hash {}, the manifest says {}: the file is damaged or belongs to another version",
+                path.display(),
+                hash.short(),
+                manifest.content_hash.short()
+            )));
+        }
+        let mut tensors: HashMap<String, Tensor> =
+            candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+                .map_err(|e| TranslatorError::Corrupt(format!("{}: {e}", path.display())))?;
+        let mut take = |name: &str, shape: &[usize]| -> Result<Tensor, TranslatorError> {
+            let t = tensors
+                .remove(name)
+                .ok_or_else(|| TranslatorError::Corrupt(format!("missing tensor {name}")))?;
+            if !shape.is_empty() && t.dims() != shape {
+                return Err(TranslatorError::Corrupt(format!(
+                    "tensor {name} is {:?}, expected {shape:?}",
+                    t.dims()
+                )));
+            }
+            Ok(t.to_dtype(DType::F32)?)
+        };
+        let m = &manifest;
+        let experts = m.consumers.len();
+        if experts == 0 || m.layers == 0 {
+            return Err(TranslatorError::Corrupt("no consumers or no layers".into()));
+        }
+        let mut layers = Vec::with_capacity(m.layers);
+        for l in 0..m.layers {
+            let kv = (m.kv_dim, m.kv_dim, m.r_max.k);
+            let k = low_rank_from(&format!("layer.{l}.k"), experts, kv, &mut take)?;
+            let kv = (m.kv_dim, m.kv_dim, m.r_max.v);
+            let v = low_rank_from(&format!("layer.{l}.v"), experts, kv, &mut take)?;
+            let patch = if m.patch_layers.contains(&l) {
+                let hs = (m.hidden, m.hidden, m.r_max.h);
+                let h = low_rank_from(&format!("layer.{l}.h"), experts, hs, &mut take)?;
+                let aligners = (0..experts)
+                    .map(|e| Aligner::from_tensors(&format!("layer.{l}.h.aligner.{e}"), |n| take(n, &[])))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(PatchLayer { h, aligners })
+            } else {
+                None
+            };
+            layers.push(LayerTranslator { k, v, patch });
+        }
+        if m.patch_layers.iter().any(|&l| l >= m.layers)
+            || m.droidspeak_blocks.iter().any(|&(s, e)| s >= e || e > m.layers)
+        {
+            return Err(TranslatorError::Corrupt("layer indices out of range".into()));
+        }
+        Ok(Self { manifest, layers })
+    }
+
+    /// The content hash (the version's identity).
+    pub fn hash(&self) -> TranslatorHash {
+        self.manifest.content_hash
+    }
+}

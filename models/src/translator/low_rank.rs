@@ -1,0 +1,204 @@
+//! The low-rank code of one tensor kind at one layer: SCD's Reuse map (for K and V) and the
+//! linear part of the Patch encoder (for `H_in`).
+//!
+//! Fit (method.md, "Reuse"): stack one token's producer row `a` and consumer rows `b_1..b_m`
+//! side by side, `x = [a | b_1 | ... | b_m]`; the top eigenvectors `W` of `E[x x^T]` (centred
+//! or not) give the joint factorisation `x ~ z W^T` with a shared code `z = x W`. The producer,
+//! which only has `a`, gets a ridge encoder `W_enc = (A^T A + lambda I)^-1 A^T Z`; each
+//! consumer decodes its own rows with its block of `W`: `b_i ~ z W_i^T`. Everything comes from
+//! the moments ([`super::moments`]), so no calibration row is kept.
+//!
+//! Ranks are nested: `W`'s columns are ordered by eigenvalue and each encoder column is its own
+//! regression, so the first `r` columns of the encoder and rows of the decoders are the rank-`r`
+//! code. A translator stores `r_max` once and each request picks its rank.
+
+use candle_core::{Device, Tensor};
+use faer::linalg::solvers::Solve;
+use faer::{Mat, Side};
+
+use super::moments::Moments;
+use super::TranslatorError;
+
+/// How a low-rank code is fitted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FitOptions {
+    /// Subtract the calibration means (kept on both sides, never sent).
+    pub centre: bool,
+    /// Ridge strength, relative to the producer block's mean variance.
+    pub ridge: f64,
+    /// Components kept (`r_max`).
+    pub rank: usize,
+}
+
+/// A fitted low-rank code: producer rows `(T, d_a)` to codes `(T, r)` to each consumer's rows.
+#[derive(Debug, Clone)]
+pub struct LowRankCode {
+    /// `(d_a)`: subtracted before encoding (zero when not centred).
+    pub mean_a: Tensor,
+    /// `(d_a, r_max)`.
+    pub enc: Tensor,
+    /// Per consumer `(d_b)`: added after decoding.
+    pub means_b: Vec<Tensor>,
+    /// Per consumer `(r_max, d_b)`.
+    pub decs: Vec<Tensor>,
+    /// Eigenvalues of the kept components, largest first (diagnostics, aligner scaling).
+    pub eigenvalues: Vec<f64>,
+}
+
+impl LowRankCode {
+    /// `r_max`.
+    pub fn max_rank(&self) -> usize {
+        self.eigenvalues.len()
+    }
+
+    /// Codes `(T, rank)` of producer rows `a` `(T, d_a)`.
+    pub fn encode(&self, a: &Tensor, rank: usize) -> candle_core::Result<Tensor> {
+        a.broadcast_sub(&self.mean_a)?
+            .matmul(&self.enc.narrow(1, 0, rank)?.contiguous()?)
+    }
+
+    /// Consumer `expert`'s rows `(T, d_b)` from codes `z` `(T, r)`, any `r <= r_max`.
+    pub fn decode(&self, z: &Tensor, expert: usize) -> candle_core::Result<Tensor> {
+        let r = z.dim(1)?;
+        z.matmul(&self.decs[expert].narrow(0, 0, r)?.contiguous()?)?
+            .broadcast_add(&self.means_b[expert])
+    }
+}
+
+fn to_tensor(m: &Mat<f64>) -> candle_core::Result<Tensor> {
+    let (r, c) = (m.nrows(), m.ncols());
+    let data: Vec<f32> = (0..r)
+        .flat_map(|i| (0..c).map(move |j| (i, j)))
+        .map(|(i, j)| m[(i, j)] as f32)
+        .collect();
+    Tensor::from_vec(data, (r, c), &Device::Cpu)
+}
+
+/// Fits the code of the rows whose moments are `m`, made of blocks of `widths` (producer
+/// first, then each consumer).
+pub fn fit(m: &Moments, widths: &[usize], opts: FitOptions) -> Result<LowRankCode, TranslatorError> {
+    let w = m.width();
+    if widths.len() < 2 || widths.iter().sum::<usize>() != w {
+        return Err(TranslatorError::Fit(format!(
+            "blocks {widths:?} do not make rows of width {w}"
+        )));
+    }
+    if m.count() < 2 {
+        return Err(TranslatorError::Fit("no calibration rows".into()));
+    }
+    let d_a = widths[0];
+    let rank = opts.rank.min(w).max(1);
+    let c = m.second_moment(opts.centre);
+    let cm = Mat::<f64>::from_fn(w, w, |i, j| c[i * w + j]);
+    let evd = cm
+        .self_adjoint_eigen(Side::Lower)
+        .map_err(|e| TranslatorError::Fit(format!("eigendecomposition failed: {e:?}")))?;
+    let (u, s) = (evd.U(), evd.S());
+    // Eigenvalues come in increasing order: the top `rank` are the last columns. Each vector's
+    // sign is fixed (largest entry positive) so that fits are reproducible.
+    let mut wmat = Mat::<f64>::zeros(w, rank);
+    let mut eigenvalues = Vec::with_capacity(rank);
+    for k in 0..rank {
+        let col = w - 1 - k;
+        eigenvalues.push(s.column_vector()[col].max(0.0));
+        let (mut best, mut sign) = (0.0f64, 1.0);
+        for i in 0..w {
+            if u[(i, col)].abs() > best {
+                best = u[(i, col)].abs();
+                sign = u[(i, col)].signum();
+            }
+        }
+        for i in 0..w {
+            wmat[(i, k)] = sign * u[(i, col)];
+        }
+    }
+    // Ridge encoder from the moments: (C_AA + lambda I)^-1 C_AX W.
+    let trace: f64 = (0..d_a).map(|i| c[i * w + i]).sum();
+    let lambda = opts.ridge * trace / d_a as f64;
+    let caa = Mat::<f64>::from_fn(d_a, d_a, |i, j| {
+        c[i * w + j] + if i == j { lambda } else { 0.0 }
+    });
+    let cax = Mat::<f64>::from_fn(d_a, w, |i, j| c[i * w + j]);
+    let rhs = &cax * &wmat;
+    let llt = caa
+        .llt(Side::Lower)
+        .map_err(|e| TranslatorError::Fit(format!("ridge system is not positive definite: {e:?}")))?;
+    let enc = llt.solve(&rhs);
+    let mean = m.mean();
+    let mean_of = |from: usize, len: usize| -> candle_core::Result<Tensor> {
+        let v: Vec<f32> = if opts.centre {
+            mean[from..from + len].iter().map(|&x| x as f32).collect()
+        } else {
+            vec![0.0; len]
+        };
+        Tensor::from_vec(v, len, &Device::Cpu)
+    };
+    let mut means_b = Vec::new();
+    let mut decs = Vec::new();
+    let mut from = d_a;
+    for &d_b in &widths[1..] {
+        means_b.push(mean_of(from, d_b)?);
+        let block = Mat::<f64>::from_fn(rank, d_b, |k, j| wmat[(from + j, k)]);
+        decs.push(to_tensor(&block)?);
+        from += d_b;
+    }
+    Ok(LowRankCode {
+        mean_a: mean_of(0, d_a)?,
+        enc: to_tensor(&enc)?,
+        means_b,
+        decs,
+        eigenvalues,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    fn err(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Producer rows on a 3-dimensional subspace, consumer rows a fixed linear map of them plus
+    /// an offset: rank 3 reconstructs the consumer almost exactly, rank 1 does not, and the
+    /// rank-1 code is the first column of the rank-3 one (nested).
+    #[test]
+    fn recovers_a_low_rank_linear_relation_with_nested_ranks() {
+        let dev = Device::Cpu;
+        let latent = Tensor::randn(0f32, 1.0, (500, 3), &dev).unwrap();
+        let mix_a = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
+        let mix_b = Tensor::randn(0f32, 1.0, (3, 6), &dev).unwrap();
+        let a = latent.matmul(&mix_a).unwrap();
+        let offset = Tensor::new(&[5f32, -3., 1., 0., 2., 7.], &dev).unwrap();
+        let b = latent.matmul(&mix_b).unwrap().broadcast_add(&offset).unwrap();
+        let mut m = Moments::new(14);
+        m.add(&[&a, &b]).unwrap();
+        let opts = FitOptions {
+            centre: true,
+            ridge: 1e-6,
+            rank: 5,
+        };
+        let code = fit(&m, &[8, 6], opts).unwrap();
+        assert_eq!(code.max_rank(), 5);
+        assert!(code.eigenvalues[3] < 1e-3 * code.eigenvalues[0]);
+        let full = code.decode(&code.encode(&a, 3).unwrap(), 0).unwrap();
+        assert!(err(&full, &b) < 1e-4, "rank 3: {}", err(&full, &b));
+        let one = code.decode(&code.encode(&a, 1).unwrap(), 0).unwrap();
+        assert!(err(&one, &b) > 10.0 * err(&full, &b));
+        let z3 = code.encode(&a, 3).unwrap();
+        let z1 = code.encode(&a, 1).unwrap();
+        assert_eq!(err(&z3.narrow(1, 0, 1).unwrap(), &z1), 0.0);
+        // Without centring the offset must be carried by the components.
+        let raw = fit(&m, &[8, 6], FitOptions { centre: false, ..opts }).unwrap();
+        assert_eq!(raw.mean_a.to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        assert!(fit(&m, &[8, 5], opts).is_err());
+    }
+}

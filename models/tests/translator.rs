@@ -1,0 +1,286 @@
+//! SCD translators on a tiny random llama and a drifted copy of it: calibration end to end,
+//! the artifact's round trip and the checks a loader makes, and the reuse / scd / droidspeak /
+//! q4 codecs over it, including a joint translator whose one code stream serves two experts.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use candle_core::{Device, Tensor};
+use common::tiny_model;
+use rand::{Rng, SeedableRng};
+use scd_models::codec::{self, codec_with, CodecError, CodecOptions, Prefix};
+use scd_models::translator::calibrate::CalibrationText;
+use scd_models::translator::select::HeldOutPrompt;
+use scd_models::translator::{
+    calibrate, AlignerConfig, CalibrationConfig, PatchChoice, Ranks, Translator, TranslatorError,
+};
+use scd_models::{AdapterMode, Input, Llama, LogitsWanted, LoraAdapter, Proj};
+use scd_types::{CodeDType, CodeKind, Mode};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    base: Llama,
+    experts: Vec<Llama>,
+    tokens: Vec<u32>,
+}
+
+/// The tiny base and two experts: the base with random adapters on every projection.
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let (dir, base) = tiny_model(3);
+        let cfg = base.config().clone();
+        let experts = (0..2)
+            .map(|seed| {
+                let mut rng = rand::rngs::StdRng::seed_from_u64(100 + seed);
+                let mut parts = BTreeMap::new();
+                for layer in 0..cfg.num_layers {
+                    for proj in Proj::ALL {
+                        let (out, inp) = proj.shape(&cfg);
+                        let mut mk = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-0.3..0.3)).collect() };
+                        let a = Tensor::from_vec(mk(4 * inp), (4, inp), &Device::Cpu).unwrap();
+                        let b = Tensor::from_vec(mk(out * 4), (out, 4), &Device::Cpu).unwrap();
+                        parts.insert((layer, proj), (a, b));
+                    }
+                }
+                let adapter = LoraAdapter::from_parts(&cfg, 4, 4.0, parts).unwrap();
+                base.with_adapter(&adapter, AdapterMode::Merge).unwrap()
+            })
+            .collect();
+        // A token stream with structure (a repeated random phrase with noise), so models
+        // produce something better than noise to calibrate on.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let phrase: Vec<u32> = (0..11).map(|_| rng.gen_range(0..64)).collect();
+        let tokens = (0..4000)
+            .map(|i| if rng.gen_bool(0.3) { rng.gen_range(0..64) } else { phrase[i % 11] })
+            .collect();
+        Fixture {
+            _dir: dir,
+            base,
+            experts,
+            tokens,
+        }
+    })
+}
+
+fn config() -> CalibrationConfig {
+    let kv = fixture().base.config().kv_dim();
+    CalibrationConfig {
+        prefixes: 40,
+        heldout: 4,
+        prefix_tokens: 24,
+        heldout_prefix_tokens: 20,
+        heldout_continuation: 6,
+        r_max: Ranks { k: kv, v: kv, h: 24 },
+        default_ranks: Ranks { k: kv, v: kv, h: 16 },
+        aligner: AlignerConfig {
+            hidden: 32,
+            epochs: 8,
+            batch: 64,
+            ..AlignerConfig::default()
+        },
+        aligner_rows: 600,
+        patch: PatchChoice::Fixed(1),
+        droidspeak_block: 1,
+        droidspeak_blocks: 1,
+        ..CalibrationConfig::for_model(kv)
+    }
+}
+
+fn calibrated(consumers: &[usize]) -> Translator {
+    let f = fixture();
+    let names = ["alpha", "beta"];
+    let consumers: Vec<(&str, &Llama)> = consumers.iter().map(|&i| (names[i], &f.experts[i])).collect();
+    let text = CalibrationText {
+        corpus: "synthetic",
+        split: "all",
+        sha256: "00",
+        tokens: &f.tokens,
+    };
+    calibrate(&f.base, &consumers, &text, &config(), |_| {}).unwrap()
+}
+
+fn pair_translator() -> &'static Translator {
+    static T: OnceLock<Translator> = OnceLock::new();
+    T.get_or_init(|| calibrated(&[0]))
+}
+
+fn held_out_kl(codec: &dyn codec::Codec, consumer: &Llama) -> f64 {
+    let f = fixture();
+    let mut total = 0.0;
+    for start in [3000usize, 3200, 3400, 3600] {
+        let prompt = HeldOutPrompt::new(consumer, &f.tokens[start..start + 27], 6).unwrap();
+        let capture = codec.capture();
+        let codes = match capture {
+            Some(c) => {
+                let out = f.base.forward(Input::new(&prompt.prefix).capture(c).logits(LogitsWanted::None)).unwrap();
+                codec::encode(codec, &out.captured).unwrap()
+            }
+            None => Vec::new(),
+        };
+        let cache = codec::decode(codec, consumer, &codes, Prefix::new(&prompt.prefix)).unwrap();
+        total += prompt.kl(consumer, cache).unwrap();
+    }
+    total / 4.0
+}
+
+#[test]
+fn calibration_records_its_choices_and_reuse_beats_raw_transfer() {
+    let t = pair_translator();
+    let m = &t.manifest;
+    assert_eq!(m.consumers.len(), 1);
+    assert_eq!(m.patch_layers.len(), 1);
+    assert_eq!(m.droidspeak_blocks.len(), 1);
+    assert_eq!(m.calibration.prefixes, 40);
+    assert!(m.metrics["patch_curve"].as_array().unwrap().len() == 2);
+    assert_eq!(m.metrics["centring_ridge_sweep"].as_array().unwrap().len(), 8);
+    let (kl_raw, kl_reuse) = (m.metrics["kl_raw"].as_f64().unwrap(), m.metrics["kl_reuse"].as_f64().unwrap());
+    assert!(kl_raw > 0.0 && kl_reuse < kl_raw, "held-out KL raw {kl_raw}, reuse {kl_reuse}");
+
+    // The same holds through the codecs, on prompts calibration never saw.
+    let f = fixture();
+    let arc = Arc::new(t.clone());
+    let opts = CodecOptions::default();
+    let raw = codec_with(Mode::Raw, None, &opts).unwrap();
+    let reuse = codec_with(Mode::Reuse, Some((&arc, 0)), &opts).unwrap();
+    let scd = codec_with(Mode::Scd, Some((&arc, 0)), &opts).unwrap();
+    let (r, u, s) = (held_out_kl(raw.as_ref(), &f.experts[0]), held_out_kl(reuse.as_ref(), &f.experts[0]), held_out_kl(scd.as_ref(), &f.experts[0]));
+    assert!(u < r, "reuse {u} vs raw {r}");
+    assert!(s.is_finite() && s < r, "scd {s} vs raw {r}");
+}
+
+#[test]
+fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
+    let f = fixture();
+    let t = Arc::new(pair_translator().clone());
+    let cfg = f.base.config();
+    let patch_layer = t.manifest.patch_layers[0];
+    let prefix = &f.tokens[100..120];
+    for (dtype, bytes_per_value, row_extra) in [(CodeDType::F16, 2, 0), (CodeDType::I8_ROWS, 1, 4)] {
+        let opts = CodecOptions {
+            ranks: Some(Ranks { k: 5, v: 9, h: 7 }),
+            code_dtype: dtype,
+            ..CodecOptions::default()
+        };
+        let scd = codec_with(Mode::Scd, Some((&t, 0)), &opts).unwrap();
+        let out = f.base.forward(Input::new(prefix).capture(scd.capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+        let codes = codec::encode(scd.as_ref(), &out.captured).unwrap();
+        let mut expected = 0;
+        for l in 0..cfg.num_layers {
+            let kinds: Vec<(CodeKind, u32)> = codes.iter().filter(|c| c.layer as usize == l).map(|c| (c.kind, c.shape[1])).collect();
+            if l == patch_layer {
+                assert_eq!(kinds, vec![(CodeKind::PATCH_H, 7)]);
+                expected += 20 * (7 * bytes_per_value + row_extra);
+            } else {
+                assert_eq!(kinds, vec![(CodeKind::REUSE_K, 5), (CodeKind::REUSE_V, 9)]);
+                expected += 20 * (14 * bytes_per_value + 2 * row_extra);
+            }
+        }
+        assert!(codes.iter().all(|c| c.dtype == dtype && c.is_consistent()));
+        assert_eq!(codec::payload_bytes(&codes), expected);
+        let cache = codec::decode(scd.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
+        assert_eq!(cache.len(), 20);
+        assert_eq!(cache.next_position(), 20);
+        // Fewer codes than layers is an incomplete payload, not a cache.
+        let err = codec::decode(scd.as_ref(), &f.experts[0], &codes[..codes.len() - 1], Prefix::new(prefix)).unwrap_err();
+        assert!(matches!(err, CodecError::Missing { .. }), "{err}");
+    }
+}
+
+#[test]
+fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = pair_translator().clone();
+    let hash = t.save(dir.path()).unwrap();
+    let back = Translator::load(dir.path()).unwrap();
+    assert_eq!(back.hash(), hash);
+    // JSON keeps every field; floats in the free-form metrics may move by an ulp.
+    let without_metrics = |m: &scd_models::translator::TranslatorManifest| {
+        let mut m = m.clone();
+        m.metrics = serde_json::Value::Null;
+        m
+    };
+    assert_eq!(without_metrics(&back.manifest), without_metrics(&t.manifest));
+    assert_eq!(back.check_pair(&f.base, &f.experts[0]).unwrap(), 0);
+    // Another consumer, or producer and consumer swapped: refused, naming the models.
+    let err = back.check_pair(&f.base, &f.experts[1]).unwrap_err();
+    assert!(matches!(err, TranslatorError::WrongPair(_)) && err.to_string().contains("alpha"), "{err}");
+    assert!(matches!(back.check_pair(&f.experts[0], &f.experts[0]), Err(TranslatorError::WrongPair(_))));
+    // The codes of the loaded translator equal the in-memory one's.
+    let prefix = &f.tokens[10..30];
+    let opts = CodecOptions::default();
+    let (a, b) = (Arc::new(t), Arc::new(back));
+    let out = f.base.forward(Input::new(prefix).capture(codec_with(Mode::Scd, Some((&a, 0)), &opts).unwrap().capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+    let ca = codec::encode(codec_with(Mode::Scd, Some((&a, 0)), &opts).unwrap().as_ref(), &out.captured).unwrap();
+    let cb = codec::encode(codec_with(Mode::Scd, Some((&b, 0)), &opts).unwrap().as_ref(), &out.captured).unwrap();
+    assert_eq!(ca, cb);
+
+    // Ranks above r_max.
+    let too_high = CodecOptions { ranks: Some(Ranks { k: 999, v: 4, h: 4 }), ..opts };
+    assert!(codec_with(Mode::Scd, Some((&b, 0)), &too_high).is_err());
+    // A flipped byte in the weights, a truncated file, a missing manifest.
+    let weights = dir.path().join("translator.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let n = bytes.len();
+    bytes[n / 2] ^= 0xff;
+    std::fs::write(&weights, &bytes).unwrap();
+    assert!(matches!(Translator::load(dir.path()), Err(TranslatorError::Corrupt(_))));
+    std::fs::write(&weights, &bytes[..n / 3]).unwrap();
+    assert!(matches!(Translator::load(dir.path()), Err(TranslatorError::Corrupt(_))));
+    std::fs::remove_file(dir.path().join("translator.json")).unwrap();
+    assert!(matches!(Translator::load(dir.path()), Err(TranslatorError::Io { .. })));
+}
+
+#[test]
+fn a_joint_translator_serves_two_experts_from_one_code_stream() {
+    let f = fixture();
+    let joint = Arc::new(calibrated(&[0, 1]));
+    assert_eq!(joint.manifest.consumers.len(), 2);
+    let opts = CodecOptions::default();
+    let prefix = &f.tokens[300..320];
+    let for_expert = |e: usize| codec_with(Mode::Scd, Some((&joint, e)), &opts).unwrap();
+    let out = f.base.forward(Input::new(prefix).capture(for_expert(0).capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+    let codes = codec::encode(for_expert(0).as_ref(), &out.captured).unwrap();
+    // The producer's codes do not depend on the expert: one payload for both.
+    assert_eq!(codes, codec::encode(for_expert(1).as_ref(), &out.captured).unwrap());
+    for e in 0..2 {
+        let cache = codec::decode(for_expert(e).as_ref(), &f.experts[e], &codes, Prefix::new(prefix)).unwrap();
+        assert_eq!(cache.len(), 20);
+        let kl = held_out_kl(for_expert(e).as_ref(), &f.experts[e]);
+        let raw = held_out_kl(codec_with(Mode::Raw, None, &opts).unwrap().as_ref(), &f.experts[e]);
+        assert!(kl < raw, "expert {e}: joint scd {kl} vs raw {raw}");
+    }
+    // Decoding for the wrong expert is refused.
+    assert!(codec::decode(for_expert(0).as_ref(), &f.experts[1], &codes, Prefix::new(prefix)).is_err());
+}
+
+#[test]
+fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
+    let f = fixture();
+    let t = Arc::new(pair_translator().clone());
+    let opts = CodecOptions { q4_group: 8, ..CodecOptions::default() };
+    let prefix = &f.tokens[500..520];
+    let cfg = f.base.config();
+    for mode in [Mode::DroidSpeak, Mode::Q4] {
+        let c = codec_with(mode, Some((&t, 0)), &opts).unwrap();
+        let out = f.base.forward(Input::new(prefix).capture(c.capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+        let codes = codec::encode(c.as_ref(), &out.captured).unwrap();
+        let raw_bytes = 20 * cfg.kv_dim() * 2 * 2 * cfg.num_layers;
+        let bytes = codec::payload_bytes(&codes);
+        match mode {
+            // Per layer: 4-bit levels of K and V (160 bytes each), K's f16 scale and minimum per
+            // channel for 3 groups of up to 8 tokens (192 bytes), V's per token for 2 groups
+            // of 8 channels (160 bytes).
+            Mode::Q4 => assert_eq!(bytes, cfg.num_layers * (2 * 160 + 192 + 160)),
+            // One block of one layer recomputed from the hidden state.
+            _ => assert_eq!(bytes, raw_bytes - raw_bytes / cfg.num_layers + 20 * cfg.hidden_size * 2),
+        }
+        let cache = codec::decode(c.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
+        assert_eq!(cache.len(), 20, "{mode}");
+        assert!(held_out_kl(c.as_ref(), &f.experts[0]).is_finite());
+    }
+    assert!(codec_with(Mode::DroidSpeak, None, &opts).is_err());
+}
