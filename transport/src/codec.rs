@@ -25,7 +25,7 @@
 //! included) and its tail (the root):
 //!
 //! ```text
-//! segment 0: header | trace context, shape, padding   (copied: 60 bytes with a traceparent)
+//! segment 0: header | trace context, shape, padding   (copied: tens to hundreds of bytes)
 //! segment 1: the LayerCode's bytes                    (not copied: the Vec itself)
 //! segment 2: padding | Message and CodeFrame root     (copied: about 130 bytes)
 //! ```
