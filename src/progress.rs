@@ -10,6 +10,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 pub struct Progress {
     bar: ProgressBar,
     tty: bool,
+    /// Without a terminal: the tenth of the current phase last printed.
+    printed: std::sync::atomic::AtomicU64,
 }
 
 impl Progress {
@@ -28,7 +30,11 @@ impl Progress {
         } else {
             bar.set_draw_target(ProgressDrawTarget::hidden());
         }
-        Ok(Self { bar, tty })
+        Ok(Self {
+            bar,
+            tty,
+            printed: std::sync::atomic::AtomicU64::new(0),
+        })
     }
 
     /// Whether a bar is drawn.
@@ -40,12 +46,20 @@ impl Progress {
     pub fn restart(&self, total: u64) {
         self.bar.set_length(total);
         self.bar.set_position(0);
+        self.printed.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Sets the length and the items done.
+    /// Sets the length and the items done; without a terminal, prints a line at every tenth.
     pub fn set(&self, done: u64, total: u64) {
         self.bar.set_length(total);
         self.bar.set_position(done);
+        if !self.tty && total > 0 {
+            let tenth = done * 10 / total;
+            let last = self.printed.swap(tenth, std::sync::atomic::Ordering::Relaxed);
+            if tenth > last {
+                eprintln!("  {done}/{total}");
+            }
+        }
     }
 
     /// A status message beside the bar (printed as a line without a terminal when `echo`).

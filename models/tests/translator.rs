@@ -183,6 +183,12 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
         let cache = codec::decode(scd.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
         assert_eq!(cache.len(), 20);
         assert_eq!(cache.next_position(), 20);
+        // A Patch budget of 0 sends Reuse codes everywhere; the consumer takes them.
+        let none = codec_with(Mode::Scd, Some((&t, 0)), &CodecOptions { patch_k: Some(0), ..opts }).unwrap();
+        let reuse_codes = codec::encode(none.as_ref(), &out.captured).unwrap();
+        assert!(reuse_codes.iter().all(|c| c.kind != CodeKind::PATCH_H));
+        codec::decode(scd.as_ref(), &f.experts[0], &reuse_codes, Prefix::new(prefix)).unwrap();
+        assert!(codec_with(Mode::Scd, Some((&t, 0)), &CodecOptions { patch_k: Some(9), ..opts }).is_err());
         // Fewer codes than layers is an incomplete payload, not a cache.
         let err = codec::decode(scd.as_ref(), &f.experts[0], &codes[..codes.len() - 1], Prefix::new(prefix)).unwrap_err();
         assert!(matches!(err, CodecError::Missing { .. }), "{err}");

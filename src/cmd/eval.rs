@@ -47,6 +47,10 @@ pub struct Args {
     /// Group size of q4.
     #[arg(long, default_value_t = 32)]
     pub q4_group: usize,
+    /// Patch budget of scd: the first K layers of the translator's greedy order (default:
+    /// the translator's chosen set).
+    #[arg(long)]
+    pub patch_k: Option<usize>,
     #[command(flatten)]
     pub common: Common,
     /// Where to write the JSON record.
@@ -214,6 +218,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         code_dtype: code_dtype(&args.code_dtype)?,
         q4_group: args.q4_group,
+        patch_k: args.patch_k,
     };
     let codecs = args
         .methods

@@ -231,6 +231,9 @@ pub struct CodecOptions {
     pub code_dtype: CodeDType,
     /// Group size of `q4`.
     pub q4_group: usize,
+    /// Patch budget of `scd`: the first `k` layers of the translator's greedy order (its
+    /// default set when `None`).
+    pub patch_k: Option<usize>,
 }
 
 impl Default for CodecOptions {
@@ -239,6 +242,7 @@ impl Default for CodecOptions {
             ranks: None,
             code_dtype: CodeDType::F16,
             q4_group: q4::DEFAULT_GROUP,
+            patch_k: None,
         }
     }
 }
@@ -271,7 +275,14 @@ pub fn codec_with(
         Mode::Reuse | Mode::Scd => {
             let (t, expert) = translator.ok_or_else(need)?;
             let ranks = opts.ranks.unwrap_or(t.manifest.default_ranks);
-            Box::new(Translated::new(t.clone(), mode, expert, ranks, opts.code_dtype)?)
+            Box::new(Translated::new(
+                t.clone(),
+                mode,
+                expert,
+                ranks,
+                opts.code_dtype,
+                opts.patch_k,
+            )?)
         }
     })
 }

@@ -34,17 +34,21 @@ pub struct Translated {
     expert: usize,
     ranks: Ranks,
     dtype: CodeDType,
+    /// The layers this producer patches (empty for `reuse`).
+    patch: Vec<usize>,
 }
 
 impl Translated {
     /// The codec of `mode` (`reuse` or `scd`) for consumer number `expert` of `translator`,
-    /// sending codes of `ranks` in `dtype`.
+    /// sending codes of `ranks` in `dtype`, patching the first `patch_k` layers of the
+    /// translator's greedy order (its default set when `None`).
     pub fn new(
         translator: Arc<Translator>,
         mode: Mode,
         expert: usize,
         ranks: Ranks,
         dtype: CodeDType,
+        patch_k: Option<usize>,
     ) -> Result<Self, CodecError> {
         if !matches!(mode, Mode::Reuse | Mode::Scd) {
             return Err(CodecError::Unavailable(format!(
@@ -64,13 +68,22 @@ impl Translated {
                 expert + 1
             )));
         }
-        translator.check_ranks(ranks).map_err(|e| CodecError::Unavailable(e.to_string()))?;
+        translator
+            .check_ranks(ranks)
+            .map_err(|e| CodecError::Unavailable(e.to_string()))?;
+        let patch = match mode {
+            Mode::Scd => translator
+                .patch_set(patch_k)
+                .map_err(|e| CodecError::Unavailable(e.to_string()))?,
+            _ => Vec::new(),
+        };
         Ok(Self {
             translator,
             mode,
             expert,
             ranks,
             dtype,
+            patch,
         })
     }
 
@@ -84,8 +97,15 @@ impl Translated {
         self.ranks
     }
 
+    /// Whether this producer patches `layer`. The consumer needs no such list: it takes a
+    /// layer's codes as they come, Patch where the translator has a Patch part for the layer.
     fn is_patch(&self, layer: usize) -> bool {
-        self.mode == Mode::Scd && self.translator.manifest.patch_layers.contains(&layer)
+        self.patch.contains(&layer)
+    }
+
+    /// The Patch layers of this codec.
+    pub fn patch_layers(&self) -> &[usize] {
+        &self.patch
     }
 }
 
@@ -234,9 +254,12 @@ impl LayerDecoder for TranslatedDecoder<'_> {
         }
         let t = &self.codec.translator.layers[l];
         let expert = self.codec.expert;
-        let patch = self.codec.is_patch(l);
+        let patchable = self.codec.mode == Mode::Scd && t.patch.is_some();
         match code.kind {
-            CodeKind::PATCH_H if patch => {
+            CodeKind::PATCH_H if patchable => {
+                if self.pending_k[l].is_some() || self.pending_v[l].is_some() {
+                    return Err(duplicate());
+                }
                 let p = t.patch.as_ref().ok_or(CodecError::Missing {
                     layer: l,
                     kind: "patch translator",
@@ -247,7 +270,7 @@ impl LayerDecoder for TranslatedDecoder<'_> {
                 let v = self.consumer.project(l, Proj::V, &h)?;
                 self.fill(l, &k, &v)?;
             }
-            CodeKind::REUSE_K | CodeKind::REUSE_V if !patch => {
+            CodeKind::REUSE_K | CodeKind::REUSE_V => {
                 let is_k = code.kind == CodeKind::REUSE_K;
                 let (map, r_max) = if is_k { (&t.k, t.k.max_rank()) } else { (&t.v, t.v.max_rank()) };
                 let rows = map.decode(&self.read(code, r_max)?, expert)?;
@@ -276,9 +299,7 @@ impl LayerDecoder for TranslatedDecoder<'_> {
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
         if let Some(l) = self.done.iter().position(|d| !d) {
-            let kind = if self.codec.is_patch(l) {
-                "patch_h"
-            } else if self.pending_k[l].is_none() {
+            let kind = if self.pending_k[l].is_none() {
                 "reuse_k"
             } else {
                 "reuse_v"

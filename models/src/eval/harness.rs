@@ -14,7 +14,7 @@ use crate::cache::KvCache;
 use crate::codec::{self, Codec, Oracle, Prefix};
 use crate::corpus;
 use crate::generate::{generate_with_cache, GenerateParams};
-use crate::llama::{Input, Llama, LogitsWanted};
+use crate::llama::{Capture, Input, Llama, LogitsWanted};
 use crate::metrics;
 use crate::perplexity::logit_rows;
 use crate::sampling::Sampling;
@@ -43,28 +43,56 @@ pub struct Transfer {
 /// Carries `prefix` from `pair.producer` to `pair.consumer` with `codec`, as the cluster does:
 /// the producer's prefill with the codec's capture, encode, then the consumer's rebuild.
 pub fn transfer(codec: &dyn Codec, pair: Pair<'_>, prefix: &[u32]) -> Result<Transfer, EvalError> {
-    let mut codes = Vec::new();
-    let mut timing = MethodTiming::default();
-    if let Some(capture) = codec.capture().filter(|_| !prefix.is_empty()) {
+    let mut all = transfer_many(&[codec], pair, prefix)?;
+    all.pop()
+        .ok_or_else(|| EvalError::Config("no transfer".into()))
+}
+
+/// [`transfer`] for several codecs at once, with one producer prefill capturing what any of
+/// them needs (each codec's stage times count that prefill as its own).
+pub fn transfer_many(
+    codecs: &[&dyn Codec],
+    pair: Pair<'_>,
+    prefix: &[u32],
+) -> Result<Vec<Transfer>, EvalError> {
+    let wanted: Vec<Capture> = codecs.iter().filter_map(|c| c.capture()).collect();
+    let mut captured = Vec::new();
+    let mut prefill_ms = 0.0;
+    if !wanted.is_empty() && !prefix.is_empty() {
+        let union = Capture {
+            k_pre_rope: wanted.iter().any(|c| c.k_pre_rope),
+            v: wanted.iter().any(|c| c.v),
+            h_in: wanted.iter().any(|c| c.h_in),
+            hidden: wanted.iter().any(|c| c.hidden),
+            layers: None,
+        };
         let t = Instant::now();
-        let out = pair.producer.forward(
-            Input::new(prefix)
-                .capture(capture)
-                .logits(LogitsWanted::None),
-        )?;
-        timing.producer_prefill_ms = ms(t);
-        let t = Instant::now();
-        codes = codec::encode(codec, &out.captured)?;
-        timing.encode_ms = ms(t);
+        captured = pair
+            .producer
+            .forward(Input::new(prefix).capture(union).logits(LogitsWanted::None))?
+            .captured;
+        prefill_ms = ms(t);
     }
-    let t = Instant::now();
-    let cache = codec::decode(codec, pair.consumer, &codes, Prefix::new(prefix))?;
-    timing.rebuild_ms = ms(t);
-    Ok(Transfer {
-        cache,
-        payload: codec::payload_bytes(&codes),
-        timing,
-    })
+    let mut out = Vec::with_capacity(codecs.len());
+    for codec in codecs {
+        let mut timing = MethodTiming::default();
+        let mut codes = Vec::new();
+        if codec.capture().is_some() && !prefix.is_empty() {
+            timing.producer_prefill_ms = prefill_ms;
+            let t = Instant::now();
+            codes = codec::encode(*codec, &captured)?;
+            timing.encode_ms = ms(t);
+        }
+        let t = Instant::now();
+        let cache = codec::decode(*codec, pair.consumer, &codes, Prefix::new(prefix))?;
+        timing.rebuild_ms = ms(t);
+        out.push(Transfer {
+            cache,
+            payload: codec::payload_bytes(&codes),
+            timing,
+        });
+    }
+    Ok(out)
 }
 
 fn ms(t: Instant) -> f64 {
@@ -215,8 +243,8 @@ pub fn evaluate(
                 .map(|i| metrics::nll(&ref_logits[i], cont[i]))
                 .sum();
             oracle_nll.push((nll, cont.len() as f64));
-            for (codec, u) in codecs.iter().zip(units.iter_mut()) {
-                let t = transfer(*codec, pair, prefix)?;
+            let transfers = transfer_many(codecs, pair, prefix)?;
+            for (t, u) in transfers.into_iter().zip(units.iter_mut()) {
                 u.add_transfer(&t, raw_bf16(prefix.len()));
                 let logits = continuation_logits(pair.consumer, t.cache.try_clone()?, last, cont)?;
                 let g = greedy(pair.consumer, t.cache, last, cfg.greedy_tokens, &[])?;
@@ -251,8 +279,8 @@ pub fn evaluate(
             cfg.answer_tokens,
             tok.stop_ids(),
         )?;
-        for (codec, u) in codecs.iter().zip(units.iter_mut()) {
-            let t = transfer(*codec, pair, prefix)?;
+        let transfers = transfer_many(codecs, pair, prefix)?;
+        for (t, u) in transfers.into_iter().zip(units.iter_mut()) {
             u.add_transfer(&t, raw_bf16(prefix.len()));
             let answer = greedy(
                 pair.consumer,

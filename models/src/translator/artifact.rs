@@ -137,8 +137,11 @@ pub struct TranslatorManifest {
     pub r_max: Ranks,
     /// Ranks a request uses unless it asks for others.
     pub default_ranks: Ranks,
-    /// Layers rebuilt by Patch in mode `scd`.
+    /// Layers rebuilt by Patch in mode `scd` unless a request asks for another budget.
     pub patch_layers: Vec<usize>,
+    /// Every layer with a Patch translator, in the order the greedy choice added them: a
+    /// request's Patch budget `k` takes the first `k`.
+    pub patch_order: Vec<usize>,
     /// Layer blocks `[start, end)` recomputed by the consumer in mode `droidspeak`.
     pub droidspeak_blocks: Vec<(usize, usize)>,
     /// Whether codes are centred on the calibration means.
@@ -254,10 +257,28 @@ impl Translator {
             })
     }
 
+    /// The Patch layers of a budget of `k` layers (the first `k` of the greedy order); the
+    /// translator's default set without one.
+    pub fn patch_set(&self, k: Option<usize>) -> Result<Vec<usize>, TranslatorError> {
+        let m = &self.manifest;
+        let mut set = match k {
+            None => m.patch_layers.clone(),
+            Some(k) if k <= m.patch_order.len() => m.patch_order[..k].to_vec(),
+            Some(k) => {
+                return Err(TranslatorError::Ranks(format!(
+                    "a Patch budget of {k} layers, the translator has {}",
+                    m.patch_order.len()
+                )))
+            }
+        };
+        set.sort_unstable();
+        Ok(set)
+    }
+
     /// Checks requested ranks against what is stored.
     pub fn check_ranks(&self, r: Ranks) -> Result<(), TranslatorError> {
         let max = self.manifest.r_max;
-        if r.k == 0 || r.v == 0 || r.k > max.k || r.v > max.v || r.h > max.h || (r.h == 0 && !self.manifest.patch_layers.is_empty()) {
+        if r.k == 0 || r.v == 0 || r.k > max.k || r.v > max.v || r.h > max.h || r.h == 0 {
             return Err(TranslatorError::Ranks(format!(
                 "asked for K {} / V {} / H {}, the translator stores 1..={} / 1..={} / 1..={}",
                 r.k, r.v, r.h, max.k, max.v, max.h
@@ -350,7 +371,7 @@ impl Translator {
             let k = low_rank_from(&format!("layer.{l}.k"), experts, kv, &mut take)?;
             let kv = (m.kv_dim, m.kv_dim, m.r_max.v);
             let v = low_rank_from(&format!("layer.{l}.v"), experts, kv, &mut take)?;
-            let patch = if m.patch_layers.contains(&l) {
+            let patch = if m.patch_order.contains(&l) {
                 let hs = (m.hidden, m.hidden, m.r_max.h);
                 let h = low_rank_from(&format!("layer.{l}.h"), experts, hs, &mut take)?;
                 let aligners = (0..experts)
@@ -362,7 +383,8 @@ impl Translator {
             };
             layers.push(LayerTranslator { k, v, patch });
         }
-        if m.patch_layers.iter().any(|&l| l >= m.layers)
+        if m.patch_order.iter().any(|&l| l >= m.layers)
+            || m.patch_layers.iter().any(|l| !m.patch_order.contains(l))
             || m.droidspeak_blocks.iter().any(|&(s, e)| s >= e || e > m.layers)
         {
             return Err(TranslatorError::Corrupt("layer indices out of range".into()));

@@ -441,6 +441,7 @@ pub fn calibrate(
     };
     let mut patch_layers = patch_curve[k].chosen.clone();
     patch_layers.sort_unstable();
+    let patch_order = patch_curve.last().map(|p| p.chosen.clone()).unwrap_or_default();
 
     on_event(&CalibrateEvent::Phase("choosing the DroidSpeak blocks".into()));
     let ds_curve = greedy(
@@ -530,7 +531,7 @@ pub fn calibrate(
         .zip(h_codes.into_iter().zip(aligners))
         .enumerate()
     {
-        let patch = patch_layers
+        let patch = patch_order
             .contains(&l)
             .then_some(PatchLayer { h, aligners: a });
         layers_out.push(LayerTranslator { k, v, patch });
@@ -554,6 +555,7 @@ pub fn calibrate(
         r_max: cfg.r_max,
         default_ranks: cfg.default_ranks,
         patch_layers,
+        patch_order,
         droidspeak_blocks,
         centre: cfg.centre,
         ridge: cfg.ridge,
