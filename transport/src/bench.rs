@@ -328,6 +328,98 @@ pub fn codec_throughput(payload: usize, min_time: Duration) -> Result<CodecRow, 
     })
 }
 
+/// The receive side's frame reading for one payload size, in payload bytes per second.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadRow {
+    /// Payload bytes per frame.
+    pub payload: usize,
+    /// [`FrameReader`](crate::framing::FrameReader): the body buffer grows with the bytes
+    /// received, then the frame is validated.
+    pub growing_bps: f64,
+    /// The same bytes copied into one buffer reserved at the declared length up front (the
+    /// reader before the receive budget), then validated.
+    pub reserved_bps: f64,
+}
+
+/// An in-memory stream handed out as quinn hands out a stream's data: 1200-byte chunks, up to
+/// 64 KiB per read.
+struct QuicLikeChunks<'a>(&'a [u8]);
+
+impl tokio::io::AsyncRead for QuicLikeChunks<'_> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let mut n = 0;
+        while n < 64 << 10 && buf.remaining() > 0 && !self.0.is_empty() {
+            let k = 1200.min(buf.remaining()).min(self.0.len());
+            buf.put_slice(&self.0[..k]);
+            self.0 = &self.0[k..];
+            n += k;
+        }
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// Measure reading one code frame of `payload` bytes from quinn-like chunks into a validated
+/// frame: the frame reader as it is, and a buffer reserved at the declared length as before.
+pub fn read_throughput(payload: usize, min_time: Duration) -> Result<ReadRow, BenchError> {
+    use std::future::Future;
+    let msg = Message::Code(code_frame(JobId::from_u128(1), 0, payload));
+    let frame = codec::encode(&msg, u32::MAX).map_err(err)?;
+    let growing = || {
+        let mut src = QuicLikeChunks(&frame);
+        let mut reader = crate::framing::FrameReader::new(u32::MAX, None);
+        let next = std::pin::pin!(reader.next(&mut src));
+        // An in-memory stream never makes the reader wait: one poll finishes it.
+        match next.poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+            std::task::Poll::Ready(Ok(Some(f))) => {
+                std::hint::black_box(f.archived());
+                Ok(())
+            }
+            other => Err(err(format!("frame reader: {other:?}"))),
+        }
+    };
+    let reserved = || {
+        let header = codec::check_header(&frame, u32::MAX).map_err(err)?;
+        let mut body = FrameBuf::with_capacity(header.body_len as usize);
+        for chunk in frame[codec::HEADER_LEN..].chunks(1200) {
+            body.extend_from_slice(chunk);
+        }
+        let f = codec::ValidatedFrame::new(body).map_err(err)?;
+        std::hint::black_box(f.archived());
+        Ok(())
+    };
+    // Alternating halves, so that drift in the machine's load hits both alike.
+    let half = min_time / 2;
+    let (mut g, mut r) = (0.0, 0.0);
+    for _ in 0..2 {
+        g += rate(payload, half, &growing)? / 2.0;
+        r += rate(payload, half, &reserved)? / 2.0;
+    }
+    Ok(ReadRow {
+        payload,
+        growing_bps: g,
+        reserved_bps: r,
+    })
+}
+
+/// Payload bytes per second of `read`, run for at least `min_time` (and three times).
+fn rate(
+    payload: usize,
+    min_time: Duration,
+    read: &dyn Fn() -> Result<(), BenchError>,
+) -> Result<f64, BenchError> {
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < min_time || n < 3 {
+        read()?;
+        n += 1;
+    }
+    Ok(n as f64 * payload as f64 / start.elapsed().as_secs_f64())
+}
+
 /// One pacing accuracy row.
 #[derive(Debug, Clone, Copy)]
 pub struct PacingRow {
@@ -433,6 +525,7 @@ pub async fn report(opts: &ReportOptions) -> Result<(), BenchError> {
     }
     if !opts.codec_payloads.is_empty() {
         codec_report(&opts.codec_payloads)?;
+        read_report(&opts.codec_payloads)?;
     }
     if !opts.pacing_rates.is_empty() {
         pacing_report(&opts.pacing_rates, opts.pacing_time).await?;
@@ -451,6 +544,24 @@ fn codec_report(payloads: &[usize]) -> Result<(), BenchError> {
             payload >> 10,
             row.encode_validate_bps / 1e9,
             row.full_decode_bps / 1e9
+        );
+    }
+    Ok(())
+}
+
+fn read_report(payloads: &[usize]) -> Result<(), BenchError> {
+    println!("\n## frame reading, quinn-like 1.2 KB chunks -> validated frame (payload bytes per second)");
+    println!(
+        "| payload | growing buffer (now) | buffer reserved at the declared length (before) |"
+    );
+    println!("|---:|---:|---:|");
+    for &payload in payloads {
+        let row = read_throughput(payload, Duration::from_millis(500))?;
+        println!(
+            "| {} KiB | {:.2} GB/s | {:.2} GB/s |",
+            payload >> 10,
+            row.growing_bps / 1e9,
+            row.reserved_bps / 1e9
         );
     }
     Ok(())

@@ -5,11 +5,18 @@
 //! jobs (that is [`crate::session`]) or connections.
 //!
 //! Receive-side memory: the header is checked (magic, version, the frame cap) before anything is
-//! allocated; then the body buffer grows with the bytes actually received, doubling from
-//! [`BODY_STEP`] up to the declared length, so a peer that announces a large frame and sends
-//! slowly makes the node allocate about what it sent, not what it announced. Every growth is
-//! charged to the endpoint's [`ReceiveBudget`] first, and fails when the budget is spent (see
-//! [`crate::budget`] for why it does not wait).
+//! allocated; then the body buffer grows with the bytes actually received: [`BODY_STEP`] (or
+//! the whole body when it is smaller), then four times as much each time it fills, up to the
+//! declared length. So a peer that announces a large frame and sends slowly makes the node
+//! allocate at most about four times what it sent (or one step), never what it announced. Every
+//! growth is charged to the endpoint's [`ReceiveBudget`] first, and fails when the budget is
+//! spent (see [`crate::budget`] for why it does not wait).
+//!
+//! Why these numbers: each growth moves the bytes received so far (`realloc`), so frames up to a
+//! step take one allocation as before the budget, and larger ones copy about a third of their
+//! length once more; a growth that would leave less than a sixteenth of the frame for later
+//! takes all of it (a round payload plus the archive's hundred bytes of overhead would
+//! otherwise cost a last copy of the whole frame).
 
 use std::future::poll_fn;
 use std::io;
@@ -30,10 +37,12 @@ use crate::pacing::Pacer;
 use crate::session::{ConnectionLoss, ReadFailure};
 use crate::wire::{ArchivedMessage, Message};
 
-/// The first allocation for a frame body (or the whole body, when it is smaller); the buffer then
-/// doubles as bytes arrive. Large enough that small frames take one allocation, small enough that
-/// an announced-but-unsent frame costs nothing to speak of.
-pub const BODY_STEP: usize = 64 << 10;
+/// The first allocation for a frame body (or the whole body, when it is smaller): one layer's
+/// codes usually fit, and an announced-but-unsent frame costs no more than this.
+pub const BODY_STEP: usize = 1 << 20;
+
+/// How much a body buffer grows each time it is full.
+const BODY_GROWTH: usize = 4;
 
 /// Chunk size of paced writes: small enough that the pacer's waits stay short.
 const PACED_CHUNK: usize = 16 << 10;
@@ -192,6 +201,7 @@ enum ReadState {
 pub struct FrameReader {
     max_frame_bytes: u32,
     budget: Option<ReceiveBudget>,
+    first_step: usize,
     header: [u8; HEADER_LEN],
     state: ReadState,
 }
@@ -203,9 +213,17 @@ impl FrameReader {
         Self {
             max_frame_bytes,
             budget,
+            first_step: BODY_STEP,
             header: [0; HEADER_LEN],
             state: ReadState::Header(0),
         }
+    }
+
+    /// The same reader with a first body allocation of `bytes` instead of [`BODY_STEP`] (at
+    /// least 1; tests and the fuzz harness use small steps to exercise the growth).
+    pub fn with_first_step(mut self, bytes: usize) -> Self {
+        self.first_step = bytes.max(1);
+        self
     }
 
     /// Bytes allocated for the body of the frame being read (0 between frames).
@@ -270,7 +288,7 @@ impl FrameReader {
                 ReadState::Body { body, len, share } => {
                     let len = *len;
                     if body.capacity() == body.len() {
-                        grow(body, len, share.as_mut())?;
+                        grow(body, len, self.first_step, share.as_mut())?;
                     }
                     let n = poll_fn(|cx| poll_read_spare(Pin::new(&mut *r), cx, body, len)).await?;
                     if n == 0 {
@@ -282,14 +300,17 @@ impl FrameReader {
     }
 }
 
-/// Doubles the body's capacity (at least [`BODY_STEP`]), never past the declared length,
-/// charging the growth to the budget first.
+/// Grows the body's capacity as the module doc says, charging the growth to the budget first.
 fn grow(
     body: &mut FrameBuf,
     len: usize,
+    first_step: usize,
     share: Option<&mut BudgetShare>,
 ) -> Result<(), BudgetError> {
-    let target = len.min(body.capacity().saturating_mul(2).max(BODY_STEP));
+    let mut target = len.min(body.capacity().saturating_mul(BODY_GROWTH).max(first_step));
+    if len - target <= len / 16 {
+        target = len;
+    }
     if let Some(share) = share {
         share.grow((target - body.capacity()) as u64)?;
     }
@@ -466,27 +487,50 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_body_buffer_grows_with_what_arrived() {
-        // Announces 1 MiB; 100 KiB arrive, then the stream ends.
-        let mut stream = codec::header_bytes(1 << 20).to_vec();
-        stream.extend_from_slice(&[0u8; 100 << 10]);
+    /// What a reader holds after `arrived` bytes of a body announced as `announced`, then the
+    /// end of the stream: (buffer capacity, budget in use).
+    fn held_after(announced: u32, arrived: usize, first_step: Option<usize>) -> (usize, u64) {
+        let mut stream = codec::header_bytes(announced).to_vec();
+        stream.extend(std::iter::repeat_n(0u8, arrived));
         let mut r = Pieces {
             data: &stream,
             piece: 1000,
         };
-        let budget = ReceiveBudget::new(4 << 20);
-        let mut reader = FrameReader::new(1 << 20, Some(budget.clone()));
+        let budget = ReceiveBudget::new(1 << 30);
+        let mut reader = FrameReader::new(u32::MAX, Some(budget.clone()));
+        if let Some(step) = first_step {
+            reader = reader.with_first_step(step);
+        }
         assert!(matches!(
             ready(reader.next(&mut r)),
             Err(FrameReadError::Truncated)
         ));
-        // Doubling from 64 KiB: the buffer holds 128 KiB for 100 KiB received, not 1 MiB, and
-        // the budget is charged for just that.
-        assert_eq!(reader.body_capacity(), 2 * BODY_STEP);
-        assert_eq!(budget.stats().in_use, 2 * BODY_STEP as u64);
+        let held = (reader.body_capacity(), budget.stats().in_use);
         drop(reader);
         assert_eq!(budget.stats().in_use, 0);
+        held
+    }
+
+    #[test]
+    fn the_body_buffer_grows_with_what_arrived() {
+        // 1 GiB announced, 100 KiB sent: one step is allocated and charged, not a gigabyte.
+        assert_eq!(
+            held_after(1 << 30, 100 << 10, None),
+            (BODY_STEP, BODY_STEP as u64)
+        );
+        // 1.5 MiB arrived: the step filled, the buffer grew four times.
+        assert_eq!(
+            held_after(1 << 30, 3 << 19, None),
+            (4 * BODY_STEP, 4 * BODY_STEP as u64)
+        );
+        // Small steps: 1 KiB, 4 KiB, 16 KiB for 5000 bytes.
+        assert_eq!(held_after(1 << 20, 5000, Some(1024)), (16 << 10, 16 << 10));
+        // A growth that would leave less than a sixteenth for later takes the whole body.
+        let len = (16 << 10) + 100;
+        assert_eq!(
+            held_after(len, 5000, Some(1024)),
+            (len as usize, len.into())
+        );
     }
 
     #[test]
@@ -500,16 +544,16 @@ mod tests {
             data: &stream,
             piece: 4096,
         };
-        let mut reader = FrameReader::new(1 << 20, Some(budget.clone()));
-        // 64 KiB, then 128 KiB fit beside the 100 KiB held; 200 KiB would not.
+        let mut reader = FrameReader::new(1 << 20, Some(budget.clone())).with_first_step(64 << 10);
+        // 64 KiB fit beside the 100 KiB held; the whole 200 KiB would not.
         assert!(matches!(
             ready(reader.next(&mut r)),
             Err(FrameReadError::OverBudget(BudgetError::Exhausted {
-                requested: 73_728,
+                requested: 139_264,
                 ..
             }))
         ));
-        assert_eq!(reader.body_capacity(), 128 << 10);
+        assert_eq!(reader.body_capacity(), 64 << 10);
         drop(reader);
         drop(held);
         assert_eq!(budget.stats().in_use, 0);

@@ -10,14 +10,15 @@
 //!
 //! An input is two setting bytes and the stream: `data[0]` chooses how the stream is handed to
 //! the reader (piece sizes, waits, whether a waiting read is dropped and started again),
-//! `data[1]` the caps (frame cap, per-job cap, budget); the rest is the stream.
+//! `data[1]` the caps (frame cap, per-job cap, budget, the body buffer's first step); the rest is
+//! the stream.
 //!
 //! Properties checked on every input:
 //! - nothing panics, and the reader never waits on an in-memory stream it could read;
 //! - the outcome (frames delivered, how the job ended, what the receiver does about it) is the
 //!   same however the stream is cut into pieces and however often a read is dropped;
-//! - a frame body's buffer never holds more than twice what arrived (or [`BODY_STEP`]), and
-//!   never more than the frame's share of the budget; every share returns to the budget;
+//! - a frame body's buffer never holds more than about four times what arrived (or its first
+//!   step), and never more than the budget; every share returns to the budget;
 //! - a delivered frame deserialises, re-encodes and decodes to the same message, and the job
 //!   rules read the same facts from it owned or archived;
 //! - the receiver's reply to the sender (an Error frame) always fits on the reply half.
@@ -59,12 +60,15 @@ pub struct Outcome {
     pub ending: Ending,
 }
 
-/// The caps an input's second byte selects: (frame cap, per-job cap, receive budget).
-pub fn caps(setting: u8) -> (u32, u64, u64) {
+/// The caps an input's second byte selects: (frame cap, per-job cap, receive budget, first
+/// step of a body buffer).
+pub fn caps(setting: u8) -> (u32, u64, u64, usize) {
     let max_frame: u32 = [256, 4 << 10, 64 << 10, 1 << 20][usize::from(setting & 3)];
     let max_job: u64 = [u64::MAX, 2 << 10, 64 << 10, 1 << 20][usize::from((setting >> 2) & 3)];
     let budget = u64::from(max_frame) * [1, 4][usize::from((setting >> 4) & 1)];
-    (max_frame, max_job, budget)
+    // Small steps, so the growth of the body buffer is exercised on small frames too.
+    let first_step = [BODY_STEP, 1, 64, 1000][usize::from((setting >> 5) & 3)];
+    (max_frame, max_job, budget, first_step)
 }
 
 /// Piece sizes an input's first byte selects from.
@@ -172,9 +176,9 @@ fn comparable(mut o: Outcome) -> Outcome {
 }
 
 fn run(stream: &[u8], setting: u8, how: Delivery) -> Outcome {
-    let (max_frame, max_job, budget_total) = caps(setting);
+    let (max_frame, max_job, budget_total, first_step) = caps(setting);
     let budget = ReceiveBudget::new(budget_total);
-    let mut reader = FrameReader::new(max_frame, Some(budget.clone()));
+    let mut reader = FrameReader::new(max_frame, Some(budget.clone())).with_first_step(first_step);
     let mut tracker = JobTracker::new(max_job);
     let reads = Cell::new(0);
     let mut src = Pieces {
@@ -185,7 +189,13 @@ fn run(stream: &[u8], setting: u8, how: Delivery) -> Outcome {
     };
     let mut delivered = vec![];
     let ending = loop {
-        let read = next_frame(&mut reader, &mut src, how.drop_waiting, budget_total);
+        let read = next_frame(
+            &mut reader,
+            &mut src,
+            how.drop_waiting,
+            budget_total,
+            first_step,
+        );
         let step = match read {
             Ok(Some(frame)) => {
                 assert_eq!(
@@ -252,6 +262,7 @@ fn next_frame(
     src: &mut Pieces<'_>,
     drop_waiting: bool,
     budget: u64,
+    first_step: usize,
 ) -> Result<Option<crate::framing::ReceivedFrame>, crate::framing::FrameReadError> {
     let mut cx = Context::from_waker(Waker::noop());
     let reads = src.reads;
@@ -278,7 +289,7 @@ fn next_frame(
             }
             polled
         };
-        check_body(reader, budget);
+        check_body(reader, budget, first_step);
         match polled {
             Poll::Ready(r) => return r,
             Poll::Pending => progress(),
@@ -286,11 +297,13 @@ fn next_frame(
     }
 }
 
-fn check_body(reader: &FrameReader, budget: u64) {
+fn check_body(reader: &FrameReader, budget: u64, first_step: usize) {
     let cap = reader.body_capacity();
     let received = reader.bytes_pending().saturating_sub(HEADER_LEN);
+    // Four times what arrived, or the first step; a sixteenth more where a growth took the rest
+    // of the body.
     assert!(
-        cap <= BODY_STEP.max(2 * received),
+        15 * cap <= (16 * first_step).max(64 * received),
         "body buffer of {cap} bytes for {received} received"
     );
     assert!(cap as u64 <= budget, "body buffer over the whole budget");

@@ -115,8 +115,14 @@ async fn announced_gigabyte() {
     let err = receiver.await.unwrap().unwrap_err();
     assert_eq!(err, RecvError::Truncated);
     let peak = (PEAK.load(Ordering::SeqCst) - before) as usize;
-    // What may be held: the body buffer (at most twice what arrived), QUIC's buffers on both
-    // sides (windows of a few MiB) and the sender's piece. Announced: 1 GiB.
+    println!(
+        "peak heap growth {:.1} MiB for {} MiB received of {} MiB announced",
+        peak as f64 / MIB as f64,
+        SENT / MIB,
+        DECLARED as usize / MIB
+    );
+    // What may be held: the body buffer (16 MiB: it grows fourfold, 1, 4, 16 MiB), QUIC's
+    // buffers on both sides (windows of a few MiB) and the sender's piece. Announced: 1 GiB.
     assert!(
         peak < 48 * MIB,
         "the receiver allocated {} MiB for {} MiB received of {} MiB announced",
@@ -124,9 +130,10 @@ async fn announced_gigabyte() {
         SENT / MIB,
         DECLARED as usize / MIB
     );
-    // The budget was charged for the buffer, not for the announced gigabyte.
+    // The budget was charged for the buffer (at most four times what arrived), not for the
+    // announced gigabyte.
     let stats = server.receive_budget();
-    assert!(stats.high_water <= 2 * SENT as u64, "{stats:?}");
+    assert!(stats.high_water <= 4 * SENT as u64, "{stats:?}");
     assert_eq!(stats.in_use, 0, "{stats:?}");
     server.close();
 }
