@@ -4,7 +4,8 @@
 //! A frame is charged for the memory its body buffer actually takes, as the buffer grows with
 //! the bytes that arrive (see [`crate::framing`]); the charge goes with the frame
 //! ([`crate::ReceivedFrame`]) and returns to the budget when the frame is dropped. So a peer that
-//! announces a large frame and sends slowly holds budget only for what it sent.
+//! announces a large frame and sends slowly holds budget for the buffer of what it sent (one
+//! step, or up to about four times the bytes), not for what it announced.
 //!
 //! When a frame's buffer would grow past what is left, the frame **fails** with
 //! [`BudgetError`]: its job is refused with [`crate::error_code::BUSY`] (the sender may retry
