@@ -55,7 +55,9 @@ impl Progress {
         self.bar.set_position(done);
         if !self.tty && total > 0 {
             let tenth = done * 10 / total;
-            let last = self.printed.swap(tenth, std::sync::atomic::Ordering::Relaxed);
+            let last = self
+                .printed
+                .swap(tenth, std::sync::atomic::Ordering::Relaxed);
             if tenth > last {
                 eprintln!("  {done}/{total}");
             }

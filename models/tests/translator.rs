@@ -39,7 +39,9 @@ fn fixture() -> &'static Fixture {
                 for layer in 0..cfg.num_layers {
                     for proj in Proj::ALL {
                         let (out, inp) = proj.shape(&cfg);
-                        let mut mk = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-0.3..0.3)).collect() };
+                        let mut mk = |n: usize| -> Vec<f32> {
+                            (0..n).map(|_| rng.gen_range(-0.3..0.3)).collect()
+                        };
                         let a = Tensor::from_vec(mk(4 * inp), (4, inp), &Device::Cpu).unwrap();
                         let b = Tensor::from_vec(mk(out * 4), (out, 4), &Device::Cpu).unwrap();
                         parts.insert((layer, proj), (a, b));
@@ -54,7 +56,13 @@ fn fixture() -> &'static Fixture {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let phrase: Vec<u32> = (0..11).map(|_| rng.gen_range(0..64)).collect();
         let tokens = (0..4000)
-            .map(|i| if rng.gen_bool(0.3) { rng.gen_range(0..64) } else { phrase[i % 11] })
+            .map(|i| {
+                if rng.gen_bool(0.3) {
+                    rng.gen_range(0..64)
+                } else {
+                    phrase[i % 11]
+                }
+            })
             .collect();
         Fixture {
             _dir: dir,
@@ -73,8 +81,16 @@ fn config() -> CalibrationConfig {
         prefix_tokens: 24,
         heldout_prefix_tokens: 20,
         heldout_continuation: 6,
-        r_max: Ranks { k: kv, v: kv, h: 24 },
-        default_ranks: Ranks { k: kv, v: kv, h: 16 },
+        r_max: Ranks {
+            k: kv,
+            v: kv,
+            h: 24,
+        },
+        default_ranks: Ranks {
+            k: kv,
+            v: kv,
+            h: 16,
+        },
         aligner: AlignerConfig {
             hidden: 32,
             epochs: 8,
@@ -92,7 +108,10 @@ fn config() -> CalibrationConfig {
 fn calibrated(consumers: &[usize]) -> Translator {
     let f = fixture();
     let names = ["alpha", "beta"];
-    let consumers: Vec<(&str, &Llama)> = consumers.iter().map(|&i| (names[i], &f.experts[i])).collect();
+    let consumers: Vec<(&str, &Llama)> = consumers
+        .iter()
+        .map(|&i| (names[i], &f.experts[i]))
+        .collect();
     let text = CalibrationText {
         corpus: "synthetic",
         split: "all",
@@ -115,7 +134,14 @@ fn held_out_kl(codec: &dyn codec::Codec, consumer: &Llama) -> f64 {
         let capture = codec.capture();
         let codes = match capture {
             Some(c) => {
-                let out = f.base.forward(Input::new(&prompt.prefix).capture(c).logits(LogitsWanted::None)).unwrap();
+                let out = f
+                    .base
+                    .forward(
+                        Input::new(&prompt.prefix)
+                            .capture(c)
+                            .logits(LogitsWanted::None),
+                    )
+                    .unwrap();
                 codec::encode(codec, &out.captured).unwrap()
             }
             None => Vec::new(),
@@ -135,9 +161,18 @@ fn calibration_records_its_choices_and_reuse_beats_raw_transfer() {
     assert_eq!(m.droidspeak_blocks.len(), 1);
     assert_eq!(m.calibration.prefixes, 40);
     assert!(m.metrics["patch_curve"].as_array().unwrap().len() == 2);
-    assert_eq!(m.metrics["centring_ridge_sweep"].as_array().unwrap().len(), 8);
-    let (kl_raw, kl_reuse) = (m.metrics["kl_raw"].as_f64().unwrap(), m.metrics["kl_reuse"].as_f64().unwrap());
-    assert!(kl_raw > 0.0 && kl_reuse < kl_raw, "held-out KL raw {kl_raw}, reuse {kl_reuse}");
+    assert_eq!(
+        m.metrics["centring_ridge_sweep"].as_array().unwrap().len(),
+        8
+    );
+    let (kl_raw, kl_reuse) = (
+        m.metrics["kl_raw"].as_f64().unwrap(),
+        m.metrics["kl_reuse"].as_f64().unwrap(),
+    );
+    assert!(
+        kl_raw > 0.0 && kl_reuse < kl_raw,
+        "held-out KL raw {kl_raw}, reuse {kl_reuse}"
+    );
 
     // The same holds through the codecs, on prompts calibration never saw.
     let f = fixture();
@@ -146,7 +181,11 @@ fn calibration_records_its_choices_and_reuse_beats_raw_transfer() {
     let raw = codec_with(Mode::Raw, None, &opts).unwrap();
     let reuse = codec_with(Mode::Reuse, Some((&arc, 0)), &opts).unwrap();
     let scd = codec_with(Mode::Scd, Some((&arc, 0)), &opts).unwrap();
-    let (r, u, s) = (held_out_kl(raw.as_ref(), &f.experts[0]), held_out_kl(reuse.as_ref(), &f.experts[0]), held_out_kl(scd.as_ref(), &f.experts[0]));
+    let (r, u, s) = (
+        held_out_kl(raw.as_ref(), &f.experts[0]),
+        held_out_kl(reuse.as_ref(), &f.experts[0]),
+        held_out_kl(scd.as_ref(), &f.experts[0]),
+    );
     assert!(u < r, "reuse {u} vs raw {r}");
     assert!(s.is_finite() && s < r, "scd {s} vs raw {r}");
 }
@@ -158,18 +197,30 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
     let cfg = f.base.config();
     let patch_layer = t.manifest.patch_layers[0];
     let prefix = &f.tokens[100..120];
-    for (dtype, bytes_per_value, row_extra) in [(CodeDType::F16, 2, 0), (CodeDType::I8_ROWS, 1, 4)] {
+    for (dtype, bytes_per_value, row_extra) in [(CodeDType::F16, 2, 0), (CodeDType::I8_ROWS, 1, 4)]
+    {
         let opts = CodecOptions {
             ranks: Some(Ranks { k: 5, v: 9, h: 7 }),
             code_dtype: dtype,
             ..CodecOptions::default()
         };
         let scd = codec_with(Mode::Scd, Some((&t, 0)), &opts).unwrap();
-        let out = f.base.forward(Input::new(prefix).capture(scd.capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+        let out = f
+            .base
+            .forward(
+                Input::new(prefix)
+                    .capture(scd.capture().unwrap())
+                    .logits(LogitsWanted::None),
+            )
+            .unwrap();
         let codes = codec::encode(scd.as_ref(), &out.captured).unwrap();
         let mut expected = 0;
         for l in 0..cfg.num_layers {
-            let kinds: Vec<(CodeKind, u32)> = codes.iter().filter(|c| c.layer as usize == l).map(|c| (c.kind, c.shape[1])).collect();
+            let kinds: Vec<(CodeKind, u32)> = codes
+                .iter()
+                .filter(|c| c.layer as usize == l)
+                .map(|c| (c.kind, c.shape[1]))
+                .collect();
             if l == patch_layer {
                 assert_eq!(kinds, vec![(CodeKind::PATCH_H, 7)]);
                 expected += 20 * (7 * bytes_per_value + row_extra);
@@ -180,17 +231,46 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
         }
         assert!(codes.iter().all(|c| c.dtype == dtype && c.is_consistent()));
         assert_eq!(codec::payload_bytes(&codes), expected);
-        let cache = codec::decode(scd.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
+        let cache =
+            codec::decode(scd.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
         assert_eq!(cache.len(), 20);
         assert_eq!(cache.next_position(), 20);
         // A Patch budget of 0 sends Reuse codes everywhere; the consumer takes them.
-        let none = codec_with(Mode::Scd, Some((&t, 0)), &CodecOptions { patch_k: Some(0), ..opts }).unwrap();
+        let none = codec_with(
+            Mode::Scd,
+            Some((&t, 0)),
+            &CodecOptions {
+                patch_k: Some(0),
+                ..opts
+            },
+        )
+        .unwrap();
         let reuse_codes = codec::encode(none.as_ref(), &out.captured).unwrap();
         assert!(reuse_codes.iter().all(|c| c.kind != CodeKind::PATCH_H));
-        codec::decode(scd.as_ref(), &f.experts[0], &reuse_codes, Prefix::new(prefix)).unwrap();
-        assert!(codec_with(Mode::Scd, Some((&t, 0)), &CodecOptions { patch_k: Some(9), ..opts }).is_err());
+        codec::decode(
+            scd.as_ref(),
+            &f.experts[0],
+            &reuse_codes,
+            Prefix::new(prefix),
+        )
+        .unwrap();
+        assert!(codec_with(
+            Mode::Scd,
+            Some((&t, 0)),
+            &CodecOptions {
+                patch_k: Some(9),
+                ..opts
+            }
+        )
+        .is_err());
         // Fewer codes than layers is an incomplete payload, not a cache.
-        let err = codec::decode(scd.as_ref(), &f.experts[0], &codes[..codes.len() - 1], Prefix::new(prefix)).unwrap_err();
+        let err = codec::decode(
+            scd.as_ref(),
+            &f.experts[0],
+            &codes[..codes.len() - 1],
+            Prefix::new(prefix),
+        )
+        .unwrap_err();
         assert!(matches!(err, CodecError::Missing { .. }), "{err}");
     }
 }
@@ -209,23 +289,59 @@ fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
         m.metrics = serde_json::Value::Null;
         m
     };
-    assert_eq!(without_metrics(&back.manifest), without_metrics(&t.manifest));
+    assert_eq!(
+        without_metrics(&back.manifest),
+        without_metrics(&t.manifest)
+    );
     assert_eq!(back.check_pair(&f.base, &f.experts[0]).unwrap(), 0);
     // Another consumer, or producer and consumer swapped: refused, naming the models.
     let err = back.check_pair(&f.base, &f.experts[1]).unwrap_err();
-    assert!(matches!(err, TranslatorError::WrongPair(_)) && err.to_string().contains("alpha"), "{err}");
-    assert!(matches!(back.check_pair(&f.experts[0], &f.experts[0]), Err(TranslatorError::WrongPair(_))));
+    assert!(
+        matches!(err, TranslatorError::WrongPair(_)) && err.to_string().contains("alpha"),
+        "{err}"
+    );
+    assert!(matches!(
+        back.check_pair(&f.experts[0], &f.experts[0]),
+        Err(TranslatorError::WrongPair(_))
+    ));
     // The codes of the loaded translator equal the in-memory one's.
     let prefix = &f.tokens[10..30];
     let opts = CodecOptions::default();
     let (a, b) = (Arc::new(t), Arc::new(back));
-    let out = f.base.forward(Input::new(prefix).capture(codec_with(Mode::Scd, Some((&a, 0)), &opts).unwrap().capture().unwrap()).logits(LogitsWanted::None)).unwrap();
-    let ca = codec::encode(codec_with(Mode::Scd, Some((&a, 0)), &opts).unwrap().as_ref(), &out.captured).unwrap();
-    let cb = codec::encode(codec_with(Mode::Scd, Some((&b, 0)), &opts).unwrap().as_ref(), &out.captured).unwrap();
+    let out = f
+        .base
+        .forward(
+            Input::new(prefix)
+                .capture(
+                    codec_with(Mode::Scd, Some((&a, 0)), &opts)
+                        .unwrap()
+                        .capture()
+                        .unwrap(),
+                )
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+    let ca = codec::encode(
+        codec_with(Mode::Scd, Some((&a, 0)), &opts)
+            .unwrap()
+            .as_ref(),
+        &out.captured,
+    )
+    .unwrap();
+    let cb = codec::encode(
+        codec_with(Mode::Scd, Some((&b, 0)), &opts)
+            .unwrap()
+            .as_ref(),
+        &out.captured,
+    )
+    .unwrap();
     assert_eq!(ca, cb);
 
     // Ranks above r_max.
-    let too_high = CodecOptions { ranks: Some(Ranks { k: 999, v: 4, h: 4 }), ..opts };
+    let too_high = CodecOptions {
+        ranks: Some(Ranks { k: 999, v: 4, h: 4 }),
+        ..opts
+    };
     assert!(codec_with(Mode::Scd, Some((&b, 0)), &too_high).is_err());
     // A flipped byte in the weights, a truncated file, a missing manifest.
     let weights = dir.path().join("translator.safetensors");
@@ -233,11 +349,20 @@ fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
     let n = bytes.len();
     bytes[n / 2] ^= 0xff;
     std::fs::write(&weights, &bytes).unwrap();
-    assert!(matches!(Translator::load(dir.path()), Err(TranslatorError::Corrupt(_))));
+    assert!(matches!(
+        Translator::load(dir.path()),
+        Err(TranslatorError::Corrupt(_))
+    ));
     std::fs::write(&weights, &bytes[..n / 3]).unwrap();
-    assert!(matches!(Translator::load(dir.path()), Err(TranslatorError::Corrupt(_))));
+    assert!(matches!(
+        Translator::load(dir.path()),
+        Err(TranslatorError::Corrupt(_))
+    ));
     std::fs::remove_file(dir.path().join("translator.json")).unwrap();
-    assert!(matches!(Translator::load(dir.path()), Err(TranslatorError::Io { .. })));
+    assert!(matches!(
+        Translator::load(dir.path()),
+        Err(TranslatorError::Io { .. })
+    ));
 }
 
 #[test]
@@ -248,31 +373,66 @@ fn a_joint_translator_serves_two_experts_from_one_code_stream() {
     let opts = CodecOptions::default();
     let prefix = &f.tokens[300..320];
     let for_expert = |e: usize| codec_with(Mode::Scd, Some((&joint, e)), &opts).unwrap();
-    let out = f.base.forward(Input::new(prefix).capture(for_expert(0).capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+    let out = f
+        .base
+        .forward(
+            Input::new(prefix)
+                .capture(for_expert(0).capture().unwrap())
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
     let codes = codec::encode(for_expert(0).as_ref(), &out.captured).unwrap();
     // The producer's codes do not depend on the expert: one payload for both.
-    assert_eq!(codes, codec::encode(for_expert(1).as_ref(), &out.captured).unwrap());
+    assert_eq!(
+        codes,
+        codec::encode(for_expert(1).as_ref(), &out.captured).unwrap()
+    );
     for e in 0..2 {
-        let cache = codec::decode(for_expert(e).as_ref(), &f.experts[e], &codes, Prefix::new(prefix)).unwrap();
+        let cache = codec::decode(
+            for_expert(e).as_ref(),
+            &f.experts[e],
+            &codes,
+            Prefix::new(prefix),
+        )
+        .unwrap();
         assert_eq!(cache.len(), 20);
         let kl = held_out_kl(for_expert(e).as_ref(), &f.experts[e]);
-        let raw = held_out_kl(codec_with(Mode::Raw, None, &opts).unwrap().as_ref(), &f.experts[e]);
+        let raw = held_out_kl(
+            codec_with(Mode::Raw, None, &opts).unwrap().as_ref(),
+            &f.experts[e],
+        );
         assert!(kl < raw, "expert {e}: joint scd {kl} vs raw {raw}");
     }
     // Decoding for the wrong expert is refused.
-    assert!(codec::decode(for_expert(0).as_ref(), &f.experts[1], &codes, Prefix::new(prefix)).is_err());
+    assert!(codec::decode(
+        for_expert(0).as_ref(),
+        &f.experts[1],
+        &codes,
+        Prefix::new(prefix)
+    )
+    .is_err());
 }
 
 #[test]
 fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
     let f = fixture();
     let t = Arc::new(pair_translator().clone());
-    let opts = CodecOptions { q4_group: 8, ..CodecOptions::default() };
+    let opts = CodecOptions {
+        q4_group: 8,
+        ..CodecOptions::default()
+    };
     let prefix = &f.tokens[500..520];
     let cfg = f.base.config();
     for mode in [Mode::DroidSpeak, Mode::Q4] {
         let c = codec_with(mode, Some((&t, 0)), &opts).unwrap();
-        let out = f.base.forward(Input::new(prefix).capture(c.capture().unwrap()).logits(LogitsWanted::None)).unwrap();
+        let out = f
+            .base
+            .forward(
+                Input::new(prefix)
+                    .capture(c.capture().unwrap())
+                    .logits(LogitsWanted::None),
+            )
+            .unwrap();
         let codes = codec::encode(c.as_ref(), &out.captured).unwrap();
         let raw_bytes = 20 * cfg.kv_dim() * 2 * 2 * cfg.num_layers;
         let bytes = codec::payload_bytes(&codes);
@@ -282,7 +442,10 @@ fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
             // of 8 channels (160 bytes).
             Mode::Q4 => assert_eq!(bytes, cfg.num_layers * (2 * 160 + 192 + 160)),
             // One block of one layer recomputed from the hidden state.
-            _ => assert_eq!(bytes, raw_bytes - raw_bytes / cfg.num_layers + 20 * cfg.hidden_size * 2),
+            _ => assert_eq!(
+                bytes,
+                raw_bytes - raw_bytes / cfg.num_layers + 20 * cfg.hidden_size * 2
+            ),
         }
         let cache = codec::decode(c.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
         assert_eq!(cache.len(), 20, "{mode}");

@@ -19,7 +19,9 @@ use crate::progress::Progress;
 
 /// Arguments of `scd calibrate`.
 #[derive(clap::Args)]
-#[command(after_help = "Example:\n  scd calibrate --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \\\n    --consumer-adapter experts/sotu --out experts/sotu/translator")]
+#[command(
+    after_help = "Example:\n  scd calibrate --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \\\n    --consumer-adapter experts/sotu --out experts/sotu/translator"
+)]
 pub struct Args {
     /// The producer (base) model, GGUF file or Hugging Face directory.
     #[arg(long, env = "SCD_MODEL")]
@@ -95,7 +97,11 @@ pub fn load_expert(base: &Llama, path: &Path) -> anyhow::Result<(String, Llama)>
     } else {
         path.to_path_buf()
     };
-    let name_of = if path.is_dir() { path } else { path.parent().unwrap_or(path) };
+    let name_of = if path.is_dir() {
+        path
+    } else {
+        path.parent().unwrap_or(path)
+    };
     let name = name_of
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

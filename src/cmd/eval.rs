@@ -7,12 +7,12 @@ use anyhow::{bail, Context};
 use std::sync::Arc;
 
 use scd_models::codec::{codec_with, Codec, CodecOptions};
-use scd_models::translator::{Ranks, Translator};
-use scd_types::CodeDType;
 use scd_models::corpus::{self, Corpus};
 use scd_models::eval::{self, DriftOptions, EvalConfig, EvalData, FileInfo, Pair};
 use scd_models::expert::{expert_files, Manifest};
+use scd_models::translator::{Ranks, Translator};
 use scd_models::{AdapterMode, Llama, LoraAdapter};
+use scd_types::CodeDType;
 use scd_types::Mode;
 
 use crate::paths::DataDirs;

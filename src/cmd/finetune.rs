@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use crate::progress::Progress;
 use anyhow::{bail, Context};
 use candle_core::DType;
 use scd_models::corpus::Corpus;
-use crate::progress::Progress;
 use scd_models::train::{
     self, FinetuneOptions, FinetuneOutcome, Schedule, TrainConfig, TrainEvent,
 };

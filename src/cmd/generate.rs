@@ -4,11 +4,18 @@
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use scd_models::codec::{codec_with, CodecOptions};
+use scd_models::eval::harness::{transfer, Pair, Transfer};
 use scd_models::tokenizer::{ChatMessage, Tokenizer};
-use scd_models::{AdapterMode, GenerateParams, GgufFile, Llama, LoraAdapter, Sampling};
+use scd_models::translator::Translator;
+use scd_models::{
+    generate_with_cache, AdapterMode, GenerateParams, GgufFile, Llama, LoraAdapter, Sampling,
+};
+use scd_types::Mode;
 
 /// Arguments of `scd generate`.
 #[derive(clap::Args)]
@@ -46,6 +53,14 @@ pub struct Args {
     /// Send the prompt as it is, without the chat template.
     #[arg(long)]
     pub raw: bool,
+    /// Disaggregated: the base model (--model without the adapter) prefills the prompt and
+    /// hands its state to the expert in this transfer mode (oracle, raw, q4, droidspeak, reuse,
+    /// scd); the expert decodes from the rebuilt cache. Prints the payload it took.
+    #[arg(long, requires = "adapter")]
+    pub transfer: Option<Mode>,
+    /// The base/expert translator folder (scd calibrate), for droidspeak, reuse and scd.
+    #[arg(long)]
+    pub translator: Option<PathBuf>,
 }
 
 /// `--adapter-mode` values.
@@ -86,14 +101,16 @@ pub fn load(path: &Path) -> anyhow::Result<(Llama, Tokenizer)> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let sampling = Sampling::from_params(args.temperature, args.top_p)?;
     let t0 = Instant::now();
-    let (mut model, tok) = load(&args.model)?;
-    if let Some(path) = &args.adapter {
-        let adapter = LoraAdapter::load(path, model.config())
-            .with_context(|| format!("loading the adapter {}", path.display()))?;
-        model = model
-            .with_adapter(&adapter, args.adapter_mode.into())
-            .context("applying the adapter")?;
-    }
+    let (base, tok) = load(&args.model)?;
+    let model = match &args.adapter {
+        Some(path) => {
+            let adapter = LoraAdapter::load(path, base.config())
+                .with_context(|| format!("loading the adapter {}", path.display()))?;
+            base.with_adapter(&adapter, args.adapter_mode.into())
+                .context("applying the adapter")?
+        }
+        None => base.clone(),
+    };
     let load_time = t0.elapsed();
     let text = if args.raw {
         args.prompt.clone()
@@ -116,10 +133,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed,
         stop_tokens: tok.stop_ids().to_vec(),
     };
+    // Disaggregated: the base prefills all but the last token and the expert continues from
+    // the cache the transfer mode rebuilds.
+    let mut handed_over = match args.transfer {
+        Some(_) if prompt.len() < 2 => {
+            bail!("--transfer needs a prompt of at least two tokens (the base prefills all but the last)")
+        }
+        Some(mode) => {
+            let translator = match &args.translator {
+                Some(dir) => {
+                    let t = Translator::load(dir)
+                        .with_context(|| format!("loading the translator {}", dir.display()))?;
+                    let expert = t.check_pair(&base, &model)?;
+                    Some((Arc::new(t), expert))
+                }
+                None => None,
+            };
+            let codec = codec_with(
+                mode,
+                translator.as_ref().map(|(t, e)| (t, *e)),
+                &CodecOptions::default(),
+            )?;
+            let pair = Pair {
+                producer: &base,
+                consumer: &model,
+            };
+            let prefix = &prompt[..prompt.len() - 1];
+            Some((
+                mode,
+                transfer(codec.as_ref(), pair, prefix).context("transferring the prompt")?,
+            ))
+        }
+        None => None,
+    };
     let mut decoder = tok.stream_decoder(true);
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
-    let generation = scd_models::generate(&model, &prompt, &params, |id| {
+    let on_token = |id| {
         let piece = match decoder.step(id) {
             Ok(p) => p,
             Err(e) => {
@@ -135,7 +185,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
-    })
+    };
+    let generation = match handed_over.as_mut() {
+        Some((_, t)) => generate_with_cache(
+            &model,
+            &mut t.cache,
+            &prompt[prompt.len() - 1..],
+            &params,
+            on_token,
+        ),
+        None => scd_models::generate(&model, &prompt, &params, on_token),
+    }
     .context("generating")?;
     if let Some(e) = write_err {
         return Err(e);
@@ -162,5 +222,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         generation.stop,
     );
+    if let Some((
+        mode,
+        Transfer {
+            payload, timing, ..
+        },
+    )) = &handed_over
+    {
+        let cfg = base.config();
+        let raw = (prompt.len() - 1) * cfg.kv_dim() * 2 * 2 * cfg.num_layers;
+        eprintln!(
+            "[scd] transfer {mode}: base prefill {:.0} ms, encode {:.1} ms, payload {} bytes ({:.0}% of raw bf16 KV), expert rebuild {:.1} ms",
+            timing.producer_prefill_ms,
+            timing.encode_ms,
+            payload,
+            100.0 * *payload as f64 / raw.max(1) as f64,
+            timing.rebuild_ms
+        );
+    }
     Ok(())
 }

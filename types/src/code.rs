@@ -181,7 +181,10 @@ mod tests {
         assert_eq!(LayerCode::expected_len(CodeDType::F16, &[3, 4]), Some(24));
         assert_eq!(LayerCode::expected_len(CodeDType::Q4, &[3]), Some(2));
         assert_eq!(LayerCode::expected_len(CodeDType(99), &[1]), None);
-        assert_eq!(LayerCode::expected_len(CodeDType::I8_ROWS, &[3, 5]), Some(27));
+        assert_eq!(
+            LayerCode::expected_len(CodeDType::I8_ROWS, &[3, 5]),
+            Some(27)
+        );
         assert_eq!(LayerCode::expected_len(CodeDType::I8_ROWS, &[15]), None);
         assert_eq!(
             LayerCode::expected_len(CodeDType::F32, &[u32::MAX, u32::MAX, u32::MAX]),

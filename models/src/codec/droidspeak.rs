@@ -24,7 +24,9 @@ impl DroidSpeak {
         blocks.sort_unstable();
         let overlapping = blocks.windows(2).any(|w| w[0].1 > w[1].0);
         if blocks.iter().any(|&(s, e)| s >= e) || overlapping {
-            return Err(CodecError::Unavailable(format!("bad recompute blocks {blocks:?}")));
+            return Err(CodecError::Unavailable(format!(
+                "bad recompute blocks {blocks:?}"
+            )));
         }
         Ok(Self { blocks })
     }
@@ -35,7 +37,10 @@ impl DroidSpeak {
     }
 
     fn block_at(&self, layer: usize) -> Option<(usize, usize)> {
-        self.blocks.iter().copied().find(|&(s, e)| (s..e).contains(&layer))
+        self.blocks
+            .iter()
+            .copied()
+            .find(|&(s, e)| (s..e).contains(&layer))
     }
 }
 
@@ -53,15 +58,34 @@ impl Codec for DroidSpeak {
         })
     }
 
-    fn encode_layer(&self, capture: &LayerCapture, out: &mut Vec<LayerCode>) -> Result<(), CodecError> {
+    fn encode_layer(
+        &self,
+        capture: &LayerCapture,
+        out: &mut Vec<LayerCode>,
+    ) -> Result<(), CodecError> {
         let l = capture.layer;
         let missing = |what| CodecError::MissingCapture { layer: l, what };
         let tensors = match self.block_at(l) {
-            Some((s, _)) if s == l => vec![(CodeKind::HIDDEN, capture.hidden.as_ref().ok_or_else(|| missing("hidden state"))?)],
+            Some((s, _)) if s == l => vec![(
+                CodeKind::HIDDEN,
+                capture
+                    .hidden
+                    .as_ref()
+                    .ok_or_else(|| missing("hidden state"))?,
+            )],
             Some(_) => Vec::new(),
             None => vec![
-                (CodeKind::RAW_K, capture.k_pre_rope.as_ref().ok_or_else(|| missing("K before RoPE"))?),
-                (CodeKind::RAW_V, capture.v.as_ref().ok_or_else(|| missing("V"))?),
+                (
+                    CodeKind::RAW_K,
+                    capture
+                        .k_pre_rope
+                        .as_ref()
+                        .ok_or_else(|| missing("K before RoPE"))?,
+                ),
+                (
+                    CodeKind::RAW_V,
+                    capture.v.as_ref().ok_or_else(|| missing("V"))?,
+                ),
             ],
         };
         for (kind, t) in tensors {
@@ -76,10 +100,17 @@ impl Codec for DroidSpeak {
         Ok(())
     }
 
-    fn decoder<'a>(&'a self, consumer: &'a Llama, prefix: Prefix<'a>) -> Result<Box<dyn LayerDecoder + 'a>, CodecError> {
+    fn decoder<'a>(
+        &'a self,
+        consumer: &'a Llama,
+        prefix: Prefix<'a>,
+    ) -> Result<Box<dyn LayerDecoder + 'a>, CodecError> {
         let layers = consumer.config().num_layers;
         if self.blocks.iter().any(|&(_, e)| e > layers) {
-            return Err(CodecError::Unavailable(format!("recompute blocks {:?} beyond {layers} layers", self.blocks)));
+            return Err(CodecError::Unavailable(format!(
+                "recompute blocks {:?} beyond {layers} layers",
+                self.blocks
+            )));
         }
         let mut cache = consumer.new_cache();
         cache.set_next_position(prefix.start_pos);
@@ -119,7 +150,11 @@ impl LayerDecoder for DroidSpeakDecoder<'_> {
             });
         }
         let block = self.codec.block_at(l);
-        let unexpected = || CodecError::UnexpectedCode { mode: Mode::DroidSpeak, layer: code.layer, kind: kind_name(code.kind) };
+        let unexpected = || CodecError::UnexpectedCode {
+            mode: Mode::DroidSpeak,
+            layer: code.layer,
+            kind: kind_name(code.kind),
+        };
         match code.kind {
             CodeKind::HIDDEN => {
                 check_rows(code, cfg.num_layers, rows, cfg.hidden_size)?;
@@ -127,25 +162,48 @@ impl LayerDecoder for DroidSpeakDecoder<'_> {
                     return Err(unexpected());
                 };
                 if self.done[s] {
-                    return Err(CodecError::Duplicate { layer: code.layer, kind: kind_name(code.kind) });
+                    return Err(CodecError::Duplicate {
+                        layer: code.layer,
+                        kind: kind_name(code.kind),
+                    });
                 }
                 let hidden = from_bytes(&code.bytes, code.dtype, &[rows, cfg.hidden_size])?;
-                self.consumer.forward_layers(&hidden, s..e, self.prefix.start_pos, Some(&mut self.cache))?;
+                self.consumer.forward_layers(
+                    &hidden,
+                    s..e,
+                    self.prefix.start_pos,
+                    Some(&mut self.cache),
+                )?;
                 self.done[s..e].iter_mut().for_each(|d| *d = true);
             }
             CodeKind::RAW_K | CodeKind::RAW_V if block.is_none() => {
                 check_rows(code, cfg.num_layers, rows, cfg.kv_dim())?;
                 if self.done[l] {
-                    return Err(CodecError::Duplicate { layer: code.layer, kind: kind_name(code.kind) });
+                    return Err(CodecError::Duplicate {
+                        layer: code.layer,
+                        kind: kind_name(code.kind),
+                    });
                 }
                 let t = from_bytes(&code.bytes, code.dtype, &[rows, cfg.kv_dim()])?;
                 if code.kind == CodeKind::RAW_K {
                     if self.pending_k[l].replace(t).is_some() {
-                        return Err(CodecError::Duplicate { layer: code.layer, kind: kind_name(code.kind) });
+                        return Err(CodecError::Duplicate {
+                            layer: code.layer,
+                            kind: kind_name(code.kind),
+                        });
                     }
                 } else {
-                    let k = self.pending_k[l].take().ok_or(CodecError::Missing { layer: l, kind: "raw_k (before raw_v)" })?;
-                    self.cache.fill_layer_pre_rope(self.consumer.rope(), l, &k, &t, &self.positions)?;
+                    let k = self.pending_k[l].take().ok_or(CodecError::Missing {
+                        layer: l,
+                        kind: "raw_k (before raw_v)",
+                    })?;
+                    self.cache.fill_layer_pre_rope(
+                        self.consumer.rope(),
+                        l,
+                        &k,
+                        &t,
+                        &self.positions,
+                    )?;
                     self.done[l] = true;
                 }
             }
@@ -156,7 +214,11 @@ impl LayerDecoder for DroidSpeakDecoder<'_> {
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
         if let Some(l) = self.done.iter().position(|d| !d) {
-            let kind = if self.codec.block_at(l).is_some() { "hidden" } else { "raw_k/raw_v" };
+            let kind = if self.codec.block_at(l).is_some() {
+                "hidden"
+            } else {
+                "raw_k/raw_v"
+            };
             return Err(CodecError::Missing { layer: l, kind });
         }
         Ok(self.cache)

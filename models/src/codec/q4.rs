@@ -32,8 +32,10 @@ impl Default for Q4 {
 impl Q4 {
     /// Groups of `group` (a positive even number).
     pub fn new(group: usize) -> Result<Self, CodecError> {
-        if group == 0 || group % 2 != 0 {
-            return Err(CodecError::Unavailable(format!("q4 group {group} must be positive and even")));
+        if group == 0 || !group.is_multiple_of(2) {
+            return Err(CodecError::Unavailable(format!(
+                "q4 group {group} must be positive and even"
+            )));
         }
         Ok(Self { group })
     }
@@ -138,10 +140,17 @@ impl Codec for Q4 {
         })
     }
 
-    fn encode_layer(&self, capture: &LayerCapture, out: &mut Vec<LayerCode>) -> Result<(), CodecError> {
+    fn encode_layer(
+        &self,
+        capture: &LayerCapture,
+        out: &mut Vec<LayerCode>,
+    ) -> Result<(), CodecError> {
         let l = capture.layer;
         let missing = |what| CodecError::MissingCapture { layer: l, what };
-        let k = capture.k_pre_rope.as_ref().ok_or_else(|| missing("K before RoPE"))?;
+        let k = capture
+            .k_pre_rope
+            .as_ref()
+            .ok_or_else(|| missing("K before RoPE"))?;
         let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
         let (t, d) = k.dims2()?;
         if d % self.group != 0 {
@@ -160,14 +169,38 @@ impl Codec for Q4 {
             shape,
             bytes,
         };
-        out.push(mk(CodeKind::QUANT_K, CodeDType::Q4, vec![t32, d32], pack(&kl)));
-        out.push(mk(CodeKind::SCALES_K, CodeDType::F16, vec![t32.div_ceil(g), d32, 2], f16_bytes(&ks)));
-        out.push(mk(CodeKind::QUANT_V, CodeDType::Q4, vec![t32, d32], pack(&vl)));
-        out.push(mk(CodeKind::SCALES_V, CodeDType::F16, vec![t32, d32 / g, 2], f16_bytes(&vs)));
+        out.push(mk(
+            CodeKind::QUANT_K,
+            CodeDType::Q4,
+            vec![t32, d32],
+            pack(&kl),
+        ));
+        out.push(mk(
+            CodeKind::SCALES_K,
+            CodeDType::F16,
+            vec![t32.div_ceil(g), d32, 2],
+            f16_bytes(&ks),
+        ));
+        out.push(mk(
+            CodeKind::QUANT_V,
+            CodeDType::Q4,
+            vec![t32, d32],
+            pack(&vl),
+        ));
+        out.push(mk(
+            CodeKind::SCALES_V,
+            CodeDType::F16,
+            vec![t32, d32 / g, 2],
+            f16_bytes(&vs),
+        ));
         Ok(())
     }
 
-    fn decoder<'a>(&'a self, consumer: &'a Llama, prefix: Prefix<'a>) -> Result<Box<dyn LayerDecoder + 'a>, CodecError> {
+    fn decoder<'a>(
+        &'a self,
+        consumer: &'a Llama,
+        prefix: Prefix<'a>,
+    ) -> Result<Box<dyn LayerDecoder + 'a>, CodecError> {
         let layers = consumer.config().num_layers;
         let mut cache = consumer.new_cache();
         cache.set_next_position(prefix.start_pos);
@@ -197,16 +230,27 @@ impl LayerDecoder for Q4Decoder<'_> {
         let layers = self.done.len();
         let l = usize::from(code.layer);
         if l >= layers {
-            return Err(CodecError::LayerOutOfRange { layer: code.layer, layers });
+            return Err(CodecError::LayerOutOfRange {
+                layer: code.layer,
+                layers,
+            });
         }
-        let (t, d, g) = (self.positions.len() as u32, self.consumer.config().kv_dim() as u32, self.codec.group as u32);
+        let (t, d, g) = (
+            self.positions.len() as u32,
+            self.consumer.config().kv_dim() as u32,
+            self.codec.group as u32,
+        );
         let (slot, dtype, shape) = match code.kind {
             CodeKind::QUANT_K => (0, CodeDType::Q4, vec![t, d]),
             CodeKind::SCALES_K => (1, CodeDType::F16, vec![t.div_ceil(g), d, 2]),
             CodeKind::QUANT_V => (2, CodeDType::Q4, vec![t, d]),
             CodeKind::SCALES_V => (3, CodeDType::F16, vec![t, d / g.max(1), 2]),
             other => {
-                return Err(CodecError::UnexpectedCode { mode: Mode::Q4, layer: code.layer, kind: kind_name(other) })
+                return Err(CodecError::UnexpectedCode {
+                    mode: Mode::Q4,
+                    layer: code.layer,
+                    kind: kind_name(other),
+                })
             }
         };
         if code.dtype != dtype {
@@ -227,11 +271,15 @@ impl LayerDecoder for Q4Decoder<'_> {
             });
         }
         if self.done[l] || self.parts[l][slot].is_some() {
-            return Err(CodecError::Duplicate { layer: code.layer, kind: kind_name(code.kind) });
+            return Err(CodecError::Duplicate {
+                layer: code.layer,
+                kind: kind_name(code.kind),
+            });
         }
         self.parts[l][slot] = Some(code.bytes.clone());
         if self.parts[l].iter().all(Option::is_some) {
-            let [Some(qk), Some(sk), Some(qv), Some(sv)] = std::mem::take(&mut self.parts[l]) else {
+            let [Some(qk), Some(sk), Some(qv), Some(sv)] = std::mem::take(&mut self.parts[l])
+            else {
                 return Ok(());
             };
             let (t, d, g) = (t as usize, d as usize, g as usize);
@@ -250,7 +298,8 @@ impl LayerDecoder for Q4Decoder<'_> {
             }
             let k = Tensor::from_vec(k, (t, d), &Device::Cpu)?;
             let v = Tensor::from_vec(v, (t, d), &Device::Cpu)?;
-            self.cache.fill_layer_pre_rope(self.consumer.rope(), l, &k, &v, &self.positions)?;
+            self.cache
+                .fill_layer_pre_rope(self.consumer.rope(), l, &k, &v, &self.positions)?;
             self.done[l] = true;
         }
         Ok(())
@@ -258,7 +307,10 @@ impl LayerDecoder for Q4Decoder<'_> {
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
         if let Some(l) = self.done.iter().position(|d| !d) {
-            return Err(CodecError::Missing { layer: l, kind: "quant_k/quant_v with their scales" });
+            return Err(CodecError::Missing {
+                layer: l,
+                kind: "quant_k/quant_v with their scales",
+            });
         }
         Ok(self.cache)
     }
@@ -272,7 +324,9 @@ mod tests {
     fn packing_and_levels_round_trip() {
         let levels: Vec<u8> = (0..11).map(|i| (i * 7 % 16) as u8).collect();
         assert_eq!(unpack(&pack(&levels), 11), levels);
-        assert_eq!(level(0.5, 0.0, 1.0 / 15.0), 8);
+        // 0.52 / (1/15) = 7.8 and 0.45 / (1/15) = 6.75: well away from a rounding tie.
+        assert_eq!(level(0.52, 0.0, 1.0 / 15.0), 8);
+        assert_eq!(level(0.45, 0.0, 1.0 / 15.0), 7);
         assert_eq!(level(-9.0, 0.0, 1.0), 0);
         assert_eq!(level(99.0, 0.0, 1.0), 15);
         assert!(Q4::new(3).is_err());

@@ -44,7 +44,10 @@ pub fn to_i8_rows(rows: &[Vec<f32>]) -> Vec<u8> {
         let max = row.iter().fold(0f32, |m, x| m.max(x.abs()));
         let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
         out.extend_from_slice(&scale.to_le_bytes());
-        out.extend(row.iter().map(|&x| (x / scale).round().clamp(-127.0, 127.0) as i8 as u8));
+        out.extend(
+            row.iter()
+                .map(|&x| (x / scale).round().clamp(-127.0, 127.0) as i8 as u8),
+        );
     }
     out
 }
@@ -116,7 +119,10 @@ mod tests {
         assert!(to_bytes(&t, CodeDType::I8).is_err());
         let bytes = to_bytes(&t, CodeDType::I8_ROWS).unwrap();
         assert_eq!(bytes.len(), 2 * (3 + 4));
-        let back = from_bytes(&bytes, CodeDType::I8_ROWS, &[2, 3]).unwrap().to_vec2::<f32>().unwrap();
+        let back = from_bytes(&bytes, CodeDType::I8_ROWS, &[2, 3])
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         let want = t.to_vec2::<f32>().unwrap();
         for (r, w) in back.iter().zip(&want) {
             let max = w.iter().fold(0f32, |m, x| m.max(x.abs()));

@@ -109,7 +109,12 @@ impl Translated {
     }
 }
 
-fn code(layer: usize, kind: CodeKind, dtype: CodeDType, z: &Tensor) -> Result<LayerCode, CodecError> {
+fn code(
+    layer: usize,
+    kind: CodeKind,
+    dtype: CodeDType,
+    z: &Tensor,
+) -> Result<LayerCode, CodecError> {
     Ok(LayerCode {
         layer: layer as u16,
         kind,
@@ -133,23 +138,47 @@ impl Codec for Translated {
         })
     }
 
-    fn encode_layer(&self, capture: &LayerCapture, out: &mut Vec<LayerCode>) -> Result<(), CodecError> {
+    fn encode_layer(
+        &self,
+        capture: &LayerCapture,
+        out: &mut Vec<LayerCode>,
+    ) -> Result<(), CodecError> {
         let l = capture.layer;
-        let t = self.translator.layers.get(l).ok_or(CodecError::LayerOutOfRange {
-            layer: l as u16,
-            layers: self.translator.layers.len(),
-        })?;
+        let t = self
+            .translator
+            .layers
+            .get(l)
+            .ok_or(CodecError::LayerOutOfRange {
+                layer: l as u16,
+                layers: self.translator.layers.len(),
+            })?;
         let missing = |what| CodecError::MissingCapture { layer: l, what };
         if self.is_patch(l) {
             let h = capture.h_in.as_ref().ok_or_else(|| missing("H_in"))?;
-            let patch = t.patch.as_ref().ok_or_else(|| missing("patch translator"))?;
+            let patch = t
+                .patch
+                .as_ref()
+                .ok_or_else(|| missing("patch translator"))?;
             let z = patch.h.encode(h, self.ranks.h)?;
             out.push(code(l, CodeKind::PATCH_H, self.dtype, &z)?);
         } else {
-            let k = capture.k_pre_rope.as_ref().ok_or_else(|| missing("K before RoPE"))?;
+            let k = capture
+                .k_pre_rope
+                .as_ref()
+                .ok_or_else(|| missing("K before RoPE"))?;
             let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
-            out.push(code(l, CodeKind::REUSE_K, self.dtype, &t.k.encode(k, self.ranks.k)?)?);
-            out.push(code(l, CodeKind::REUSE_V, self.dtype, &t.v.encode(v, self.ranks.v)?)?);
+            out.push(code(
+                l,
+                CodeKind::REUSE_K,
+                self.dtype,
+                &t.k.encode(k, self.ranks.k)?,
+            )?);
+            out.push(code(
+                l,
+                CodeKind::REUSE_V,
+                self.dtype,
+                &t.v.encode(v, self.ranks.v)?,
+            )?);
         }
         Ok(())
     }
@@ -272,9 +301,17 @@ impl LayerDecoder for TranslatedDecoder<'_> {
             }
             CodeKind::REUSE_K | CodeKind::REUSE_V => {
                 let is_k = code.kind == CodeKind::REUSE_K;
-                let (map, r_max) = if is_k { (&t.k, t.k.max_rank()) } else { (&t.v, t.v.max_rank()) };
+                let (map, r_max) = if is_k {
+                    (&t.k, t.k.max_rank())
+                } else {
+                    (&t.v, t.v.max_rank())
+                };
                 let rows = map.decode(&self.read(code, r_max)?, expert)?;
-                let slot = if is_k { &mut self.pending_k[l] } else { &mut self.pending_v[l] };
+                let slot = if is_k {
+                    &mut self.pending_k[l]
+                } else {
+                    &mut self.pending_v[l]
+                };
                 if slot.is_some() {
                     return Err(duplicate());
                 }

@@ -80,7 +80,10 @@ impl Aligner {
         let r_max = self.z_scale.dim(0)?;
         let (t, r) = z.dims2()?;
         let z = if r < r_max {
-            Tensor::cat(&[z, &Tensor::zeros((t, r_max - r), DType::F32, z.device())?], 1)?
+            Tensor::cat(
+                &[z, &Tensor::zeros((t, r_max - r), DType::F32, z.device())?],
+                1,
+            )?
         } else {
             z.clone()
         };
@@ -94,7 +97,11 @@ impl Aligner {
     /// The named tensors of this aligner (prefix `name.`), for saving.
     pub fn tensors(&self, name: &str) -> Vec<(String, Tensor)> {
         let mut out = vec![(format!("{name}.z_scale"), self.z_scale.clone())];
-        for (part, l) in [("lin", &self.lin), ("mlp_in", &self.mlp_in), ("mlp_out", &self.mlp_out)] {
+        for (part, l) in [
+            ("lin", &self.lin),
+            ("mlp_in", &self.mlp_in),
+            ("mlp_out", &self.mlp_out),
+        ] {
             out.push((format!("{name}.{part}.weight"), l.weight().clone()));
             if let Some(b) = l.bias() {
                 out.push((format!("{name}.{part}.bias"), b.clone()));
@@ -139,7 +146,9 @@ impl Aligner {
 }
 
 fn mse(pred: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
-    Ok(f64::from((pred - target)?.sqr()?.mean_all()?.to_scalar::<f32>()?))
+    Ok(f64::from(
+        (pred - target)?.sqr()?.mean_all()?.to_scalar::<f32>()?,
+    ))
 }
 
 /// Trains the aligner of consumer `expert` from producer rows `h_a` `(N, d_a)` and that
@@ -164,7 +173,10 @@ pub fn train(
     let d = h_b.dim(1)?;
     let fit_rows = n - heldout;
     let (z_fit, z_val) = (z.narrow(0, 0, fit_rows)?, z.narrow(0, fit_rows, heldout)?);
-    let (b_fit, b_val) = (h_b.narrow(0, 0, fit_rows)?, h_b.narrow(0, fit_rows, heldout)?);
+    let (b_fit, b_val) = (
+        h_b.narrow(0, 0, fit_rows)?,
+        h_b.narrow(0, fit_rows, heldout)?,
+    );
 
     let scale: Vec<f32> = code
         .eigenvalues

@@ -65,7 +65,12 @@ impl ModelRef {
     fn describe(&self) -> String {
         let short = |h: &str| h[..h.len().min(12)].to_string();
         match &self.adapter_sha256 {
-            Some(a) => format!("{} ({}) + adapter {}", self.file, short(&self.sha256), short(a)),
+            Some(a) => format!(
+                "{} ({}) + adapter {}",
+                self.file,
+                short(&self.sha256),
+                short(a)
+            ),
             None => format!("{} ({})", self.file, short(&self.sha256)),
         }
     }
@@ -184,11 +189,18 @@ pub struct Translator {
     pub layers: Vec<LayerTranslator>,
 }
 
-fn low_rank_tensors(name: &str, c: &LowRankCode, out: &mut Vec<(String, Tensor)>) -> candle_core::Result<()> {
+fn low_rank_tensors(
+    name: &str,
+    c: &LowRankCode,
+    out: &mut Vec<(String, Tensor)>,
+) -> candle_core::Result<()> {
     out.push((format!("{name}.mean_a"), c.mean_a.clone()));
     out.push((format!("{name}.enc"), c.enc.clone()));
     let eig: Vec<f32> = c.eigenvalues.iter().map(|&e| e as f32).collect();
-    out.push((format!("{name}.eig"), Tensor::from_vec(eig, c.eigenvalues.len(), &Device::Cpu)?));
+    out.push((
+        format!("{name}.eig"),
+        Tensor::from_vec(eig, c.eigenvalues.len(), &Device::Cpu)?,
+    ));
     for (e, (m, d)) in c.means_b.iter().zip(&c.decs).enumerate() {
         out.push((format!("{name}.mean_b.{e}"), m.clone()));
         out.push((format!("{name}.dec.{e}"), d.clone()));
@@ -323,10 +335,13 @@ impl Translator {
     /// tensor's shape.
     pub fn load(dir: &Path) -> Result<Self, TranslatorError> {
         let manifest_path = dir.join(MANIFEST_FILE);
-        let manifest: TranslatorManifest = json_file::read(&manifest_path).map_err(|e| match e {
-            json_file::JsonFileError::Io { path, source } => TranslatorError::Io { path, source },
-            other => TranslatorError::Corrupt(other.to_string()),
-        })?;
+        let manifest: TranslatorManifest =
+            json_file::read(&manifest_path).map_err(|e| match e {
+                json_file::JsonFileError::Io { path, source } => {
+                    TranslatorError::Io { path, source }
+                }
+                other => TranslatorError::Corrupt(other.to_string()),
+            })?;
         if manifest.format != FORMAT {
             return Err(TranslatorError::Corrupt(format!(
                 "{}: format {}, this build reads {FORMAT}",
@@ -375,7 +390,9 @@ impl Translator {
                 let hs = (m.hidden, m.hidden, m.r_max.h);
                 let h = low_rank_from(&format!("layer.{l}.h"), experts, hs, &mut take)?;
                 let aligners = (0..experts)
-                    .map(|e| Aligner::from_tensors(&format!("layer.{l}.h.aligner.{e}"), |n| take(n, &[])))
+                    .map(|e| {
+                        Aligner::from_tensors(&format!("layer.{l}.h.aligner.{e}"), |n| take(n, &[]))
+                    })
                     .collect::<Result<Vec<_>, _>>()?;
                 Some(PatchLayer { h, aligners })
             } else {
@@ -385,9 +402,13 @@ impl Translator {
         }
         if m.patch_order.iter().any(|&l| l >= m.layers)
             || m.patch_layers.iter().any(|l| !m.patch_order.contains(l))
-            || m.droidspeak_blocks.iter().any(|&(s, e)| s >= e || e > m.layers)
+            || m.droidspeak_blocks
+                .iter()
+                .any(|&(s, e)| s >= e || e > m.layers)
         {
-            return Err(TranslatorError::Corrupt("layer indices out of range".into()));
+            return Err(TranslatorError::Corrupt(
+                "layer indices out of range".into(),
+            ));
         }
         Ok(Self { manifest, layers })
     }

@@ -153,7 +153,12 @@ pub struct CalibrationText<'a> {
 
 /// `n` windows of `len` tokens, one from each of `n` equal stretches of `tokens` at a seeded
 /// offset: spread over the whole text and never overlapping.
-fn spread_windows(tokens: &[u32], n: usize, len: usize, rng: &mut StdRng) -> Result<Vec<Vec<u32>>, TranslatorError> {
+fn spread_windows(
+    tokens: &[u32],
+    n: usize,
+    len: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<Vec<u32>>, TranslatorError> {
     let stretch = tokens.len() / n.max(1);
     if n == 0 || stretch < len {
         return Err(TranslatorError::Fit(format!(
@@ -274,7 +279,10 @@ pub fn calibrate(
         cfg.prefix_tokens,
         m + 1
     )));
-    let per_prompt = cfg.aligner_rows.div_ceil(fit_prompts.len()).min(cfg.prefix_tokens);
+    let per_prompt = cfg
+        .aligner_rows
+        .div_ceil(fit_prompts.len())
+        .min(cfg.prefix_tokens);
     let mut stats: Vec<LayerStats> = (0..layers)
         .map(|_| LayerStats {
             k: Moments::new(kv * (m + 1)),
@@ -294,9 +302,18 @@ pub fn calibrate(
         rows.truncate(per_prompt);
         let rows = Tensor::new(rows.as_slice(), &Device::Cpu)?;
         for (l, st) in stats.iter_mut().enumerate() {
-            let ks = caps.iter().map(|c| need(&c[l].k_pre_rope, "K")).collect::<Result<Vec<_>, _>>()?;
-            let vs = caps.iter().map(|c| need(&c[l].v, "V")).collect::<Result<Vec<_>, _>>()?;
-            let hs = caps.iter().map(|c| need(&c[l].h_in, "H_in")).collect::<Result<Vec<_>, _>>()?;
+            let ks = caps
+                .iter()
+                .map(|c| need(&c[l].k_pre_rope, "K"))
+                .collect::<Result<Vec<_>, _>>()?;
+            let vs = caps
+                .iter()
+                .map(|c| need(&c[l].v, "V"))
+                .collect::<Result<Vec<_>, _>>()?;
+            let hs = caps
+                .iter()
+                .map(|c| need(&c[l].h_in, "H_in"))
+                .collect::<Result<Vec<_>, _>>()?;
             st.k.add(&ks)?;
             st.v.add(&vs)?;
             st.h.add(&hs)?;
@@ -312,7 +329,9 @@ pub fn calibrate(
     }
 
     // 3. Fits and aligners.
-    on_event(&CalibrateEvent::Phase("fitting the codes and training the aligners".into()));
+    on_event(&CalibrateEvent::Phase(
+        "fitting the codes and training the aligners".into(),
+    ));
     let widths_kv: Vec<usize> = vec![kv; m + 1];
     let widths_h: Vec<usize> = vec![hidden; m + 1];
     let opts = |rank| FitOptions {
@@ -335,10 +354,17 @@ pub fn calibrate(
         let mut reports = Vec::with_capacity(m);
         for e in 0..m {
             let hb = Tensor::from_slice(&st.h_rows[e + 1], (n, hidden), &Device::Cpu)?;
-            let (a, rep) = aligner::train(&h, e, &ha, &hb, (n / 10).max(1), &AlignerConfig {
+            let (a, rep) = aligner::train(
+                &h,
+                e,
+                &ha,
+                &hb,
+                (n / 10).max(1),
+                &AlignerConfig {
                     seed: cfg.aligner.seed ^ ((l as u64) << 8) ^ (e as u64),
                     ..cfg.aligner
-                })?;
+                },
+            )?;
             layer_aligners.push(a);
             reports.push(rep);
         }
@@ -371,18 +397,25 @@ pub fn calibrate(
             let caps = capture_all(producer, &prompt.prefix)?;
             let (mut raw, mut reuse, mut patch) = (Vec::new(), Vec::new(), Vec::new());
             for (l, c) in caps.iter().enumerate() {
-                let (k, v, h) = (need(&c.k_pre_rope, "K")?, need(&c.v, "V")?, need(&c.h_in, "H_in")?);
+                let (k, v, h) = (
+                    need(&c.k_pre_rope, "K")?,
+                    need(&c.v, "V")?,
+                    need(&c.h_in, "H_in")?,
+                );
                 raw.push((k.clone(), v.clone()));
                 reuse.push((
                     k_codes[l].decode(&k_codes[l].encode(k, dr.k)?, e)?,
                     v_codes[l].decode(&v_codes[l].encode(v, dr.v)?, e)?,
                 ));
                 let hb = aligners[l][e].forward(&h_codes[l].encode(h, dr.h)?)?;
-                patch.push((consumer.project(l, Proj::K, &hb)?, consumer.project(l, Proj::V, &hb)?));
+                patch.push((
+                    consumer.project(l, Proj::K, &hb)?,
+                    consumer.project(l, Proj::V, &hb)?,
+                ));
             }
             let mut blocks = Vec::with_capacity(block_starts);
-            for s in 0..block_starts {
-                let hidden_in = need(&caps[s].hidden, "hidden")?;
+            for (s, cap) in caps.iter().enumerate().take(block_starts) {
+                let hidden_in = need(&cap.hidden, "hidden")?;
                 let mut cache = consumer.new_cache();
                 let mut own = Vec::new();
                 consumer.forward_layers_capture(
@@ -390,7 +423,11 @@ pub fn calibrate(
                     s..s + block,
                     0,
                     Some(&mut cache),
-                    &Capture { k_pre_rope: true, v: true, ..Capture::none() },
+                    &Capture {
+                        k_pre_rope: true,
+                        v: true,
+                        ..Capture::none()
+                    },
                     &mut own,
                 )?;
                 blocks.push(
@@ -399,7 +436,13 @@ pub fn calibrate(
                         .collect::<Result<Vec<_>, TranslatorError>>()?,
                 );
             }
-            per_prompt_layers.push(HeldOutLayers { prompt, raw, reuse, patch, blocks });
+            per_prompt_layers.push(HeldOutLayers {
+                prompt,
+                raw,
+                reuse,
+                patch,
+                blocks,
+            });
         }
         held.push(per_prompt_layers);
     }
@@ -409,7 +452,9 @@ pub fn calibrate(
         let mut n = 0usize;
         for ((_, consumer), prompts) in consumers.iter().zip(&held) {
             for h in prompts {
-                total += h.prompt.kl(consumer, h.cache(consumer, |l| Ok(pick(h, l)))?)?;
+                total += h
+                    .prompt
+                    .kl(consumer, h.cache(consumer, |l| Ok(pick(h, l)))?)?;
                 n += 1;
             }
         }
@@ -433,7 +478,12 @@ pub fn calibrate(
         max_patch,
         |_, _| true,
         |set| kl(&|h, l| set.contains(&l).then(|| h.patch[l].clone())),
-        |p| on_event(&CalibrateEvent::Note(format!("patch {:?}: KL {:.4}", p.chosen, p.kl))),
+        |p| {
+            on_event(&CalibrateEvent::Note(format!(
+                "patch {:?}: KL {:.4}",
+                p.chosen, p.kl
+            )))
+        },
     )?;
     let k = match &cfg.patch {
         PatchChoice::Auto { min_share, .. } => knee(&patch_curve, *min_share),
@@ -441,9 +491,14 @@ pub fn calibrate(
     };
     let mut patch_layers = patch_curve[k].chosen.clone();
     patch_layers.sort_unstable();
-    let patch_order = patch_curve.last().map(|p| p.chosen.clone()).unwrap_or_default();
+    let patch_order = patch_curve
+        .last()
+        .map(|p| p.chosen.clone())
+        .unwrap_or_default();
 
-    on_event(&CalibrateEvent::Phase("choosing the DroidSpeak blocks".into()));
+    on_event(&CalibrateEvent::Phase(
+        "choosing the DroidSpeak blocks".into(),
+    ));
     let ds_curve = greedy(
         block_starts,
         cfg.droidspeak_blocks,
@@ -457,7 +512,12 @@ pub fn calibrate(
                     .or_else(|| Some(h.raw[l].clone()))
             })
         },
-        |p| on_event(&CalibrateEvent::Note(format!("droidspeak {:?}: KL {:.4}", p.chosen, p.kl))),
+        |p| {
+            on_event(&CalibrateEvent::Note(format!(
+                "droidspeak {:?}: KL {:.4}",
+                p.chosen, p.kl
+            )))
+        },
     )?;
     let mut droidspeak_blocks: Vec<(usize, usize)> = ds_curve
         .last()
@@ -466,11 +526,17 @@ pub fn calibrate(
     droidspeak_blocks.sort_unstable();
 
     // Centring and ridge, compared on the same held-out prompts (Reuse only, default ranks).
-    on_event(&CalibrateEvent::Phase("comparing centring and ridge strengths".into()));
+    on_event(&CalibrateEvent::Phase(
+        "comparing centring and ridge strengths".into(),
+    ));
     let mut sweep = Vec::new();
     for centre in [true, false] {
         for ridge in [1e-6, 1e-4, 1e-2, 1e-1] {
-            let o = FitOptions { centre, ridge, rank: dr.k.max(dr.v) };
+            let o = FitOptions {
+                centre,
+                ridge,
+                rank: dr.k.max(dr.v),
+            };
             let codes = stats
                 .iter()
                 .map(|st| Ok((fit(&st.k, &widths_kv, o)?, fit(&st.v, &widths_kv, o)?)))
@@ -492,7 +558,9 @@ pub fn calibrate(
                 }
             }
             let v = total / n.max(1) as f64;
-            on_event(&CalibrateEvent::Note(format!("reuse, centre {centre}, ridge {ridge:e}: KL {v:.4}")));
+            on_event(&CalibrateEvent::Note(format!(
+                "reuse, centre {centre}, ridge {ridge:e}: KL {v:.4}"
+            )));
             sweep.push(json!({"centre": centre, "ridge": ridge, "kl": v}));
         }
     }
@@ -588,7 +656,11 @@ fn explained(codes: &[LowRankCode], rank: usize, moments: &[&Moments]) -> Vec<f6
             let cov = m.second_moment(true);
             let total: f64 = (0..w).map(|i| cov[i * w + i]).sum();
             let kept: f64 = c.eigenvalues.iter().take(rank).sum();
-            if total > 0.0 { kept / total } else { f64::NAN }
+            if total > 0.0 {
+                kept / total
+            } else {
+                f64::NAN
+            }
         })
         .collect()
 }

@@ -76,7 +76,11 @@ fn to_tensor(m: &Mat<f64>) -> candle_core::Result<Tensor> {
 
 /// Fits the code of the rows whose moments are `m`, made of blocks of `widths` (producer
 /// first, then each consumer).
-pub fn fit(m: &Moments, widths: &[usize], opts: FitOptions) -> Result<LowRankCode, TranslatorError> {
+pub fn fit(
+    m: &Moments,
+    widths: &[usize],
+    opts: FitOptions,
+) -> Result<LowRankCode, TranslatorError> {
     let w = m.width();
     if widths.len() < 2 || widths.iter().sum::<usize>() != w {
         return Err(TranslatorError::Fit(format!(
@@ -120,9 +124,9 @@ pub fn fit(m: &Moments, widths: &[usize], opts: FitOptions) -> Result<LowRankCod
     });
     let cax = Mat::<f64>::from_fn(d_a, w, |i, j| c[i * w + j]);
     let rhs = &cax * &wmat;
-    let llt = caa
-        .llt(Side::Lower)
-        .map_err(|e| TranslatorError::Fit(format!("ridge system is not positive definite: {e:?}")))?;
+    let llt = caa.llt(Side::Lower).map_err(|e| {
+        TranslatorError::Fit(format!("ridge system is not positive definite: {e:?}"))
+    })?;
     let enc = llt.solve(&rhs);
     let mean = m.mean();
     let mean_of = |from: usize, len: usize| -> candle_core::Result<Tensor> {
@@ -178,7 +182,11 @@ mod tests {
         let mix_b = Tensor::randn(0f32, 1.0, (3, 6), &dev).unwrap();
         let a = latent.matmul(&mix_a).unwrap();
         let offset = Tensor::new(&[5f32, -3., 1., 0., 2., 7.], &dev).unwrap();
-        let b = latent.matmul(&mix_b).unwrap().broadcast_add(&offset).unwrap();
+        let b = latent
+            .matmul(&mix_b)
+            .unwrap()
+            .broadcast_add(&offset)
+            .unwrap();
         let mut m = Moments::new(14);
         m.add(&[&a, &b]).unwrap();
         let opts = FitOptions {
@@ -195,10 +203,28 @@ mod tests {
         assert!(err(&one, &b) > 10.0 * err(&full, &b));
         let z3 = code.encode(&a, 3).unwrap();
         let z1 = code.encode(&a, 1).unwrap();
-        assert_eq!(err(&z3.narrow(1, 0, 1).unwrap(), &z1), 0.0);
+        // Equal up to the matmul's summation order, which depends on the output's shape.
+        assert!(err(&z3.narrow(1, 0, 1).unwrap(), &z1) < 1e-10);
         // Without centring the offset must be carried by the components.
-        let raw = fit(&m, &[8, 6], FitOptions { centre: false, ..opts }).unwrap();
-        assert_eq!(raw.mean_a.to_dtype(DType::F32).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        let raw = fit(
+            &m,
+            &[8, 6],
+            FitOptions {
+                centre: false,
+                ..opts
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            raw.mean_a
+                .to_dtype(DType::F32)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
         assert!(fit(&m, &[8, 5], opts).is_err());
     }
 }

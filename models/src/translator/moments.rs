@@ -101,7 +101,10 @@ mod tests {
             .unwrap();
         m.add(&[&a.narrow(0, 4, 3).unwrap(), &b.narrow(0, 4, 3).unwrap()])
             .unwrap();
-        let x = Tensor::cat(&[&a, &b], 1).unwrap().to_dtype(DType::F64).unwrap();
+        let x = Tensor::cat(&[&a, &b], 1)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
         let rows = x.to_vec2::<f64>().unwrap();
         let mean: Vec<f64> = (0..5)
             .map(|j| rows.iter().map(|r| r[j]).sum::<f64>() / 7.0)

@@ -53,7 +53,11 @@ pub fn continuation_rows(
 impl HeldOutPrompt {
     /// A held-out prompt for `consumer`: `tokens` split into prefix, last token and
     /// `continuation` tokens.
-    pub fn new(consumer: &Llama, tokens: &[u32], continuation: usize) -> Result<Self, TranslatorError> {
+    pub fn new(
+        consumer: &Llama,
+        tokens: &[u32],
+        continuation: usize,
+    ) -> Result<Self, TranslatorError> {
         if tokens.len() < continuation + 2 {
             return Err(TranslatorError::Fit("held-out prompt too short".into()));
         }
@@ -164,7 +168,9 @@ mod tests {
         // KL falls by the candidate's gain; candidates 1 and 2 exclude each other.
         let gains = [0.1, 0.5, 0.4, 0.05];
         let kl = |set: &[usize]| Ok(1.0 - set.iter().map(|&c| gains[c]).sum::<f64>());
-        let compatible = |chosen: &[usize], c: usize| !(chosen.contains(&1) && c == 2 || chosen.contains(&2) && c == 1);
+        let compatible = |chosen: &[usize], c: usize| {
+            !(chosen.contains(&1) && c == 2 || chosen.contains(&2) && c == 1)
+        };
         let curve = greedy(4, 3, compatible, kl, |_| {}).unwrap();
         let chosen: Vec<Vec<usize>> = curve.iter().map(|p| p.chosen.clone()).collect();
         assert_eq!(chosen, vec![vec![], vec![1], vec![1, 0], vec![1, 0, 3]]);
