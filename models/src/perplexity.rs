@@ -4,6 +4,7 @@
 
 use candle_core::Tensor;
 
+use crate::cache::KvCache;
 use crate::error::ForwardError;
 use crate::llama::{Input, Llama, LogitsWanted};
 use crate::metrics;
@@ -33,6 +34,28 @@ pub fn logit_rows(logits: &Tensor) -> Result<Vec<Vec<f32>>, ForwardError> {
 pub fn window_logits(model: &Llama, window: &[u32]) -> Result<Vec<Vec<f32>>, ForwardError> {
     let input = &window[..window.len().saturating_sub(1)];
     let out = model.forward(Input::new(input).logits(LogitsWanted::All))?;
+    let logits = out
+        .logits
+        .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()))?;
+    logit_rows(&logits)
+}
+
+/// Teacher-forced logits of `model` over `continuation` after `cache`, which holds a prompt
+/// without its last token `last`: row `i` predicts `continuation[i]`. The evaluation harness and
+/// the calibration's held-out measurements both score transferred caches through it.
+pub fn continuation_logits(
+    model: &Llama,
+    mut cache: KvCache,
+    last: u32,
+    continuation: &[u32],
+) -> Result<Vec<Vec<f32>>, ForwardError> {
+    let mut input = vec![last];
+    input.extend_from_slice(&continuation[..continuation.len().saturating_sub(1)]);
+    let out = model.forward(
+        Input::new(&input)
+            .with_cache(&mut cache)
+            .logits(LogitsWanted::All),
+    )?;
     let logits = out
         .logits
         .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()))?;

@@ -16,7 +16,7 @@ use crate::corpus;
 use crate::generate::{generate_with_cache, GenerateParams};
 use crate::llama::{Capture, Input, Llama, LogitsWanted};
 use crate::metrics;
-use crate::perplexity::logit_rows;
+use crate::perplexity::continuation_logits;
 use crate::sampling::Sampling;
 use crate::stats::{bootstrap_mean, bootstrap_ratio, Estimate};
 use crate::tokenizer::Tokenizer;
@@ -97,27 +97,6 @@ pub fn transfer_many(
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-/// Teacher-forced logits of the consumer over `continuation` after a cache for
-/// `prompt[..T-1]`: row `i` predicts `continuation[i]`.
-fn continuation_logits(
-    consumer: &Llama,
-    mut cache: KvCache,
-    last_prompt_token: u32,
-    continuation: &[u32],
-) -> Result<Vec<Vec<f32>>, EvalError> {
-    let mut input = vec![last_prompt_token];
-    input.extend_from_slice(&continuation[..continuation.len().saturating_sub(1)]);
-    let out = consumer.forward(
-        Input::new(&input)
-            .with_cache(&mut cache)
-            .logits(LogitsWanted::All),
-    )?;
-    let logits = out
-        .logits
-        .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()))?;
-    Ok(logit_rows(&logits)?)
 }
 
 fn greedy(

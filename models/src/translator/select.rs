@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 use super::TranslatorError;
 use crate::cache::KvCache;
 use crate::codec::{Oracle, Prefix};
-use crate::llama::{Input, Llama, LogitsWanted};
+use crate::llama::Llama;
 use crate::metrics;
-use crate::perplexity::logit_rows;
+use crate::perplexity::continuation_logits;
 
 /// One held-out prompt: a prefix whose cache is transferred, its last token and the
 /// continuation that is scored, with the oracle's logits over it.
@@ -27,27 +27,6 @@ pub struct HeldOutPrompt {
     pub continuation: Vec<u32>,
     /// The oracle's logits, one row per continuation token.
     pub oracle: Vec<Vec<f32>>,
-}
-
-/// Teacher-forced logits of `consumer` over `continuation` after `cache` (which holds the
-/// prefix): row `i` predicts `continuation[i]`.
-pub fn continuation_rows(
-    consumer: &Llama,
-    mut cache: KvCache,
-    last: u32,
-    continuation: &[u32],
-) -> Result<Vec<Vec<f32>>, TranslatorError> {
-    let mut input = vec![last];
-    input.extend_from_slice(&continuation[..continuation.len().saturating_sub(1)]);
-    let out = consumer.forward(
-        Input::new(&input)
-            .with_cache(&mut cache)
-            .logits(LogitsWanted::All),
-    )?;
-    let logits = out
-        .logits
-        .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()))?;
-    Ok(logit_rows(&logits)?)
 }
 
 impl HeldOutPrompt {
@@ -65,7 +44,7 @@ impl HeldOutPrompt {
         let prefix = tokens[..split - 1].to_vec();
         let (last, cont) = (tokens[split - 1], tokens[split..].to_vec());
         let cache = crate::codec::decode(&Oracle, consumer, &[], Prefix::new(&prefix))?;
-        let oracle = continuation_rows(consumer, cache, last, &cont)?;
+        let oracle = continuation_logits(consumer, cache, last, &cont)?;
         Ok(Self {
             prefix,
             last,
@@ -76,7 +55,7 @@ impl HeldOutPrompt {
 
     /// Mean KL(oracle || consumer from `cache`) over the continuation.
     pub fn kl(&self, consumer: &Llama, cache: KvCache) -> Result<f64, TranslatorError> {
-        let rows = continuation_rows(consumer, cache, self.last, &self.continuation)?;
+        let rows = continuation_logits(consumer, cache, self.last, &self.continuation)?;
         let total: f64 = self
             .oracle
             .iter()
