@@ -153,7 +153,8 @@ fn with_adapter(base: &Llama, path: &Path) -> anyhow::Result<Llama> {
         .context("applying the adapter")
 }
 
-fn code_dtype(name: &str) -> anyhow::Result<CodeDType> {
+/// The `--code-dtype` values of `eval` and `generate`.
+pub fn code_dtype(name: &str) -> anyhow::Result<CodeDType> {
     Ok(match name {
         "f16" => CodeDType::F16,
         "bf16" => CodeDType::BF16,

@@ -61,6 +61,9 @@ pub struct Args {
     /// The base/expert translator folder (scd calibrate), for droidspeak, reuse and scd.
     #[arg(long)]
     pub translator: Option<PathBuf>,
+    /// Element type of the reuse / scd codes: f16, bf16, f32 or i8-rows.
+    #[arg(long, default_value = "f16")]
+    pub code_dtype: String,
 }
 
 /// `--adapter-mode` values.
@@ -152,7 +155,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let codec = codec_with(
                 mode,
                 translator.as_ref().map(|(t, e)| (t, *e)),
-                &CodecOptions::default(),
+                &CodecOptions {
+                    code_dtype: super::eval::code_dtype(&args.code_dtype)?,
+                    ..CodecOptions::default()
+                },
             )?;
             let pair = Pair {
                 producer: &base,
