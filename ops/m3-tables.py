@@ -47,7 +47,7 @@ def main():
     frontier = list(rows(folder, expert, "rank-")) + list(rows(folder, expert, "q4-"))
     frontier.sort(key=lambda x: (x[1]["method"], x[1]["payload_share_of_raw"]))
     if frontier:
-        table(f"{expert}: payload vs KL (reuse and scd over r_K x r_V, r_H = r_K + r_V; q4 over groups)", frontier)
+        table(f"{expert}: payload vs KL (reuse and scd over r_K x r_V with r_H = 128, int8 codes unless the run says f16; q4 over groups)", frontier)
     if not patch and not frontier:
         sys.exit(f"no ablation records for {expert} in {folder}")
 
