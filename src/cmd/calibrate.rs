@@ -69,6 +69,10 @@ pub struct Args {
     /// Layers the automatic choice tries at most.
     #[arg(long, default_value_t = 8)]
     pub patch_max: usize,
+    /// Greedy choices try every candidate alone, then only this many of the best at each
+    /// later step (0: all of them at every step, several times slower).
+    #[arg(long, default_value_t = 6)]
+    pub shortlist: usize,
     /// Aligner MLP width.
     #[arg(long, default_value_t = 512)]
     pub aligner_hidden: usize,
@@ -173,6 +177,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         aligner_rows: args.aligner_rows,
         patch,
+        shortlist: (args.shortlist > 0).then_some(args.shortlist),
         droidspeak_block: ds_block,
         droidspeak_blocks: ds_blocks,
         version: args.version.clone(),

@@ -2,9 +2,10 @@
 //! the consumer's own attention input `H_in,B`, from which the consumer regenerates K and V
 //! with its own weights (method.md, "Patch").
 //!
-//! `g(z) = z W_lin + b_lin + W_2 silu(W_1 (z / s) + b_1) + b_2`: the linear part starts as the
-//! low-rank decoder of the joint factorisation, the MLP (candle-nn layers) starts at zero, so
-//! training begins from the linear answer and only adds what the non-linearity can. `s`
+//! `g(z) = z W_lin + b_lin + W_2 silu(W_1 (z / s) + b_1) + b_2`: the linear part is the
+//! low-rank decoder of the joint factorisation and stays fixed; the MLP (candle-nn layers)
+//! starts at zero and learns the residual, so the aligner is never worse than the linear
+//! answer and adds only what the non-linearity can. `s`
 //! whitens the code (its components' variances span orders of magnitude). Training uses the L2
 //! loss against the consumer's `H_in` on calibration tokens, stops early on a held-out split,
 //! and drops trailing code components at random ("nested dropout") so that any rank up to
@@ -189,29 +190,35 @@ pub fn train(
     let w1: Vec<f32> = (0..cfg.hidden * r_max)
         .map(|_| rng.gen_range(-bound..bound))
         .collect();
+    // The linear part is the ridge decoder, already the least-squares answer for the full
+    // code: it stays fixed. Letting Adam move it too (its steps are ~lr per element whatever
+    // the gradient's scale) only ever made the held-out error worse than where it started,
+    // so every aligner of the first translators stopped at its linear start.
+    let lin = Linear::new(
+        code.decs[expert].t()?.contiguous()?,
+        Some(code.means_b[expert].clone()),
+    );
     let vars = [
-        Var::from_tensor(&code.decs[expert].t()?.contiguous()?)?,
-        Var::from_tensor(&code.means_b[expert])?,
         Var::from_tensor(&Tensor::from_vec(w1, (cfg.hidden, r_max), &dev)?)?,
         Var::zeros(cfg.hidden, DType::F32, &dev)?,
         Var::zeros((d, cfg.hidden), DType::F32, &dev)?,
         Var::zeros(d, DType::F32, &dev)?,
     ];
-    let build = |v: &[Tensor; 6]| Aligner {
+    let build = |v: &[Tensor; 4]| Aligner {
         z_scale: z_scale.clone(),
-        lin: Linear::new(v[0].clone(), Some(v[1].clone())),
-        mlp_in: Linear::new(v[2].clone(), Some(v[3].clone())),
-        mlp_out: Linear::new(v[4].clone(), Some(v[5].clone())),
+        lin: lin.clone(),
+        mlp_in: Linear::new(v[0].clone(), Some(v[1].clone())),
+        mlp_out: Linear::new(v[2].clone(), Some(v[3].clone())),
     };
     let live = build(&vars.clone().map(|v| v.as_tensor().clone()));
-    let snapshot = |vars: &[Var; 6]| -> candle_core::Result<[Tensor; 6]> {
+    let snapshot = |vars: &[Var; 4]| -> candle_core::Result<[Tensor; 4]> {
         let copies = vars
             .iter()
             .map(|v| v.as_tensor().detach().copy())
             .collect::<candle_core::Result<Vec<_>>>()?;
         copies
             .try_into()
-            .map_err(|_| candle_core::Error::Msg("aligner has six tensors".into()))
+            .map_err(|_| candle_core::Error::Msg("aligner MLP has four tensors".into()))
     };
     let linear_mse = mse(&live.forward(&z_val)?, &b_val)?;
     let mut best = (linear_mse, snapshot(&vars)?);
@@ -259,4 +266,70 @@ pub fn train(
             epochs,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::translator::low_rank::{fit, FitOptions};
+    use crate::translator::moments::Moments;
+
+    /// The consumer's rows are a non-linear function of the producer's: the linear decoder
+    /// leaves an error the MLP can remove, and training must keep the fixed linear part and
+    /// improve on it (the first translators' aligners never moved from their linear start).
+    #[test]
+    fn the_mlp_improves_on_the_linear_decoder_and_never_falls_below_it() {
+        let dev = Device::Cpu;
+        let n = 3000;
+        let a = Tensor::randn(0f32, 1.0, (n, 6), &dev).unwrap();
+        let mix = Tensor::randn(0f32, 0.5, (6, 4), &dev).unwrap();
+        let lin = a.matmul(&mix).unwrap();
+        // Half linear, half a saturating non-linearity of the same mixture.
+        let b = ((&lin * 0.5).unwrap() + lin.tanh().unwrap().sqr().unwrap()).unwrap();
+        let mut m = Moments::new(10);
+        m.add(&[&a, &b]).unwrap();
+        let code = fit(
+            &m,
+            &[6, 4],
+            FitOptions {
+                centre: true,
+                ridge: 1e-6,
+                rank: 6,
+            },
+        )
+        .unwrap();
+        let cfg = AlignerConfig {
+            hidden: 64,
+            epochs: 40,
+            batch: 128,
+            lr: 3e-3,
+            patience: 5,
+            seed: 7,
+        };
+        let (aligner, report) = train(&code, 0, &a, &b, 500, &cfg).unwrap();
+        assert!(
+            report.mse < 0.5 * report.linear_mse,
+            "aligner {} vs linear {}",
+            report.mse,
+            report.linear_mse
+        );
+        // The stored aligner is the one reported, and its linear part is the decoder.
+        let z = code.encode(&a.narrow(0, n - 500, 500).unwrap(), 6).unwrap();
+        let got = mse(
+            &aligner.forward(&z).unwrap(),
+            &b.narrow(0, n - 500, 500).unwrap(),
+        )
+        .unwrap();
+        assert!((got - report.mse).abs() <= 1e-6 * report.mse.max(1e-12) + 1e-9);
+        let dec = code.decs[0].t().unwrap();
+        let diff = (aligner.lin.weight() - dec)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0);
+    }
 }

@@ -79,6 +79,9 @@ pub struct CalibrationConfig {
     pub aligner_rows: usize,
     /// How the Patch layers are chosen.
     pub patch: PatchChoice,
+    /// Greedy choices (Patch layers, DroidSpeak blocks): after scoring every candidate alone,
+    /// try only this many of the best ones (`None`: all of them at every step).
+    pub shortlist: Option<usize>,
     /// DroidSpeak: layers per recomputed block, and blocks at most.
     pub droidspeak_block: usize,
     /// DroidSpeak blocks chosen.
@@ -115,6 +118,7 @@ impl CalibrationConfig {
                 max: 8,
                 min_share: 0.05,
             },
+            shortlist: Some(6),
             droidspeak_block: 2,
             droidspeak_blocks: 3,
             version: "cal".into(),
@@ -234,6 +238,30 @@ impl HeldOutLayers {
     }
 }
 
+/// Wall time per phase, reported as each ends and kept in the manifest: calibration is long
+/// work, and where its time goes decides what to make faster.
+#[derive(Default)]
+struct PhaseClock {
+    current: Option<(String, Instant)>,
+    done: Vec<(String, f64)>,
+}
+
+impl PhaseClock {
+    fn begin(&mut self, name: String, on_event: &mut impl FnMut(&CalibrateEvent)) {
+        self.end(on_event);
+        on_event(&CalibrateEvent::Phase(name.clone()));
+        self.current = Some((name, Instant::now()));
+    }
+
+    fn end(&mut self, on_event: &mut impl FnMut(&CalibrateEvent)) {
+        if let Some((name, t)) = self.current.take() {
+            let secs = t.elapsed().as_secs_f64();
+            on_event(&CalibrateEvent::Note(format!("({name}: {secs:.0} s)")));
+            self.done.push((name, secs));
+        }
+    }
+}
+
 /// Runs the calibration; see the module doc. `consumers` are `(name, model)`.
 pub fn calibrate(
     producer: &Llama,
@@ -243,6 +271,7 @@ pub fn calibrate(
     mut on_event: impl FnMut(&CalibrateEvent),
 ) -> Result<Translator, TranslatorError> {
     let started = Instant::now();
+    let mut clock = PhaseClock::default();
     let pc = producer.config();
     let (layers, kv, hidden, m) = (pc.num_layers, pc.kv_dim(), pc.hidden_size, consumers.len());
     if m == 0 {
@@ -273,12 +302,15 @@ pub fn calibrate(
     let held_prompts = spread_windows(tail, cfg.heldout, heldout_len, &mut rng)?;
 
     // 2. Moments and aligner rows.
-    on_event(&CalibrateEvent::Phase(format!(
-        "capturing {} prompts of {} tokens with {} models",
-        fit_prompts.len(),
-        cfg.prefix_tokens,
-        m + 1
-    )));
+    clock.begin(
+        format!(
+            "capturing {} prompts of {} tokens with {} models",
+            fit_prompts.len(),
+            cfg.prefix_tokens,
+            m + 1
+        ),
+        &mut on_event,
+    );
     let per_prompt = cfg
         .aligner_rows
         .div_ceil(fit_prompts.len())
@@ -329,9 +361,10 @@ pub fn calibrate(
     }
 
     // 3. Fits and aligners.
-    on_event(&CalibrateEvent::Phase(
+    clock.begin(
         "fitting the codes and training the aligners".into(),
-    ));
+        &mut on_event,
+    );
     let widths_kv: Vec<usize> = vec![kv; m + 1];
     let widths_h: Vec<usize> = vec![hidden; m + 1];
     let opts = |rank| FitOptions {
@@ -352,7 +385,7 @@ pub fn calibrate(
         let ha = Tensor::from_slice(&st.h_rows[0], (n, hidden), &Device::Cpu)?;
         let mut layer_aligners = Vec::with_capacity(m);
         let mut reports = Vec::with_capacity(m);
-        for e in 0..m {
+        for (e, (name, _)) in consumers.iter().enumerate() {
             let hb = Tensor::from_slice(&st.h_rows[e + 1], (n, hidden), &Device::Cpu)?;
             let (a, rep) = aligner::train(
                 &h,
@@ -365,6 +398,10 @@ pub fn calibrate(
                     ..cfg.aligner
                 },
             )?;
+            on_event(&CalibrateEvent::Note(format!(
+                "layer {l}, {name}: aligner held-out MSE {:.3e} (linear decoder {:.3e}), {} epochs",
+                rep.mse, rep.linear_mse, rep.epochs
+            )));
             layer_aligners.push(a);
             reports.push(rep);
         }
@@ -382,10 +419,10 @@ pub fn calibrate(
     }
 
     // 4. Held-out measurements and choices.
-    on_event(&CalibrateEvent::Phase(format!(
-        "measuring on {} held-out prompts",
-        held_prompts.len()
-    )));
+    clock.begin(
+        format!("measuring on {} held-out prompts", held_prompts.len()),
+        &mut on_event,
+    );
     let dr = cfg.default_ranks;
     let block = cfg.droidspeak_block.clamp(1, layers);
     let block_starts = layers + 1 - block;
@@ -467,7 +504,7 @@ pub fn calibrate(
         dr.k, dr.v
     )));
 
-    on_event(&CalibrateEvent::Phase("choosing the Patch layers".into()));
+    clock.begin("choosing the Patch layers".into(), &mut on_event);
     let max_patch = match &cfg.patch {
         PatchChoice::Auto { max, .. } => *max,
         PatchChoice::Fixed(k) => *k,
@@ -476,6 +513,7 @@ pub fn calibrate(
     let patch_curve = greedy(
         layers,
         max_patch,
+        cfg.shortlist,
         |_, _| true,
         |set| kl(&|h, l| set.contains(&l).then(|| h.patch[l].clone())),
         |p| {
@@ -496,12 +534,11 @@ pub fn calibrate(
         .map(|p| p.chosen.clone())
         .unwrap_or_default();
 
-    on_event(&CalibrateEvent::Phase(
-        "choosing the DroidSpeak blocks".into(),
-    ));
+    clock.begin("choosing the DroidSpeak blocks".into(), &mut on_event);
     let ds_curve = greedy(
         block_starts,
         cfg.droidspeak_blocks,
+        cfg.shortlist,
         |chosen, s| chosen.iter().all(|&c| s + block <= c || c + block <= s),
         |starts| {
             kl(&|h, l| {
@@ -526,9 +563,10 @@ pub fn calibrate(
     droidspeak_blocks.sort_unstable();
 
     // Centring and ridge, compared on the same held-out prompts (Reuse only, default ranks).
-    on_event(&CalibrateEvent::Phase(
+    clock.begin(
         "comparing centring and ridge strengths".into(),
-    ));
+        &mut on_event,
+    );
     let mut sweep = Vec::new();
     for centre in [true, false] {
         for ridge in [1e-6, 1e-4, 1e-2, 1e-1] {
@@ -566,6 +604,7 @@ pub fn calibrate(
     }
 
     // 5. The translator.
+    clock.end(&mut on_event);
     let payload_share = |patch: usize| {
         let reuse_values = (layers - patch) * (dr.k + dr.v);
         let patch_values = patch * dr.h;
@@ -581,8 +620,10 @@ pub fn calibrate(
         "value_share_of_raw_scd": payload_share(patch_layers.len()),
         "patch_curve": patch_curve,
         "patch_rule": format!("{:?}", cfg.patch),
+        "greedy_shortlist": cfg.shortlist,
         "droidspeak_curve": ds_curve,
         "centring_ridge_sweep": sweep,
+        "phase_seconds": clock.done.iter().map(|(p, s)| json!({"phase": p, "seconds": s})).collect::<Vec<_>>(),
         "aligners": aligner_reports.iter().enumerate().map(|(l, reps)| json!({
             "layer": l,
             "linear_mse": reps.iter().map(|r| r.linear_mse).collect::<Vec<_>>(),
