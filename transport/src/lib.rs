@@ -18,7 +18,8 @@
 //! - [`pacing`]: a token bucket on the send path to emulate a link's bandwidth.
 //! - [`config`]: transport options and the quinn config derived from the link.
 //! - [`pki`]: the cluster CA and node/admin certificates (`scd cert`).
-//! - `tls`: rustls configurations from the cluster CA (mutual TLS), TLS alerts read back.
+//! - `tls`: rustls configurations from the cluster CA (mutual TLS), TLS alerts read back, and
+//!   [`verify_signed_by_ca`], the same check made when a node starts.
 //! - `handshake`: the peer's identity and the hello exchange after TLS; connect/accept errors.
 //! - `stream`: job streams over QUIC: a bounded queue and a writer task per job on the sending
 //!   side, the frame reader and the tracker on the receiving side; carries out what `session`
@@ -62,5 +63,5 @@ pub use stream::{
     AcceptJobError, JobReceiver, JobSender, OpenJobError, ReportError, SendReport,
     CONTROL_MAX_FRAME_BYTES,
 };
-pub use tls::TlsConfigError;
+pub use tls::{verify_signed_by_ca, TlsConfigError};
 pub use wire::{CodeFrame, Control, Message, PrefillRequest, Prompt, PROTOCOL_VERSION};

@@ -86,6 +86,9 @@ pub enum PkiError {
     /// rcgen failed to build or sign a certificate.
     #[error("certificate generation: {0}")]
     Generate(#[from] rcgen::Error),
+    /// A certificate that a peer holding the cluster CA would refuse.
+    #[error("not accepted under the cluster CA: {0}")]
+    NotSignedByCa(rustls::Error),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {

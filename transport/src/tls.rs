@@ -22,6 +22,28 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// Check that `identity`'s certificate chain is accepted under its own CA by the verifier the
+/// handshake uses (signature, validity period, client use, which node and admin certificates
+/// both carry), so that a certificate from another cluster's CA is refused when a node starts
+/// rather than at its first connection.
+pub fn verify_signed_by_ca(identity: &Identity) -> Result<(), crate::pki::PkiError> {
+    let refused = crate::pki::PkiError::NotSignedByCa;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(identity.ca.clone()).map_err(refused)?;
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider())
+            .build()
+            .map_err(|e| refused(rustls::Error::General(e.to_string())))?;
+    let (leaf, intermediates) = identity
+        .cert_chain
+        .split_first()
+        .ok_or_else(|| refused(rustls::Error::NoCertificatesPresented))?;
+    verifier
+        .verify_client_cert(leaf, intermediates, rustls::pki_types::UnixTime::now())
+        .map(|_| ())
+        .map_err(refused)
+}
+
 /// Trust anchors: the cluster CA and nothing else.
 fn roots(identity: &Identity) -> Result<Arc<RootCertStore>, TlsConfigError> {
     let mut roots = RootCertStore::empty();
@@ -196,5 +218,31 @@ mod tests {
         // An alert that is not about certificates or ALPN is left to the caller.
         assert_eq!(alert(&raised(80)), None);
         assert_eq!(alert(&ConnectionError::TimedOut), None);
+    }
+
+    #[test]
+    fn a_certificate_is_checked_against_the_ca_that_should_have_signed_it() {
+        // Same cluster name, so both CAs have the same subject: only the signature tells them apart.
+        let ours = crate::pki::ClusterCa::generate("scd").unwrap();
+        let theirs = crate::pki::ClusterCa::generate("scd").unwrap();
+        for role in [crate::pki::Role::Node, crate::pki::Role::Admin] {
+            verify_signed_by_ca(&ours.issue("node-a", role).unwrap()).unwrap();
+        }
+        let (cert, key) = theirs.issue_pem("node-a", crate::pki::Role::Node).unwrap();
+        let foreign = Identity::from_pem(
+            ours.cert_pem().as_bytes(),
+            cert.as_bytes(),
+            key.as_bytes(),
+            std::path::Path::new("<memory>"),
+        )
+        .unwrap();
+        let err = verify_signed_by_ca(&foreign).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                crate::pki::PkiError::NotSignedByCa(rustls::Error::InvalidCertificate(_))
+            ),
+            "{err}"
+        );
     }
 }

@@ -1,0 +1,1138 @@
+//! The node configuration: the TOML file `scd node --config <file>` starts a node from.
+//!
+//! Sections: `[node]` (id, listen address, roles), `[models]` (the base model), `[[experts]]`
+//! (each expert's adapter and translator), `[store]` (embedded, or etcd endpoints), `[tls]` (the
+//! cluster CA and this node's certificate and key), `[tracing]` (OTLP export) and `[limits]`
+//! (queue lengths). `cluster-config/` at the repository root holds ready files.
+//!
+//! Every section refuses keys it does not know, naming them, so that a misspelt setting is an
+//! error instead of a silent default. Relative paths are relative to the folder of the config
+//! file, not to the working directory, so a config works wherever the node is started.
+//!
+//! Checking is two steps, so that what can be checked without the files is checked everywhere
+//! (the shipped configs in CI, where models and certificates are absent):
+//! [`NodeConfig::parse`] checks the text (syntax, unknown keys, values, and that roles and
+//! sections agree) and resolves paths; [`NodeConfig::validate_files`] checks what the config
+//! names on disk (every file exists, the node certificate is signed by the configured CA and
+//! issued to this node). [`NodeConfig::load`] does both, so a bad config stops a node at start,
+//! not at its first job.
+
+use std::collections::{BTreeSet, HashSet};
+use std::fmt;
+use std::fs;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+
+use scd_models::expert::ADAPTER_FILE;
+use scd_models::translator::artifact::{MANIFEST_FILE, WEIGHTS_FILE};
+use scd_scheduler::keys::{check_id, DEFAULT_ROOT};
+use scd_transport::pki::{self, Identity, PkiError, Role};
+use scd_transport::TransportOptions;
+use serde::Deserialize;
+
+/// A node's configuration, checked, with its paths resolved against the config file's folder.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// `[node]`: who this node is and what it does.
+    pub node: NodeSettings,
+    /// `[models]`: the base model, for producers and consumers.
+    #[serde(default)]
+    pub models: ModelsConfig,
+    /// `[[experts]]`: the experts this node serves, each with its translator.
+    #[serde(default)]
+    pub experts: Vec<ExpertConfig>,
+    /// `[store]`: where the cluster state lives. Required: a node whose etcd settings were
+    /// forgotten would otherwise run on a store of its own, alone, without noticing.
+    pub store: StoreConfig,
+    /// `[tls]`: the certificates of the mutual TLS every connection uses.
+    pub tls: TlsConfig,
+    /// `[tracing]`: span export; off by default.
+    #[serde(default)]
+    pub tracing: TracingConfig,
+    /// `[limits]`: queue lengths and concurrency.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// `[node]`: the node's identity, address and roles.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSettings {
+    /// The node's name: its key in the store and the name its certificate is issued to
+    /// (1-63 characters of a-z, 0-9 and '-').
+    pub id: String,
+    /// The QUIC endpoint's address (UDP): code streams between nodes and admin clients.
+    pub listen: SocketAddr,
+    /// What the node does; at least one role.
+    pub roles: BTreeSet<NodeRole>,
+    /// The OpenAI-compatible HTTP API's address (TCP); required with the `gateway` role, and
+    /// refused without it.
+    #[serde(default)]
+    pub http_listen: Option<SocketAddr>,
+}
+
+/// What a node does. One process may hold every role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeRole {
+    /// Prefills prompts with the base model and streams each layer's codes to consumers.
+    Producer,
+    /// Hosts experts: rebuilds a prompt's cache from codes and decodes.
+    Consumer,
+    /// A scheduler replica: stands in the leader election; the leader assigns jobs and pools.
+    Scheduler,
+    /// Accepts admin clients (`scd submit` and the operator commands) on the QUIC endpoint.
+    Admin,
+    /// Serves the OpenAI-compatible HTTP API on `node.http_listen`.
+    Gateway,
+}
+
+impl NodeRole {
+    /// The name used in config files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeRole::Producer => "producer",
+            NodeRole::Consumer => "consumer",
+            NodeRole::Scheduler => "scheduler",
+            NodeRole::Admin => "admin",
+            NodeRole::Gateway => "gateway",
+        }
+    }
+}
+
+impl fmt::Display for NodeRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `[models]`: the model files a node loads.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelsConfig {
+    /// The base model's GGUF file: producers prefill with it, consumers run each expert as it
+    /// plus the expert's adapter. Required on both, refused on nodes that are neither.
+    #[serde(default)]
+    pub base: Option<PathBuf>,
+}
+
+/// One `[[experts]]` entry: an expert of the base model this node serves.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExpertConfig {
+    /// The expert's model name: what jobs and the HTTP API name, and its pool's key in the
+    /// store.
+    pub name: String,
+    /// The LoRA adapter: an expert folder holding `adapter.safetensors`, or the `.safetensors`
+    /// file itself. Required on consumers, which run the expert; a producer does not need it.
+    #[serde(default)]
+    pub adapter: Option<PathBuf>,
+    /// The translator folder (`translator.json` and `translator.safetensors`) between the base
+    /// model and this expert: producers encode with it, consumers rebuild with it.
+    pub translator: PathBuf,
+}
+
+impl ExpertConfig {
+    /// The adapter's weights file: `adapter` itself when it names a `.safetensors` file, else
+    /// `adapter.safetensors` inside it.
+    pub fn adapter_file(&self) -> Option<PathBuf> {
+        self.adapter.as_ref().map(|path| {
+            if path.extension().is_some_and(|e| e == "safetensors") {
+                path.clone()
+            } else {
+                path.join(ADAPTER_FILE)
+            }
+        })
+    }
+}
+
+fn default_prefix() -> String {
+    DEFAULT_ROOT.to_owned()
+}
+
+/// `[store]`: where the cluster state lives, chosen by `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum StoreConfig {
+    /// `kind = "embedded"`: in this process's memory, for a cluster of one process.
+    Embedded {
+        /// Root of every key (default `/scd/v1`).
+        #[serde(default = "default_prefix")]
+        prefix: String,
+    },
+    /// `kind = "etcd"`: an etcd cluster shared by every node.
+    Etcd {
+        /// etcd client endpoints, `host:port` or `http(s)://host:port`; at least one.
+        #[serde(default)]
+        endpoints: Vec<String>,
+        /// Root of every key (default `/scd/v1`); clusters sharing one etcd use different
+        /// roots.
+        #[serde(default = "default_prefix")]
+        prefix: String,
+    },
+}
+
+impl StoreConfig {
+    /// The root of every key, as `scd_scheduler::Keys::new` takes it.
+    pub fn prefix(&self) -> &str {
+        match self {
+            StoreConfig::Embedded { prefix } | StoreConfig::Etcd { prefix, .. } => prefix,
+        }
+    }
+}
+
+/// `[tls]`: the files `scd cert init` and `scd cert issue` write.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The cluster CA's certificate (`ca.pem`): the only root trusted for peers.
+    pub ca: PathBuf,
+    /// This node's certificate (`<id>.pem`), issued by that CA to `node.id` as a node.
+    pub cert: PathBuf,
+    /// This node's private key (`<id>.key`).
+    pub key: PathBuf,
+}
+
+/// `[tracing]`: where spans go.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingConfig {
+    /// OTLP endpoint to export spans to, e.g. `http://127.0.0.1:4317` (Jaeger's OTLP gRPC
+    /// port); none: spans are not exported.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
+    /// The service name spans carry; default: the node id (see [`NodeConfig::service_name`]).
+    #[serde(default)]
+    pub service_name: Option<String>,
+}
+
+/// `[limits]`: bounds on the work a node holds, so that overload is refused, not queued without
+/// end.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Jobs waiting for a worker on this node; past it a job is refused as busy, so that the
+    /// scheduler places it elsewhere. Default 64.
+    pub queued_jobs: NonZeroUsize,
+    /// Jobs worked on at once. Default 2: the models run on the CPU, so more would share the
+    /// same cores without finishing sooner.
+    pub concurrent_jobs: NonZeroUsize,
+    /// Frames of one job queued ahead of its QUIC stream; memory per job is this times the
+    /// frame cap. Default: the transport's own default.
+    pub frames_in_flight: NonZeroUsize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let nonzero = |n| NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN);
+        Self {
+            queued_jobs: nonzero(64),
+            concurrent_jobs: nonzero(2),
+            frames_in_flight: nonzero(TransportOptions::default().send_queue_frames),
+        }
+    }
+}
+
+/// Why a node config cannot be used; each message names the key and says what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file cannot be read.
+    #[error("cannot read node config {path}: {source}")]
+    Read {
+        /// The config file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Not TOML, an unknown or missing key, or a value of the wrong type; toml's message names
+    /// the key and its line.
+    #[error("invalid node config: {0}")]
+    Parse(#[from] toml::de::Error),
+    /// A value that parses but cannot be used.
+    #[error("{key}: {reason}")]
+    Invalid {
+        /// The key, as written in the file.
+        key: String,
+        /// What is wrong and what would do.
+        reason: String,
+    },
+    /// A setting that this node's roles need is missing.
+    #[error("{key} is required {because}")]
+    Required {
+        /// The key, as written in the file.
+        key: String,
+        /// Which role needs it, and what for.
+        because: String,
+    },
+    /// A setting that none of this node's roles uses.
+    #[error("{key} is set but {because}: remove it, or add the role that uses it to node.roles")]
+    Unused {
+        /// The key, as written in the file.
+        key: String,
+        /// Why no role uses it.
+        because: String,
+    },
+    /// A file the config names is not there.
+    #[error("{key}: {} does not exist; {hint}", path.display())]
+    MissingFile {
+        /// The key that names the file.
+        key: String,
+        /// The path, resolved against the config file's folder.
+        path: PathBuf,
+        /// How to make the file.
+        hint: String,
+    },
+    /// A file the config names is there but cannot be read.
+    #[error("{key}: cannot read {}: {source}", path.display())]
+    Unreadable {
+        /// The key that names the file.
+        key: String,
+        /// The path, resolved against the config file's folder.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The CA certificate, node certificate or key is not what it should be.
+    #[error("cannot load this node's TLS identity from tls.ca {}, tls.cert {}, tls.key {} ({source}): create them with `scd cert init` and `scd cert issue`", ca.display(), cert.display(), key.display())]
+    BadCertificate {
+        /// `tls.ca`.
+        ca: PathBuf,
+        /// `tls.cert`.
+        cert: PathBuf,
+        /// `tls.key`.
+        key: PathBuf,
+        /// What is wrong (boxed: the PKI errors are large, the others small).
+        source: Box<PkiError>,
+    },
+    /// The node certificate is not signed by the configured CA.
+    #[error("tls.cert {} is not signed by tls.ca {} ({source}): issue this node's certificate from that CA with `scd cert issue --dir <folder of tls.ca> --name {id} --role node`, or set tls.ca to the CA that signed it", cert.display(), ca.display())]
+    ForeignCertificate {
+        /// `tls.cert`.
+        cert: PathBuf,
+        /// `tls.ca`.
+        ca: PathBuf,
+        /// `node.id`.
+        id: String,
+        /// The verifier's verdict.
+        source: Box<PkiError>,
+    },
+    /// The node certificate is another node's, or an admin's.
+    #[error("tls.cert {}: {problem}, but node.id is {id:?}: issue one with `scd cert issue --dir <folder of tls.ca> --name {id} --role node`", cert.display())]
+    WrongIdentity {
+        /// `tls.cert`.
+        cert: PathBuf,
+        /// `node.id`.
+        id: String,
+        /// Whom the certificate names instead.
+        problem: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, reason: impl fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.to_string(),
+    }
+}
+
+fn required(key: impl Into<String>, because: &str) -> ConfigError {
+    ConfigError::Required {
+        key: key.into(),
+        because: because.to_owned(),
+    }
+}
+
+fn unused(key: &str, because: &str) -> ConfigError {
+    ConfigError::Unused {
+        key: key.to_owned(),
+        because: because.to_owned(),
+    }
+}
+
+impl NodeConfig {
+    /// Read, check and resolve the config at `path`, and check every file it names: what
+    /// `scd node --config` does before anything starts.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let read_err = |source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        };
+        let text = fs::read_to_string(path).map_err(read_err)?;
+        // Absolute, so that errors name the files wherever the reader stands.
+        let dir = std::path::absolute(path)
+            .map_err(read_err)?
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let config = Self::parse(&text, &dir)?;
+        config.validate_files()?;
+        Ok(config)
+    }
+
+    /// Parse and check a config's text, resolving relative paths against `base_dir` (the config
+    /// file's folder). Touches no file: see [`NodeConfig::validate_files`].
+    pub fn parse(text: &str, base_dir: &Path) -> Result<Self, ConfigError> {
+        let mut config: NodeConfig = toml::from_str(text)?;
+        config.check()?;
+        config.resolve(base_dir);
+        Ok(config)
+    }
+
+    /// Whether this node has `role`.
+    pub fn has_role(&self, role: NodeRole) -> bool {
+        self.node.roles.contains(&role)
+    }
+
+    /// The service name its spans carry: `tracing.service_name`, else the node id.
+    pub fn service_name(&self) -> &str {
+        self.tracing
+            .service_name
+            .as_deref()
+            .unwrap_or(&self.node.id)
+    }
+
+    /// Check every file the config names: that it exists, and that the node certificate and
+    /// key load, are signed by `tls.ca` and are issued to `node.id` as a node.
+    pub fn validate_files(&self) -> Result<(), ConfigError> {
+        for (key, path, hint) in self.files() {
+            match fs::metadata(&path) {
+                Ok(meta) if meta.is_file() => {}
+                Ok(_) => {
+                    return Err(invalid(
+                        key,
+                        format!("{} is a folder; name a file", path.display()),
+                    ))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(ConfigError::MissingFile { key, path, hint })
+                }
+                Err(source) => return Err(ConfigError::Unreadable { key, path, source }),
+            }
+        }
+        self.identity().map(drop)
+    }
+
+    /// Load this node's TLS identity and check it: signed by `tls.ca`, issued to `node.id` as a
+    /// node.
+    pub fn identity(&self) -> Result<Identity, ConfigError> {
+        let tls = &self.tls;
+        let read = |key: &str, path: &Path| {
+            fs::read(path).map_err(|source| ConfigError::Unreadable {
+                key: key.to_owned(),
+                path: path.to_owned(),
+                source,
+            })
+        };
+        let identity = Identity::from_pem(
+            &read("tls.ca", &tls.ca)?,
+            &read("tls.cert", &tls.cert)?,
+            &read("tls.key", &tls.key)?,
+            Path::new("tls"),
+        )
+        .map_err(|source| ConfigError::BadCertificate {
+            ca: tls.ca.clone(),
+            cert: tls.cert.clone(),
+            key: tls.key.clone(),
+            source: Box::new(source),
+        })?;
+        scd_transport::verify_signed_by_ca(&identity).map_err(|source| {
+            ConfigError::ForeignCertificate {
+                cert: tls.cert.clone(),
+                ca: tls.ca.clone(),
+                id: self.node.id.clone(),
+                source: Box::new(source),
+            }
+        })?;
+        let wrong = |problem: String| ConfigError::WrongIdentity {
+            cert: tls.cert.clone(),
+            id: self.node.id.clone(),
+            problem,
+        };
+        let peer = identity
+            .cert_chain
+            .first()
+            .ok_or_else(|| "no certificate".to_owned())
+            .and_then(|leaf| pki::peer_identity(leaf))
+            .map_err(wrong)?;
+        if peer.name != self.node.id || peer.role != Role::Node {
+            return Err(wrong(format!("issued to {:?} as {}", peer.name, peer.role)));
+        }
+        Ok(identity)
+    }
+
+    /// What can be checked without touching a file.
+    fn check(&self) -> Result<(), ConfigError> {
+        pki::validate_name(&self.node.id).map_err(|e| invalid("node.id", e))?;
+        if self.node.roles.is_empty() {
+            return Err(invalid(
+                "node.roles",
+                "list at least one of producer, consumer, scheduler, admin, gateway",
+            ));
+        }
+        match (self.has_role(NodeRole::Gateway), self.node.http_listen) {
+            (true, None) => {
+                return Err(required(
+                    "node.http_listen",
+                    "by the gateway role: the TCP address of the HTTP API, e.g. \"127.0.0.1:8080\"",
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(unused(
+                    "node.http_listen",
+                    "only the gateway role serves HTTP",
+                ))
+            }
+            _ => {}
+        }
+        self.check_models()?;
+        self.check_store()?;
+        self.check_tracing()
+    }
+
+    fn check_models(&self) -> Result<(), ConfigError> {
+        let consumer = self.has_role(NodeRole::Consumer);
+        let runs_models = consumer || self.has_role(NodeRole::Producer);
+        let base = self.models.base.is_some();
+        if runs_models && !base {
+            return Err(required(
+                "models.base",
+                "by the producer and consumer roles: producers prefill with the base model, \
+                 consumers run each expert on it",
+            ));
+        }
+        if !runs_models && base {
+            return Err(unused(
+                "models.base",
+                "only producers and consumers load models",
+            ));
+        }
+        if !runs_models && !self.experts.is_empty() {
+            return Err(unused(
+                "experts",
+                "only producers and consumers serve experts",
+            ));
+        }
+        if consumer && self.experts.is_empty() {
+            return Err(required(
+                "experts",
+                "by the consumer role: add an [[experts]] table (name, adapter, translator) for \
+                 each expert this node serves",
+            ));
+        }
+        let mut names = HashSet::new();
+        for (i, expert) in self.experts.iter().enumerate() {
+            check_id("expert", &expert.name)
+                .map_err(|e| invalid(format!("experts[{i}].name"), e))?;
+            if !names.insert(expert.name.as_str()) {
+                return Err(invalid(
+                    format!("experts[{i}].name"),
+                    format!("{:?} is listed twice", expert.name),
+                ));
+            }
+            if consumer && expert.adapter.is_none() {
+                return Err(required(
+                    format!("experts[{}].adapter", expert.name),
+                    "by the consumer role: the expert is the base model plus this LoRA adapter",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_store(&self) -> Result<(), ConfigError> {
+        let prefix = self.store.prefix();
+        if !prefix.starts_with('/') || prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(invalid(
+                "store.prefix",
+                format!(
+                    "{prefix:?} must start with '/' and hold no spaces, e.g. \"{DEFAULT_ROOT}\""
+                ),
+            ));
+        }
+        if let StoreConfig::Etcd { endpoints, .. } = &self.store {
+            if endpoints.is_empty() {
+                return Err(required(
+                    "store.endpoints",
+                    "with kind = \"etcd\": list etcd's client addresses, e.g. \
+                     endpoints = [\"127.0.0.1:2379\"]",
+                ));
+            }
+            if let Some(bad) = endpoints.iter().find(|e| !is_endpoint(e)) {
+                return Err(invalid(
+                    "store.endpoints",
+                    format!("{bad:?} is not host:port or http(s)://host:port"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_tracing(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.tracing.otlp_endpoint {
+            let host = url
+                .strip_prefix("http://")
+                .or_else(|| url.strip_prefix("https://"));
+            if host.is_none_or(|h| h.is_empty() || h.contains(char::is_whitespace)) {
+                return Err(invalid(
+                    "tracing.otlp_endpoint",
+                    format!("{url:?} is not an http(s) URL, e.g. \"http://127.0.0.1:4317\""),
+                ));
+            }
+        }
+        if self
+            .tracing
+            .service_name
+            .as_deref()
+            .is_some_and(str::is_empty)
+        {
+            return Err(invalid(
+                "tracing.service_name",
+                "empty; leave it out to use the node id",
+            ));
+        }
+        Ok(())
+    }
+
+    fn resolve(&mut self, base_dir: &Path) {
+        // `join` keeps absolute paths as they are.
+        let at = |p: &mut PathBuf| *p = base_dir.join(&*p);
+        if let Some(base) = &mut self.models.base {
+            at(base);
+        }
+        for expert in &mut self.experts {
+            if let Some(adapter) = &mut expert.adapter {
+                at(adapter);
+            }
+            at(&mut expert.translator);
+        }
+        at(&mut self.tls.ca);
+        at(&mut self.tls.cert);
+        at(&mut self.tls.key);
+    }
+
+    /// Every file the node will read: (key, path, how to make it).
+    fn files(&self) -> Vec<(String, PathBuf, String)> {
+        let mut files = Vec::new();
+        if let Some(base) = &self.models.base {
+            files.push((
+                "models.base".to_owned(),
+                base.clone(),
+                "fetch the base model with ops/fetch-model.sh".to_owned(),
+            ));
+        }
+        for expert in &self.experts {
+            let name = &expert.name;
+            if let Some(adapter) = expert.adapter_file() {
+                files.push((
+                    format!("experts[{name}].adapter"),
+                    adapter,
+                    "train the expert with `scd finetune --out <folder>` (experts/README.md)"
+                        .to_owned(),
+                ));
+            }
+            for file in [MANIFEST_FILE, WEIGHTS_FILE] {
+                files.push((
+                    format!("experts[{name}].translator"),
+                    expert.translator.join(file),
+                    format!("fit the translator between the base and {name} with `scd calibrate`"),
+                ));
+            }
+        }
+        let id = &self.node.id;
+        let pki = format!(
+            "create the cluster CA with `scd cert init --dir <folder>` and this node's \
+             certificate with `scd cert issue --dir <folder> --name {id} --role node`"
+        );
+        for (key, path) in [
+            ("tls.ca", &self.tls.ca),
+            ("tls.cert", &self.tls.cert),
+            ("tls.key", &self.tls.key),
+        ] {
+            files.push((key.to_owned(), path.clone(), pki.clone()));
+        }
+        files
+    }
+}
+
+/// `host:port`, optionally behind `http://` or `https://`, as etcd's client takes them.
+fn is_endpoint(endpoint: &str) -> bool {
+    let rest = endpoint
+        .strip_prefix("http://")
+        .or_else(|| endpoint.strip_prefix("https://"))
+        .unwrap_or(endpoint);
+    rest.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && !host.contains(|c: char| c.is_whitespace() || c == '/')
+            && port.parse::<u16>().is_ok()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use scd_transport::pki::{init_ca_dir, issue_in_dir};
+
+    /// A consumer and producer on etcd, every path relative, with placeholders for the model
+    /// files and real certificates under `pki/`.
+    const VALID: &str = r#"
+[node]
+id = "node-a"
+listen = "127.0.0.1:7000"
+roles = ["producer", "consumer"]
+
+[models]
+base = "models/base.gguf"
+
+[[experts]]
+name = "mail"
+adapter = "experts/mail"
+translator = "experts/mail/translator"
+
+[store]
+kind = "etcd"
+endpoints = ["127.0.0.1:2379", "http://10.0.0.2:2379"]
+
+[tls]
+ca = "pki/ca.pem"
+cert = "pki/node-a.pem"
+key = "pki/node-a.key"
+"#;
+
+    fn touch(path: &Path) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, b"").unwrap();
+    }
+
+    /// A folder holding what `VALID` names, and the config written there as `node.toml`.
+    fn fixture() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        touch(&d.join("models/base.gguf"));
+        touch(&d.join("experts/mail/adapter.safetensors"));
+        touch(&d.join("experts/mail/translator/translator.json"));
+        touch(&d.join("experts/mail/translator/translator.safetensors"));
+        init_ca_dir(&d.join("pki"), "test").unwrap();
+        issue_in_dir(&d.join("pki"), "node-a", Role::Node).unwrap();
+        let file = d.join("node.toml");
+        fs::write(&file, VALID).unwrap();
+        (dir, file)
+    }
+
+    fn parse(text: &str) -> Result<NodeConfig, ConfigError> {
+        NodeConfig::parse(text, Path::new("/cfg"))
+    }
+
+    #[test]
+    fn a_valid_config_loads_with_its_values_and_defaults() {
+        let (dir, file) = fixture();
+        let config = NodeConfig::load(&file).unwrap();
+        let d = dir.path();
+        assert_eq!(config.node.id, "node-a");
+        assert_eq!(
+            config.node.listen,
+            "127.0.0.1:7000".parse::<SocketAddr>().unwrap()
+        );
+        assert_eq!(
+            config.node.roles,
+            BTreeSet::from([NodeRole::Producer, NodeRole::Consumer])
+        );
+        assert!(config.has_role(NodeRole::Consumer) && !config.has_role(NodeRole::Gateway));
+        assert_eq!(config.node.http_listen, None);
+        // Paths follow the config file's folder, not the working directory.
+        assert_eq!(config.models.base, Some(d.join("models/base.gguf")));
+        let expert = &config.experts[0];
+        assert_eq!(expert.translator, d.join("experts/mail/translator"));
+        assert_eq!(
+            expert.adapter_file(),
+            Some(d.join("experts/mail/adapter.safetensors"))
+        );
+        assert_eq!(config.tls.cert, d.join("pki/node-a.pem"));
+        assert_eq!(
+            config.store,
+            StoreConfig::Etcd {
+                endpoints: vec!["127.0.0.1:2379".into(), "http://10.0.0.2:2379".into()],
+                prefix: "/scd/v1".into(),
+            }
+        );
+        assert_eq!(config.tracing, TracingConfig::default());
+        assert_eq!(config.service_name(), "node-a");
+        let limits = &config.limits;
+        assert_eq!(
+            (
+                limits.queued_jobs.get(),
+                limits.concurrent_jobs.get(),
+                limits.frames_in_flight.get()
+            ),
+            (64, 2, TransportOptions::default().send_queue_frames)
+        );
+        let identity = config.identity().unwrap();
+        assert_eq!(
+            pki::peer_identity(&identity.cert_chain[0]).unwrap().name,
+            "node-a"
+        );
+    }
+
+    #[test]
+    fn set_values_replace_the_defaults() {
+        let text = VALID.replace(
+            "[store]\nkind = \"etcd\"\nendpoints = [\"127.0.0.1:2379\", \"http://10.0.0.2:2379\"]",
+            "[store]\nkind = \"embedded\"\nprefix = \"/lab/v2\"",
+        ) + r#"
+[tracing]
+otlp_endpoint = "http://127.0.0.1:4317"
+service_name = "scd-lab"
+
+[limits]
+queued_jobs = 8
+frames_in_flight = 16
+"#;
+        let config = parse(&text.replace("models/base.gguf", "/abs/base.gguf")).unwrap();
+        assert_eq!(
+            config.store,
+            StoreConfig::Embedded {
+                prefix: "/lab/v2".into()
+            }
+        );
+        assert_eq!(config.store.prefix(), "/lab/v2");
+        assert_eq!(config.service_name(), "scd-lab");
+        assert_eq!(
+            config.tracing.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4317")
+        );
+        assert_eq!(config.limits.queued_jobs.get(), 8);
+        assert_eq!(config.limits.concurrent_jobs.get(), 2);
+        assert_eq!(config.limits.frames_in_flight.get(), 16);
+        assert_eq!(config.models.base, Some(PathBuf::from("/abs/base.gguf")));
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let cases = [
+            ("[node]\n", "[node]\ncolour = \"red\"\n", "colour"),
+            (
+                "[models]\n",
+                "[models]\ntokenizer = \"t.json\"\n",
+                "tokenizer",
+            ),
+            (
+                "name = \"mail\"\n",
+                "name = \"mail\"\nadaptor = \"x\"\n",
+                "adaptor",
+            ),
+            (
+                "kind = \"etcd\"\n",
+                "kind = \"etcd\"\nendpoint = \"x:1\"\n",
+                "endpoint",
+            ),
+            ("[tls]\n", "[tls]\nca_file = \"x\"\n", "ca_file"),
+            (
+                "[store]\n",
+                "[tracing]\nendpoint = \"http://x:4317\"\n\n[store]\n",
+                "endpoint",
+            ),
+            (
+                "[store]\n",
+                "[limits]\nmax_jobs = 3\n\n[store]\n",
+                "max_jobs",
+            ),
+            ("[node]\n", "clusterr = \"x\"\n\n[node]\n", "clusterr"),
+        ];
+        for (at, with, key) in cases {
+            let text = VALID.replacen(at, with, 1);
+            assert_ne!(text, VALID, "{at:?} not found");
+            let err = parse(&text).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse(_)), "{key}: {err}");
+            assert!(
+                err.to_string().contains(&format!("`{key}`")),
+                "{key}: {err}"
+            );
+        }
+        // An embedded store has no endpoints: naming some is an unknown key, not ignored.
+        let text = VALID.replace("kind = \"etcd\"", "kind = \"embedded\"");
+        assert!(parse(&text)
+            .unwrap_err()
+            .to_string()
+            .contains("`endpoints`"));
+    }
+
+    #[test]
+    fn a_missing_file_is_refused_naming_its_key_and_path() {
+        let cases = [
+            ("models/base.gguf", "models.base"),
+            ("experts/mail/adapter.safetensors", "experts[mail].adapter"),
+            (
+                "experts/mail/translator/translator.json",
+                "experts[mail].translator",
+            ),
+            ("pki/node-a.key", "tls.key"),
+        ];
+        for (file, key) in cases {
+            let (dir, config) = fixture();
+            let path = dir.path().join(file);
+            fs::remove_file(&path).unwrap();
+            let err = NodeConfig::load(&config).unwrap_err();
+            match &err {
+                ConfigError::MissingFile {
+                    key: k, path: p, ..
+                } => {
+                    assert_eq!((k.as_str(), p), (key, &path))
+                }
+                other => panic!("{file}: {other}"),
+            }
+            let message = err.to_string();
+            assert!(message.contains(key) && message.contains(&path.display().to_string()));
+        }
+        let (dir, _) = fixture();
+        let missing = dir.path().join("nowhere.toml");
+        assert!(matches!(
+            NodeConfig::load(&missing),
+            Err(ConfigError::Read { path, .. }) if path == missing
+        ));
+    }
+
+    #[test]
+    fn a_certificate_from_another_ca_is_refused_naming_both_files() {
+        let (dir, config) = fixture();
+        let other = dir.path().join("other");
+        init_ca_dir(&other, "test").unwrap();
+        issue_in_dir(&other, "node-a", Role::Node).unwrap();
+        let text = VALID.replace("pki/node-a.", "other/node-a.");
+        fs::write(&config, text).unwrap();
+        let err = NodeConfig::load(&config).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::ForeignCertificate { .. }),
+            "{err}"
+        );
+        let message = err.to_string();
+        for file in ["other/node-a.pem", "pki/ca.pem"] {
+            let path = dir.path().join(file).display().to_string();
+            assert!(message.contains(&path), "{message}");
+        }
+    }
+
+    #[test]
+    fn a_certificate_of_another_node_or_an_admin_is_refused() {
+        for (name, role) in [("node-b", Role::Node), ("ops", Role::Admin)] {
+            let (dir, config) = fixture();
+            issue_in_dir(&dir.path().join("pki"), name, role).unwrap();
+            let text = VALID.replace("pki/node-a.", &format!("pki/{name}."));
+            fs::write(&config, text).unwrap();
+            let err = NodeConfig::load(&config).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::WrongIdentity { problem, .. } if problem.contains(name)),
+                "{err}"
+            );
+        }
+        let (dir, config) = fixture();
+        fs::write(dir.path().join("pki/node-a.key"), b"not a key").unwrap();
+        assert!(matches!(
+            NodeConfig::load(&config),
+            Err(ConfigError::BadCertificate { .. })
+        ));
+    }
+
+    #[test]
+    fn roles_and_sections_must_agree() {
+        const MAIL: &str = "[[experts]]\nname = \"mail\"\nadapter = \"a\"\ntranslator = \"t\"\n";
+        let no_experts = VALID.split("[[experts]]").next().unwrap().to_owned()
+            + &VALID[VALID.find("[store]").unwrap()..];
+        let producer_only = no_experts.replace(
+            "roles = [\"producer\", \"consumer\"]",
+            "roles = [\"producer\"]",
+        );
+        parse(&producer_only).unwrap();
+        let cases = [
+            (no_experts.clone(), "experts", "required"),
+            (
+                VALID.replace("base = \"models/base.gguf\"", ""),
+                "models.base",
+                "required",
+            ),
+            (
+                VALID.replace("adapter = \"experts/mail\"\n", ""),
+                "experts[mail].adapter",
+                "required",
+            ),
+            (
+                VALID.replace(
+                    "endpoints = [\"127.0.0.1:2379\", \"http://10.0.0.2:2379\"]",
+                    "",
+                ),
+                "store.endpoints",
+                "required",
+            ),
+            (
+                VALID.replace(
+                    "endpoints = [\"127.0.0.1:2379\", \"http://10.0.0.2:2379\"]",
+                    "endpoints = []",
+                ),
+                "store.endpoints",
+                "required",
+            ),
+            (
+                VALID.replace("\"consumer\"]", "\"consumer\", \"gateway\"]"),
+                "node.http_listen",
+                "required",
+            ),
+            (
+                VALID.replace("roles = [", "http_listen = \"127.0.0.1:8080\"\nroles = ["),
+                "node.http_listen",
+                "unused",
+            ),
+            (
+                VALID.replace("[\"producer\", \"consumer\"]", "[\"scheduler\"]"),
+                "models.base",
+                "unused",
+            ),
+            (
+                no_experts
+                    .replace("[\"producer\", \"consumer\"]", "[\"admin\"]")
+                    .replace("base = \"models/base.gguf\"", ""),
+                "",
+                "ok",
+            ),
+            (
+                VALID
+                    .replace("[\"producer\", \"consumer\"]", "[\"admin\"]")
+                    .replace("base = \"models/base.gguf\"", ""),
+                "experts",
+                "unused",
+            ),
+            (
+                VALID.replace("[\"producer\", \"consumer\"]", "[]"),
+                "node.roles",
+                "invalid",
+            ),
+            (
+                VALID.replace("[store]", &format!("{MAIL}\n[store]")),
+                "experts[1].name",
+                "invalid",
+            ),
+        ];
+        for (text, key, verdict) in cases {
+            let result = parse(&text);
+            let ok = match (&result, verdict) {
+                (Ok(_), "ok") => true,
+                (Err(ConfigError::Required { key: k, .. }), "required")
+                | (Err(ConfigError::Unused { key: k, .. }), "unused")
+                | (Err(ConfigError::Invalid { key: k, .. }), "invalid") => k == key,
+                _ => false,
+            };
+            assert!(ok, "{key} {verdict}: {:?}\n{text}", result.map(drop));
+        }
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_their_key() {
+        let cases = [
+            (VALID.replace("\"node-a\"", "\"Node_A\""), "node.id"),
+            (
+                VALID.replace("name = \"mail\"", "name = \"mail/x\""),
+                "experts[0].name",
+            ),
+            (
+                VALID.replace("\"127.0.0.1:2379\",", "\"127.0.0.1\","),
+                "store.endpoints",
+            ),
+            (
+                VALID.replace("kind = \"etcd\"", "kind = \"etcd\"\nprefix = \"scd\""),
+                "store.prefix",
+            ),
+            (
+                VALID.to_owned() + "\n[tracing]\notlp_endpoint = \"127.0.0.1:4317\"\n",
+                "tracing.otlp_endpoint",
+            ),
+            (
+                VALID.to_owned() + "\n[tracing]\nservice_name = \"\"\n",
+                "tracing.service_name",
+            ),
+        ];
+        for (text, key) in cases {
+            match parse(&text) {
+                Err(ConfigError::Invalid { key: k, .. }) if k == key => {}
+                other => panic!("{key}: {:?}", other.map(drop)),
+            }
+        }
+        // Types are checked by the parser, which names the key.
+        for (text, key) in [
+            (
+                VALID.to_owned() + "\n[limits]\nqueued_jobs = 0\n",
+                "queued_jobs",
+            ),
+            (
+                VALID.replace("\"127.0.0.1:7000\"", "\"localhost\""),
+                "listen",
+            ),
+            (VALID.replace("\"consumer\"]", "\"decoder\"]"), "roles"),
+            (
+                VALID.replace("kind = \"etcd\"", "kind = \"zookeeper\""),
+                "zookeeper",
+            ),
+        ] {
+            let err = parse(&text).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::Parse(_)) && err.to_string().contains(key),
+                "{key}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn shipped_cluster_configs_parse_and_name_the_shipped_experts() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let configs = root.join("cluster-config");
+        let mut seen = Vec::new();
+        for name in [
+            "one-process.toml",
+            "three-node/producer.toml",
+            "three-node/consumer-a.toml",
+            "three-node/consumer-b.toml",
+        ] {
+            let path = configs.join(name);
+            let text = fs::read_to_string(&path).unwrap();
+            let config = NodeConfig::parse(&text, path.parent().unwrap())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            // Models and certificates are made per machine; the experts ship in the repository.
+            for (key, file, _) in config.files() {
+                if key.starts_with("experts") {
+                    assert!(file.is_file(), "{name}: {key} {}", file.display());
+                }
+            }
+            let base = config.models.base.as_ref().unwrap();
+            assert_eq!(
+                fs::canonicalize(base.parent().unwrap().parent().unwrap()).ok(),
+                fs::canonicalize(root.join(".cache")).ok(),
+                "{name}"
+            );
+            assert!(base.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"), "{name}");
+            seen.push(config);
+        }
+        let one = &seen[0];
+        assert_eq!(
+            one.store,
+            StoreConfig::Embedded {
+                prefix: DEFAULT_ROOT.into()
+            }
+        );
+        assert_eq!(one.node.roles.len(), 5);
+        let three = &seen[1..];
+        assert!(three
+            .iter()
+            .all(|c| matches!(c.store, StoreConfig::Etcd { .. })));
+        let producers = three
+            .iter()
+            .filter(|c| c.has_role(NodeRole::Producer))
+            .count();
+        let consumers: Vec<_> = three
+            .iter()
+            .filter(|c| c.has_role(NodeRole::Consumer))
+            .map(|c| c.experts[0].name.as_str())
+            .collect();
+        assert_eq!((producers, consumers), (1, vec!["mail", "sotu"]));
+        let ids: HashSet<_> = seen.iter().map(|c| c.node.id.as_str()).collect();
+        let ports: HashSet<_> = seen.iter().map(|c| c.node.listen).collect();
+        assert_eq!((ids.len(), ports.len()), (4, 4));
+    }
+}
