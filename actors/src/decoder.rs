@@ -1,0 +1,257 @@
+//! The decoder actor (consumer node): owns the expert model. For a job it builds the codec's
+//! [`scd_models::LayerDecoder`] for the prefix, pushes codes as they arrive (a codec rebuilds
+//! layer `l` while layer `l + 1` is in flight), finishes the cache, then lets the expert decode
+//! greedily (or as the job's parameters say) from the prompt's last token, streaming tokens to
+//! the caller through a bounded channel. Model compute runs on a blocking thread; jobs run one
+//! at a time.
+//!
+//! The aligner's work (a Patch layer's `Z_H` through the MLP, then the expert's own `W_k`,
+//! `W_v`) happens inside the `scd` codec's layer decoder today, so there is no separate aligner
+//! actor in this slice.
+//!
+//! Frames are checked before they reach the codec: a frame of another job, or made with a
+//! translator other than the job's, fails the job.
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use scd_models::{
+    generate_with_cache, CodecError, GenerateError, GenerateParams, Llama, Prefix, StopReason,
+};
+use scd_transport::{JobId, RecvError, TranslatorHash};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::blocking::{self, Interrupted};
+use crate::job::JobCodec;
+use crate::timeline::{FrameArrival, Span};
+use crate::transfer::Inbound;
+
+/// Errors of a job on the consumer node.
+#[derive(Debug, thiserror::Error)]
+pub enum DecoderError {
+    /// The prompt has no prefix to rebuild.
+    #[error("the prompt needs at least two tokens (the producer prefills all but the last)")]
+    PromptTooShort,
+    /// The codec refused the job before any code (a translator for another pair ...).
+    #[error("setting up the decoder: {0}")]
+    Setup(CodecError),
+    /// A code could not be decoded (wrong shape, dtype, kind, layer, a duplicate ...).
+    #[error("decoding a code of layer {layer}: {source}")]
+    Code {
+        /// The layer the code names.
+        layer: u16,
+        /// Why.
+        source: CodecError,
+    },
+    /// The codes ended before the cache was complete, or the cache could not be finished.
+    #[error("finishing the cache: {0}")]
+    Finish(CodecError),
+    /// A frame made with a translator other than the job's.
+    #[error("layer {layer}: codes made with translator {got}, this job decodes with {expected}")]
+    TranslatorMismatch {
+        /// The layer.
+        layer: u16,
+        /// The frame's translator (`none` when it names none).
+        got: String,
+        /// The job's (`none` for modes without one).
+        expected: String,
+    },
+    /// A frame of another job.
+    #[error("a frame of job {got} on job {expected}")]
+    WrongJob {
+        /// This job.
+        expected: JobId,
+        /// The frame's job.
+        got: JobId,
+    },
+    /// The job stream failed.
+    #[error("receiving the codes: {0}")]
+    Transfer(#[from] RecvError),
+    /// The expert's generation failed.
+    #[error("generating: {0}")]
+    Generate(#[from] GenerateError),
+    /// The caller stopped reading tokens.
+    #[error("the caller stopped reading tokens")]
+    CallerGone,
+    /// The job was cancelled.
+    #[error("decoding cancelled")]
+    Cancelled,
+    /// The decoder's thread failed (a panic in model code).
+    #[error("decoder thread failed: {0}")]
+    Internal(String),
+}
+
+/// What the consumer node did for a job.
+#[derive(Debug, Clone)]
+pub struct DecodeReport {
+    /// Every code frame as it arrived.
+    pub arrivals: Vec<FrameArrival>,
+    /// First code pushed (or the decoder made, without codes) to the cache finished.
+    pub rebuild: Span,
+    /// When the first token was produced.
+    pub first_token: Option<Instant>,
+    /// Why generation ended.
+    pub stop: StopReason,
+}
+
+/// The decoder actor.
+pub struct Decoder;
+
+/// What a decoder starts with.
+pub struct DecoderArgs {
+    /// The expert model.
+    pub model: Arc<Llama>,
+}
+
+/// A decoder's state: its model.
+pub struct DecoderState {
+    model: Arc<Llama>,
+}
+
+/// One job's decoding.
+pub struct DecodeJob {
+    /// The job.
+    pub job: JobId,
+    /// The whole prompt.
+    pub prompt: Vec<u32>,
+    /// The job's codec.
+    pub codec: JobCodec,
+    /// Generation parameters.
+    pub params: GenerateParams,
+    /// Frames from the transfer; closes when the stream finished.
+    pub inbound: mpsc::Receiver<Inbound>,
+    /// Generated tokens, as they come.
+    pub tokens: mpsc::Sender<u32>,
+    /// The job's cancellation.
+    pub cancel: CancellationToken,
+}
+
+/// Messages of the decoder.
+pub enum DecoderMsg {
+    /// Rebuild a job's cache from its codes and generate.
+    Decode(DecodeJob, RpcReplyPort<Result<DecodeReport, DecoderError>>),
+}
+
+impl Actor for Decoder {
+    type Msg = DecoderMsg;
+    type State = DecoderState;
+    type Arguments = DecoderArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: DecoderArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(DecoderState { model: args.model })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DecoderMsg::Decode(job, reply) => {
+                let model = Arc::clone(&state.model);
+                let rt = Handle::current();
+                let result = tokio::task::spawn_blocking(move || decode(&rt, &model, job))
+                    .await
+                    .unwrap_or_else(|e| Err(DecoderError::Internal(e.to_string())));
+                if let Err(e) = &result {
+                    tracing::debug!(error = %e, "decoding failed");
+                }
+                let _ = reply.send(result);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn hash_name(h: Option<TranslatorHash>) -> String {
+    h.map_or_else(|| "none".to_owned(), |h| h.short())
+}
+
+fn decode(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<DecodeReport, DecoderError> {
+    let DecodeJob {
+        job,
+        prompt,
+        codec,
+        params,
+        mut inbound,
+        tokens,
+        cancel,
+    } = job;
+    let Some((&last, prefix)) = prompt.split_last().filter(|(_, p)| !p.is_empty()) else {
+        return Err(DecoderError::PromptTooShort);
+    };
+    let made = Instant::now();
+    let mut decoder = codec
+        .codec
+        .decoder(model, Prefix::new(prefix))
+        .map_err(DecoderError::Setup)?;
+    let mut arrivals = Vec::new();
+    let mut rebuild_start = None;
+    // `recv` fails only on cancellation (a closed channel is the end of the codes).
+    while let Some(next) =
+        blocking::recv(rt, &mut inbound, &cancel).map_err(|_| DecoderError::Cancelled)?
+    {
+        let arrival = next?;
+        let frame = &arrival.frame;
+        let layer = frame.code.layer;
+        if frame.job_id != job {
+            return Err(DecoderError::WrongJob {
+                expected: job,
+                got: frame.job_id,
+            });
+        }
+        if frame.translator != codec.translator {
+            return Err(DecoderError::TranslatorMismatch {
+                layer,
+                got: hash_name(frame.translator),
+                expected: hash_name(codec.translator),
+            });
+        }
+        arrivals.push(FrameArrival {
+            layer,
+            kind: frame.code.kind,
+            bytes: frame.code.bytes.len(),
+            at: arrival.at,
+        });
+        rebuild_start.get_or_insert_with(Instant::now);
+        decoder
+            .push(&frame.code)
+            .map_err(|source| DecoderError::Code { layer, source })?;
+    }
+    let mut cache = decoder.finish().map_err(DecoderError::Finish)?;
+    let rebuild = Span {
+        start: rebuild_start.unwrap_or(made),
+        end: Instant::now(),
+    };
+    let mut first_token = None;
+    let mut refused = None;
+    let generation = generate_with_cache(model, &mut cache, &[last], &params, |t| {
+        first_token.get_or_insert_with(Instant::now);
+        match blocking::send(rt, &tokens, t, &cancel) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                refused = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    match refused {
+        Some(Interrupted::Cancelled) => Err(DecoderError::Cancelled),
+        Some(Interrupted::Closed) => Err(DecoderError::CallerGone),
+        None => Ok(DecodeReport {
+            arrivals,
+            rebuild,
+            first_token,
+            stop: generation.stop,
+        }),
+    }
+}

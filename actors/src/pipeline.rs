@@ -1,0 +1,546 @@
+//! The in-process pipeline: a producer node (producer, encoder, outgoing transfer) and a
+//! consumer node (incoming transfer, decoder) in one process, each with its own QUIC endpoint on
+//! loopback under one cluster CA and connected to each other, and [`Pipeline::run_job`], which
+//! takes one job through them.
+//!
+//! Control goes through the actors' mailboxes (one message per stage per job, with a reply
+//! port); a job's data goes through bounded channels made for the job: captures (producer to
+//! encoder), frames (encoder to transfer), the QUIC job stream (bounded by the transport),
+//! arrivals (transfer to decoder) and tokens (decoder to caller). Each job has a cancellation
+//! token, a child of the pipeline's: the first stage that fails cancels the job, the others
+//! wind down, and the job's error is the one that caused it, not its knock-on effects.
+//!
+//! Each stage takes one job at a time, in the order jobs were submitted (submission is
+//! serialised so that every stage sees the same order); jobs overlap across stages, so job 2
+//! can be prefilled while job 1 decodes.
+//!
+//! Supervision is minimal in this slice: actors are spawned unlinked and never fail on a job
+//! (a job's error goes to its reply port), so the next job finds them ready; an actor that
+//! panics is gone and the jobs that need it fail with [`JobError::ActorGone`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
+use scd_models::{Llama, StopReason};
+use scd_transport::pki::PkiError;
+use scd_transport::{
+    AcceptError, BindError, ClusterCa, ConnectError, Connection, Endpoint, JobId, RecvError, Role,
+    SendError, TransportOptions,
+};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::decoder::{DecodeJob, DecodeReport, Decoder, DecoderArgs, DecoderError, DecoderMsg};
+use crate::encoder::{EncodeJob, EncodeReport, Encoder, EncoderError, EncoderMsg};
+use crate::job::JobSpec;
+use crate::producer::{PrefillJob, Producer, ProducerArgs, ProducerError, ProducerMsg};
+use crate::timeline::{Span, Timeline};
+use crate::transfer::{
+    SendJob, TransferError, TransferIn, TransferInArgs, TransferInMsg, TransferOut, TransferOutMsg,
+    TransferOutState, TransferReport,
+};
+
+/// The certificate names of the two nodes.
+const PRODUCER_NODE: &str = "producer-0";
+const CONSUMER_NODE: &str = "consumer-0";
+
+/// Queue bounds and transport options of a pipeline.
+#[derive(Debug, Clone)]
+pub struct PipelineOptions {
+    /// Transport options of both endpoints.
+    pub transport: TransportOptions,
+    /// Layer captures the producer may run ahead of the encoder.
+    pub capture_queue: usize,
+    /// Frames the encoder may run ahead of the transfer (the transport's own send queue comes
+    /// on top).
+    pub frame_queue: usize,
+    /// Frames the consumer node's transfer may read ahead of the decoder.
+    pub arrival_queue: usize,
+    /// Tokens the decoder may run ahead of the caller.
+    pub token_queue: usize,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        Self {
+            transport: TransportOptions::default(),
+            capture_queue: 2,
+            frame_queue: 4,
+            arrival_queue: 4,
+            token_queue: 16,
+        }
+    }
+}
+
+/// Errors starting a pipeline.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A node certificate could not be issued.
+    #[error("issuing a node certificate: {0}")]
+    Pki(#[from] PkiError),
+    /// An endpoint could not be bound.
+    #[error("binding an endpoint: {0}")]
+    Bind(#[from] BindError),
+    /// The consumer node's address could not be read.
+    #[error("reading the consumer node's address: {0}")]
+    Address(std::io::Error),
+    /// The producer node could not connect to the consumer node.
+    #[error("connecting the producer node to the consumer node: {0}")]
+    Connect(#[from] ConnectError),
+    /// The consumer node could not accept the producer node.
+    #[error("accepting the producer node: {0}")]
+    Accept(#[from] AcceptError),
+    /// The consumer node's endpoint closed before the producer node connected.
+    #[error("the consumer node's endpoint closed while starting")]
+    EndpointClosed,
+    /// An actor could not be started.
+    #[error("starting an actor: {0}")]
+    Spawn(#[from] SpawnErr),
+}
+
+/// Why a job failed: the stage that caused it, with its error.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The prompt is too short to split into a prefix and a last token.
+    #[error("the prompt has {tokens} tokens; a job needs at least two (the producer prefills all but the last)")]
+    PromptTooShort {
+        /// Tokens in the prompt.
+        tokens: usize,
+    },
+    /// The producer failed.
+    #[error("producer: {0}")]
+    Producer(#[from] ProducerError),
+    /// The encoder failed.
+    #[error("encoder: {0}")]
+    Encoder(#[from] EncoderError),
+    /// Sending the codes failed.
+    #[error("transfer: {0}")]
+    Transfer(#[from] TransferError),
+    /// The consumer node failed (receiving, rebuilding or generating).
+    #[error("decoder: {0}")]
+    Decoder(#[from] DecoderError),
+    /// An actor the job needs is gone.
+    #[error("the {0} actor is gone")]
+    ActorGone(&'static str),
+    /// The job's own task failed.
+    #[error("job task failed: {0}")]
+    Internal(String),
+}
+
+impl JobError {
+    /// Whether the error only says that another stage of the job stopped first (a closed
+    /// channel, a cancelled stream): never the cause of a failure.
+    pub fn is_knock_on(&self) -> bool {
+        matches!(
+            self,
+            JobError::Producer(ProducerError::EncoderGone | ProducerError::Cancelled)
+                | JobError::Encoder(EncoderError::TransferGone | EncoderError::Cancelled)
+                | JobError::Transfer(
+                    TransferError::Cancelled
+                        | TransferError::Send(SendError::CancelledByPeer { .. })
+                )
+                | JobError::Decoder(
+                    DecoderError::Cancelled
+                        | DecoderError::Transfer(
+                            RecvError::CancelledByPeer { .. } | RecvError::Aborted(_)
+                        )
+                )
+        )
+    }
+}
+
+/// A finished job.
+#[derive(Debug, Clone)]
+pub struct JobOutput {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why generation ended.
+    pub stop: StopReason,
+    /// When each stage ran.
+    pub timeline: Timeline,
+}
+
+/// A job on its way: read [`RunningJob::tokens`] as they come, or [`RunningJob::wait`] for
+/// all of them.
+pub struct RunningJob {
+    /// The job.
+    pub id: JobId,
+    /// The expert's tokens as it generates them; closes when the job ends.
+    pub tokens: mpsc::Receiver<u32>,
+    outcome: JoinHandle<Result<(Timeline, StopReason), JobError>>,
+}
+
+impl RunningJob {
+    /// Reads every token and waits for the job's end.
+    pub async fn wait(mut self) -> Result<JobOutput, JobError> {
+        let mut tokens = Vec::new();
+        while let Some(t) = self.tokens.recv().await {
+            tokens.push(t);
+        }
+        let (timeline, stop) = self
+            .outcome
+            .await
+            .map_err(|e| JobError::Internal(e.to_string()))??;
+        Ok(JobOutput {
+            tokens,
+            stop,
+            timeline,
+        })
+    }
+}
+
+/// The producer node's actors and endpoint.
+struct ProducerNode {
+    endpoint: Endpoint,
+    producer: ActorRef<ProducerMsg>,
+    encoder: ActorRef<EncoderMsg>,
+    transfer: ActorRef<TransferOutMsg>,
+}
+
+/// The consumer node's actors and endpoint.
+struct ConsumerNode {
+    endpoint: Endpoint,
+    transfer: ActorRef<TransferInMsg>,
+    decoder: ActorRef<DecoderMsg>,
+}
+
+/// A producer node and a consumer node in one process, connected over QUIC on loopback.
+pub struct Pipeline {
+    producer: ProducerNode,
+    consumer: ConsumerNode,
+    opts: PipelineOptions,
+    cancel: CancellationToken,
+    actors: Vec<(ActorCell, JoinHandle<()>)>,
+    /// Held while a job's requests go out, so that every stage sees jobs in the same order.
+    /// Each stage takes its jobs one at a time, first come first served; two jobs reaching two
+    /// stages in opposite orders would wait on each other across the bounded queues.
+    submit: Mutex<()>,
+}
+
+/// The actors of both nodes, in job order.
+type Actors = (
+    ActorRef<ProducerMsg>,
+    ActorRef<EncoderMsg>,
+    ActorRef<TransferOutMsg>,
+    ActorRef<TransferInMsg>,
+    ActorRef<DecoderMsg>,
+);
+
+/// Spawns the actors of both nodes, each kept in `actors` as soon as it runs (so a failure
+/// half-way can stop those already started).
+async fn spawn_actors(
+    actors: &mut Vec<(ActorCell, JoinHandle<()>)>,
+    base: Arc<Llama>,
+    expert: Arc<Llama>,
+    to_consumer: Connection,
+    from_producer: Connection,
+    cancel: &CancellationToken,
+) -> Result<Actors, StartError> {
+    let (producer, h) = Actor::spawn(None, Producer, ProducerArgs { model: base }).await?;
+    actors.push((producer.get_cell(), h));
+    let (encoder, h) = Actor::spawn(None, Encoder, ()).await?;
+    actors.push((encoder.get_cell(), h));
+    let out = TransferOutState {
+        connection: to_consumer,
+    };
+    let (transfer_out, h) = Actor::spawn(None, TransferOut, out).await?;
+    actors.push((transfer_out.get_cell(), h));
+    let args = TransferInArgs {
+        connection: from_producer,
+        cancel: cancel.clone(),
+    };
+    let (transfer_in, h) = Actor::spawn(None, TransferIn, args).await?;
+    actors.push((transfer_in.get_cell(), h));
+    let (decoder, h) = Actor::spawn(None, Decoder, DecoderArgs { model: expert }).await?;
+    actors.push((decoder.get_cell(), h));
+    Ok((producer, encoder, transfer_out, transfer_in, decoder))
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+impl Pipeline {
+    /// Starts both nodes: endpoints on `127.0.0.1:0` with certificates from `ca`, the producer
+    /// node connected to the consumer node, and their actors. `base` is the producer's model,
+    /// `expert` the consumer's. Cancelling `cancel` stops every job.
+    pub async fn start(
+        ca: &ClusterCa,
+        base: Arc<Llama>,
+        expert: Arc<Llama>,
+        opts: PipelineOptions,
+        cancel: CancellationToken,
+    ) -> Result<Self, StartError> {
+        let producer_ep = Endpoint::bind(
+            loopback(),
+            &ca.issue(PRODUCER_NODE, Role::Node)?,
+            opts.transport.clone(),
+        )?;
+        let consumer_ep = Endpoint::bind(
+            loopback(),
+            &ca.issue(CONSUMER_NODE, Role::Node)?,
+            opts.transport.clone(),
+        )?;
+        let addr = consumer_ep.local_addr().map_err(StartError::Address)?;
+        let accept = async {
+            let accepting = consumer_ep
+                .accept()
+                .await
+                .ok_or(StartError::EndpointClosed)?;
+            Ok::<_, StartError>(accepting.complete().await?)
+        };
+        let connect =
+            async { Ok::<_, StartError>(producer_ep.connect(addr, CONSUMER_NODE).await?) };
+        let (to_consumer, from_producer) = tokio::try_join!(connect, accept)?;
+
+        let mut actors = Vec::new();
+        let spawned = spawn_actors(
+            &mut actors,
+            base,
+            expert,
+            to_consumer,
+            from_producer,
+            &cancel,
+        )
+        .await;
+        let (producer, encoder, transfer_out, transfer_in, decoder) = match spawned {
+            Ok(refs) => refs,
+            Err(e) => {
+                for (cell, _) in &actors {
+                    cell.stop(None);
+                }
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            producer: ProducerNode {
+                endpoint: producer_ep,
+                producer,
+                encoder,
+                transfer: transfer_out,
+            },
+            consumer: ConsumerNode {
+                endpoint: consumer_ep,
+                transfer: transfer_in,
+                decoder,
+            },
+            opts,
+            cancel,
+            actors,
+            submit: Mutex::new(()),
+        })
+    }
+
+    /// Runs one job to its end: the generated tokens and the timeline, or the error of the
+    /// stage that failed.
+    pub async fn run_job(&self, spec: JobSpec) -> Result<JobOutput, JobError> {
+        self.start_job(spec).await?.wait().await
+    }
+
+    /// Starts one job: the consumer node first (so the job stream has somewhere to go), then
+    /// the producer node's stages.
+    pub async fn start_job(&self, spec: JobSpec) -> Result<RunningJob, JobError> {
+        let submitted = Instant::now();
+        if spec.split().is_none() {
+            return Err(JobError::PromptTooShort {
+                tokens: spec.prompt.len(),
+            });
+        }
+        let cancel = self.cancel.child_token();
+        let order = self.submit.lock().await;
+        let started = self.dispatch(spec, submitted, &cancel).await;
+        drop(order);
+        if started.is_err() {
+            // Stages already told of the job stop waiting for the others.
+            cancel.cancel();
+        }
+        started
+    }
+
+    async fn dispatch(
+        &self,
+        spec: JobSpec,
+        submitted: Instant,
+        cancel: &CancellationToken,
+    ) -> Result<RunningJob, JobError> {
+        let q = &self.opts;
+        let (captures_tx, captures_rx) = mpsc::channel(q.capture_queue.max(1));
+        let (frames_tx, frames_rx) = mpsc::channel(q.frame_queue.max(1));
+        let (inbound_tx, inbound_rx) = mpsc::channel(q.arrival_queue.max(1));
+        let (tokens_tx, tokens_rx) = mpsc::channel(q.token_queue.max(1));
+        let job = spec.id;
+        let prefix = spec.split().map(|(p, _)| p.to_vec()).unwrap_or_default();
+
+        let consumer = &self.consumer;
+        ask(&consumer.transfer, "consumer transfer", |reply| {
+            TransferInMsg::Expect {
+                job,
+                inbound: inbound_tx,
+                reply,
+            }
+        })?
+        .await
+        .map_err(|_| JobError::ActorGone("consumer transfer"))?;
+        let decoded = ask(&consumer.decoder, "decoder", |reply| {
+            DecoderMsg::Decode(
+                DecodeJob {
+                    job,
+                    prompt: spec.prompt,
+                    codec: spec.codec.clone(),
+                    params: spec.params,
+                    inbound: inbound_rx,
+                    tokens: tokens_tx,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
+        })?;
+
+        let producer = &self.producer;
+        let sent = ask(&producer.transfer, "producer transfer", |reply| {
+            TransferOutMsg::Send(
+                SendJob {
+                    job,
+                    frames: frames_rx,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
+        })?;
+        let encoded = ask(&producer.encoder, "encoder", |reply| {
+            EncoderMsg::Encode(
+                EncodeJob {
+                    job,
+                    codec: spec.codec.clone(),
+                    captures: captures_rx,
+                    frames: frames_tx,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
+        })?;
+        let prefilled = ask(&producer.producer, "producer", |reply| {
+            ProducerMsg::Prefill(
+                PrefillJob {
+                    job,
+                    prefix,
+                    codec: spec.codec,
+                    captures: captures_tx,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
+        })?;
+        let replies = Replies {
+            prefilled,
+            encoded,
+            sent,
+            decoded,
+        };
+        let outcome = tokio::spawn(gather(submitted, cancel.clone(), replies));
+        Ok(RunningJob {
+            id: job,
+            tokens: tokens_rx,
+            outcome,
+        })
+    }
+
+    /// Stops every job and actor and closes both endpoints.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        for (cell, _) in &self.actors {
+            cell.stop(None);
+        }
+        for (_, handle) in self.actors {
+            let _ = handle.await;
+        }
+        self.producer.endpoint.close();
+        self.consumer.endpoint.close();
+        self.producer.endpoint.wait_idle().await;
+        self.consumer.endpoint.wait_idle().await;
+    }
+}
+
+/// Sends `actor` a request built around a fresh reply port; the receiver of the reply.
+fn ask<M: ractor::Message, T>(
+    actor: &ActorRef<M>,
+    stage: &'static str,
+    build: impl FnOnce(RpcReplyPort<T>) -> M,
+) -> Result<oneshot::Receiver<T>, JobError> {
+    let (tx, rx) = oneshot::channel();
+    actor
+        .send_message(build(tx.into()))
+        .map_err(|_| JobError::ActorGone(stage))?;
+    Ok(rx)
+}
+
+/// The stages' replies for one job.
+struct Replies {
+    prefilled: oneshot::Receiver<Result<Option<Span>, ProducerError>>,
+    encoded: oneshot::Receiver<Result<EncodeReport, EncoderError>>,
+    sent: oneshot::Receiver<Result<TransferReport, TransferError>>,
+    decoded: oneshot::Receiver<Result<DecodeReport, DecoderError>>,
+}
+
+/// A stage's reply; the first failure cancels the job.
+async fn settle<T, E>(
+    reply: oneshot::Receiver<Result<T, E>>,
+    stage: &'static str,
+    cancel: &CancellationToken,
+) -> Result<T, JobError>
+where
+    JobError: From<E>,
+{
+    let result = match reply.await {
+        Ok(r) => r.map_err(JobError::from),
+        Err(_) => Err(JobError::ActorGone(stage)),
+    };
+    if result.is_err() {
+        cancel.cancel();
+    }
+    result
+}
+
+/// Waits for every stage and puts the timeline together, or names the failure's cause: the
+/// first error in stage order that is not a knock-on of another.
+async fn gather(
+    submitted: Instant,
+    cancel: CancellationToken,
+    r: Replies,
+) -> Result<(Timeline, StopReason), JobError> {
+    let (p, e, t, d) = tokio::join!(
+        settle(r.prefilled, "producer", &cancel),
+        settle(r.encoded, "encoder", &cancel),
+        settle(r.sent, "producer transfer", &cancel),
+        settle(r.decoded, "decoder", &cancel),
+    );
+    let (prefill, encoded, sent, decoded) = match (p, e, t, d) {
+        (Ok(p), Ok(e), Ok(t), Ok(d)) => (p, e, t, d),
+        (p, e, t, d) => {
+            let mut errors: Vec<JobError> = [p.err(), e.err(), t.err(), d.err()]
+                .into_iter()
+                .flatten()
+                .collect();
+            let cause = errors.iter().position(|e| !e.is_knock_on()).unwrap_or(0);
+            return Err(if cause < errors.len() {
+                errors.swap_remove(cause)
+            } else {
+                JobError::Internal("a stage failed without an error".into())
+            });
+        }
+    };
+    let mut timeline = Timeline::new(submitted);
+    timeline.prefill = prefill;
+    timeline.encode = encoded.span;
+    timeline.layer_bytes = encoded.layer_bytes;
+    timeline.transfer = Some(sent.span);
+    timeline.wire_bytes = sent.wire_bytes;
+    timeline.arrivals = decoded.arrivals;
+    timeline.rebuild = Some(decoded.rebuild);
+    timeline.first_token = decoded.first_token;
+    timeline.finished = Instant::now();
+    Ok((timeline, decoded.stop))
+}
