@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 /// The experts that ship a translator (experts/README.md).
-const EXPERTS: [&str; 1] = ["mail"];
+const EXPERTS: [&str; 3] = ["mail", "sotu", "melville"];
 const PROMPT: &str =
     "From: dana@lists.example.org\nSubject: Re: sorting folders by date\n\nNot directly, but";
 
