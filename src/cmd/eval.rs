@@ -294,11 +294,12 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
         md.push_str(&section);
         md.push('\n');
         reports.push(report);
+        // Written after every expert: a report of several experts runs for an hour or more on
+        // a small machine, and a stop should lose at most the expert in progress.
+        if let Some(path) = &args.json {
+            scd_models::json_file::write_atomic(path, &reports)?;
+        }
+        write(&args.markdown, &md)?;
     }
-    write(
-        &args.json,
-        &(serde_json::to_string_pretty(&reports)? + "\n"),
-    )?;
-    write(&args.markdown, &md)?;
     Ok(())
 }
