@@ -48,3 +48,25 @@ pub(crate) fn send<T>(
         }
     })
 }
+
+/// Runs `work` on a blocking thread (handing it the runtime's handle for the channel waits
+/// above) and answers `reply` with its result. A panic in `work` becomes `internal(message)`.
+/// The caller may have given up on the job; an unanswerable reply is not an error.
+pub(crate) async fn run_and_reply<T, E>(
+    stage: &'static str,
+    reply: ractor::RpcReplyPort<Result<T, E>>,
+    internal: fn(String) -> E,
+    work: impl FnOnce(&Handle) -> Result<T, E> + Send + 'static,
+) where
+    T: Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let rt = Handle::current();
+    let result = tokio::task::spawn_blocking(move || work(&rt))
+        .await
+        .unwrap_or_else(|e| Err(internal(e.to_string())));
+    if let Err(e) = &result {
+        tracing::debug!(error = %e, "{stage} failed");
+    }
+    let _ = reply.send(result);
+}

@@ -25,7 +25,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::blocking::{self, Interrupted};
+use crate::blocking::{self, run_and_reply, Interrupted};
 use crate::job::JobCodec;
 use crate::timeline::{FrameArrival, Span};
 use crate::transfer::Inbound;
@@ -158,14 +158,10 @@ impl Actor for Decoder {
         match msg {
             DecoderMsg::Decode(job, reply) => {
                 let model = Arc::clone(&state.model);
-                let rt = Handle::current();
-                let result = tokio::task::spawn_blocking(move || decode(&rt, &model, job))
-                    .await
-                    .unwrap_or_else(|e| Err(DecoderError::Internal(e.to_string())));
-                if let Err(e) = &result {
-                    tracing::debug!(error = %e, "decoding failed");
-                }
-                let _ = reply.send(result);
+                run_and_reply("decoding", reply, DecoderError::Internal, move |rt| {
+                    decode(rt, &model, job)
+                })
+                .await;
             }
         }
         Ok(())

@@ -12,7 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::blocking::{self, Interrupted};
+use crate::blocking::{self, run_and_reply, Interrupted};
 use crate::job::JobCodec;
 use crate::timeline::{LayerBytes, Span};
 
@@ -91,14 +91,10 @@ impl Actor for Encoder {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             EncoderMsg::Encode(job, reply) => {
-                let rt = Handle::current();
-                let result = tokio::task::spawn_blocking(move || encode(&rt, job))
-                    .await
-                    .unwrap_or_else(|e| Err(EncoderError::Internal(e.to_string())));
-                if let Err(e) = &result {
-                    tracing::debug!(error = %e, "encoding failed");
-                }
-                let _ = reply.send(result);
+                run_and_reply("encoding", reply, EncoderError::Internal, move |rt| {
+                    encode(rt, job)
+                })
+                .await;
             }
         }
         Ok(())

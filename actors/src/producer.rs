@@ -17,7 +17,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::blocking::{self, Interrupted};
+use crate::blocking::{self, run_and_reply, Interrupted};
 use crate::job::JobCodec;
 use crate::timeline::Span;
 
@@ -111,15 +111,10 @@ impl Actor for Producer {
         match msg {
             ProducerMsg::Prefill(job, reply) => {
                 let model = Arc::clone(&state.model);
-                let rt = Handle::current();
-                let result = tokio::task::spawn_blocking(move || prefill(&rt, &model, job))
-                    .await
-                    .unwrap_or_else(|e| Err(ProducerError::Internal(e.to_string())));
-                if let Err(e) = &result {
-                    tracing::debug!(error = %e, "prefill failed");
-                }
-                // The caller may have given up on the job; nothing to do then.
-                let _ = reply.send(result);
+                run_and_reply("prefill", reply, ProducerError::Internal, move |rt| {
+                    prefill(rt, &model, job)
+                })
+                .await;
             }
         }
         Ok(())
