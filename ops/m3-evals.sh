@@ -54,7 +54,8 @@ for e in "$@"; do
       done
       run "$e-rank-96x192-f16" "${pair[@]}" "${COMMON[@]}" --squad-questions 0 \
         --methods reuse,scd --ranks 96,192,128 --code-dtype f16
-      for g in ${GROUPS:-64 128}; do
+      # Groups divide the KV width (192 here): 32 (the main table), 64, 96, 192.
+      for g in ${GROUPS:-64 96 192}; do
         run "$e-q4-g$g" "${pair[@]}" "${COMMON[@]}" --squad-questions 0 --methods raw,q4 --q4-group "$g"
       done
       ;;

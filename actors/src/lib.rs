@@ -2,9 +2,10 @@
 //! scheduler client and admin, under explicit supervision, plus the node configuration.
 //!
 //! It is the one crate that depends on `scd-models`, `scd-transport` and `scd-scheduler`; they do
-//! not know each other. At this stage it holds the node configuration and the actors of one job's
-//! path (milestone M6, first slice), wired together in one process; the scheduler client, admin,
-//! gateway and supervision tree arrive with the next slices.
+//! not know each other. It holds the actors of a job's path, the node that runs them from its
+//! config and the job records in the store, and the client that submits jobs through the store.
+//! The admin endpoint over QUIC, the HTTP gateway and restarts of failed actors are still to
+//! come.
 //!
 //! An actor is one file: its messages (`XxxMsg`), arguments and state, and handlers. Model
 //! compute runs on blocking threads, never on the async runtime. A job's data moves through
@@ -23,8 +24,14 @@
 //!   (the aligner's Patch work happens inside the `scd` codec's decoder today), then generation,
 //!   tokens streamed back.
 //! - [`timeline`]: when each stage of a job ran, and the bytes per layer.
+//! - `stages`: a job's two halves (producer side, consumer side) as requests to a node's actors,
+//!   and how their replies settle into a result or a cause; both the pipeline and the node use
+//!   them.
 //! - [`pipeline`]: a producer node and a consumer node in one process over QUIC on loopback,
-//!   and `run_job`.
+//!   and `run_job`, without a store: the actors' own tests and benchmarks.
+//! - [`node`]: a cluster node: endpoint, registration, model records, scheduler replica, the
+//!   actors of its roles, and its share of the jobs from the records; drains on shutdown.
+//! - [`client`]: submitting a job (a record with its request) and waiting for its end.
 //! - `blocking`: bounded-channel waits for model threads that also end on cancellation.
 //! - [`config`]: the node's TOML file (`scd node --config`): identity, roles, models, experts and
 //!   translators, store, certificates, tracing, limits; parsed, checked against the roles, and
@@ -32,19 +39,24 @@
 #![warn(missing_docs)]
 
 mod blocking;
+pub mod client;
 pub mod config;
 pub mod decoder;
 pub mod encoder;
 pub mod job;
+pub mod node;
 pub mod pipeline;
 pub mod producer;
+mod stages;
 pub mod timeline;
 pub mod transfer;
 
+pub use client::{ClientError, ClusterClient};
 pub use config::{ConfigError, NodeConfig, NodeRole};
 pub use decoder::{Decoder, DecoderError, DecoderMsg};
 pub use encoder::{Encoder, EncoderError, EncoderMsg};
 pub use job::{JobCodec, JobSpec};
+pub use node::{DrainReport, Node, NodeError, ServeError, Served};
 pub use pipeline::{JobError, JobOutput, Pipeline, PipelineOptions, RunningJob, StartError};
 pub use producer::{Producer, ProducerError, ProducerMsg};
 pub use timeline::{FrameArrival, LayerBytes, Span, Timeline};

@@ -22,26 +22,24 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort, SpawnErr};
+use ractor::{Actor, ActorCell, ActorRef, SpawnErr};
 use scd_models::{Llama, StopReason};
 use scd_transport::pki::PkiError;
 use scd_transport::{
     AcceptError, BindError, ClusterCa, ConnectError, Connection, Endpoint, JobId, RecvError, Role,
     SendError, TransportOptions,
 };
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::decoder::{DecodeJob, DecodeReport, Decoder, DecoderArgs, DecoderError, DecoderMsg};
-use crate::encoder::{EncodeJob, EncodeReport, Encoder, EncoderError, EncoderMsg};
+use crate::decoder::{Decoder, DecoderArgs, DecoderError, DecoderMsg};
+use crate::encoder::{Encoder, EncoderError};
 use crate::job::JobSpec;
-use crate::producer::{PrefillJob, Producer, ProducerArgs, ProducerError, ProducerMsg};
-use crate::timeline::{Span, Timeline};
-use crate::transfer::{
-    SendJob, TransferError, TransferIn, TransferInArgs, TransferInMsg, TransferOut, TransferOutMsg,
-    TransferOutState, TransferReport,
-};
+use crate::producer::{Producer, ProducerArgs, ProducerError};
+use crate::stages::{self, ask, cause, ConsumerJob, ProducerActors, ProducerReplies};
+use crate::timeline::Timeline;
+use crate::transfer::{TransferError, TransferIn, TransferInArgs, TransferInMsg, TransferOut};
 
 /// The certificate names of the two nodes.
 const PRODUCER_NODE: &str = "producer-0";
@@ -99,6 +97,9 @@ pub enum StartError {
     /// An actor could not be started.
     #[error("starting an actor: {0}")]
     Spawn(#[from] SpawnErr),
+    /// An actor stopped while starting.
+    #[error("the {0} actor stopped while starting")]
+    ActorStopped(&'static str),
 }
 
 /// Why a job failed: the stage that caused it, with its error.
@@ -192,12 +193,11 @@ impl RunningJob {
     }
 }
 
-/// The producer node's actors and endpoint.
+/// The producer node's actors and endpoint, and its connection to the consumer node.
 struct ProducerNode {
     endpoint: Endpoint,
-    producer: ActorRef<ProducerMsg>,
-    encoder: ActorRef<EncoderMsg>,
-    transfer: ActorRef<TransferOutMsg>,
+    actors: ProducerActors,
+    to_consumer: Connection,
 }
 
 /// The consumer node's actors and endpoint.
@@ -220,11 +220,9 @@ pub struct Pipeline {
     submit: Mutex<()>,
 }
 
-/// The actors of both nodes, in job order.
+/// The actors of both nodes.
 type Actors = (
-    ActorRef<ProducerMsg>,
-    ActorRef<EncoderMsg>,
-    ActorRef<TransferOutMsg>,
+    ProducerActors,
     ActorRef<TransferInMsg>,
     ActorRef<DecoderMsg>,
 );
@@ -235,7 +233,6 @@ async fn spawn_actors(
     actors: &mut Vec<(ActorCell, JoinHandle<()>)>,
     base: Arc<Llama>,
     expert: Arc<Llama>,
-    to_consumer: Connection,
     from_producer: Connection,
     cancel: &CancellationToken,
 ) -> Result<Actors, StartError> {
@@ -243,20 +240,25 @@ async fn spawn_actors(
     actors.push((producer.get_cell(), h));
     let (encoder, h) = Actor::spawn(None, Encoder, ()).await?;
     actors.push((encoder.get_cell(), h));
-    let out = TransferOutState {
-        connection: to_consumer,
-    };
-    let (transfer_out, h) = Actor::spawn(None, TransferOut, out).await?;
-    actors.push((transfer_out.get_cell(), h));
+    let (transfer, h) = Actor::spawn(None, TransferOut, ()).await?;
+    actors.push((transfer.get_cell(), h));
     let args = TransferInArgs {
-        connection: from_producer,
         cancel: cancel.clone(),
+        unexpected: None,
     };
     let (transfer_in, h) = Actor::spawn(None, TransferIn, args).await?;
     actors.push((transfer_in.get_cell(), h));
+    transfer_in
+        .send_message(TransferInMsg::Connection(from_producer))
+        .map_err(|_| StartError::ActorStopped("consumer transfer"))?;
     let (decoder, h) = Actor::spawn(None, Decoder, DecoderArgs { model: expert }).await?;
     actors.push((decoder.get_cell(), h));
-    Ok((producer, encoder, transfer_out, transfer_in, decoder))
+    let producer = ProducerActors {
+        producer,
+        encoder,
+        transfer,
+    };
+    Ok((producer, transfer_in, decoder))
 }
 
 fn loopback() -> SocketAddr {
@@ -297,16 +299,8 @@ impl Pipeline {
         let (to_consumer, from_producer) = tokio::try_join!(connect, accept)?;
 
         let mut actors = Vec::new();
-        let spawned = spawn_actors(
-            &mut actors,
-            base,
-            expert,
-            to_consumer,
-            from_producer,
-            &cancel,
-        )
-        .await;
-        let (producer, encoder, transfer_out, transfer_in, decoder) = match spawned {
+        let spawned = spawn_actors(&mut actors, base, expert, from_producer, &cancel).await;
+        let (producer, transfer_in, decoder) = match spawned {
             Ok(refs) => refs,
             Err(e) => {
                 for (cell, _) in &actors {
@@ -318,9 +312,8 @@ impl Pipeline {
         Ok(Self {
             producer: ProducerNode {
                 endpoint: producer_ep,
-                producer,
-                encoder,
-                transfer: transfer_out,
+                actors: producer,
+                to_consumer,
             },
             consumer: ConsumerNode {
                 endpoint: consumer_ep,
@@ -367,10 +360,7 @@ impl Pipeline {
         cancel: &CancellationToken,
     ) -> Result<RunningJob, JobError> {
         let q = &self.opts;
-        let (captures_tx, captures_rx) = mpsc::channel(q.capture_queue.max(1));
-        let (frames_tx, frames_rx) = mpsc::channel(q.frame_queue.max(1));
         let (inbound_tx, inbound_rx) = mpsc::channel(q.arrival_queue.max(1));
-        let (tokens_tx, tokens_rx) = mpsc::channel(q.token_queue.max(1));
         let job = spec.id;
         let prefix = spec.split().map(|(p, _)| p.to_vec()).unwrap_or_default();
 
@@ -384,66 +374,27 @@ impl Pipeline {
         })?
         .await
         .map_err(|_| JobError::ActorGone("consumer transfer"))?;
-        let decoded = ask(&consumer.decoder, "decoder", |reply| {
-            DecoderMsg::Decode(
-                DecodeJob {
-                    job,
-                    prompt: spec.prompt,
-                    codec: spec.codec.clone(),
-                    params: spec.params,
-                    inbound: inbound_rx,
-                    tokens: tokens_tx,
-                    cancel: cancel.clone(),
-                },
-                reply,
-            )
-        })?;
-
-        let producer = &self.producer;
-        let sent = ask(&producer.transfer, "producer transfer", |reply| {
-            TransferOutMsg::Send(
-                SendJob {
-                    job,
-                    frames: frames_rx,
-                    cancel: cancel.clone(),
-                },
-                reply,
-            )
-        })?;
-        let encoded = ask(&producer.encoder, "encoder", |reply| {
-            EncoderMsg::Encode(
-                EncodeJob {
-                    job,
-                    codec: spec.codec.clone(),
-                    captures: captures_rx,
-                    frames: frames_tx,
-                    cancel: cancel.clone(),
-                },
-                reply,
-            )
-        })?;
-        let prefilled = ask(&producer.producer, "producer", |reply| {
-            ProducerMsg::Prefill(
-                PrefillJob {
-                    job,
-                    prefix,
-                    codec: spec.codec,
-                    captures: captures_tx,
-                    cancel: cancel.clone(),
-                },
-                reply,
-            )
-        })?;
-        let replies = Replies {
-            prefilled,
-            encoded,
-            sent,
-            decoded,
+        let decode = ConsumerJob {
+            job,
+            prompt: spec.prompt,
+            codec: spec.codec.clone(),
+            params: spec.params,
+            inbound: inbound_rx,
         };
-        let outcome = tokio::spawn(gather(submitted, cancel.clone(), replies));
+        let (decoded, tokens) = stages::start_decode(&consumer.decoder, decode, q, cancel)?;
+        let producer = &self.producer;
+        let produced = producer.actors.start(
+            job,
+            prefix,
+            spec.codec,
+            producer.to_consumer.clone(),
+            q,
+            cancel,
+        )?;
+        let outcome = tokio::spawn(gather(submitted, cancel.clone(), produced, decoded));
         Ok(RunningJob {
             id: job,
-            tokens: tokens_rx,
+            tokens,
             outcome,
         })
     }
@@ -464,80 +415,31 @@ impl Pipeline {
     }
 }
 
-/// Sends `actor` a request built around a fresh reply port; the receiver of the reply.
-fn ask<M: ractor::Message, T>(
-    actor: &ActorRef<M>,
-    stage: &'static str,
-    build: impl FnOnce(RpcReplyPort<T>) -> M,
-) -> Result<oneshot::Receiver<T>, JobError> {
-    let (tx, rx) = oneshot::channel();
-    actor
-        .send_message(build(tx.into()))
-        .map_err(|_| JobError::ActorGone(stage))?;
-    Ok(rx)
-}
-
-/// The stages' replies for one job.
-struct Replies {
-    prefilled: oneshot::Receiver<Result<Option<Span>, ProducerError>>,
-    encoded: oneshot::Receiver<Result<EncodeReport, EncoderError>>,
-    sent: oneshot::Receiver<Result<TransferReport, TransferError>>,
-    decoded: oneshot::Receiver<Result<DecodeReport, DecoderError>>,
-}
-
-/// A stage's reply; the first failure cancels the job.
-async fn settle<T, E>(
-    reply: oneshot::Receiver<Result<T, E>>,
-    stage: &'static str,
-    cancel: &CancellationToken,
-) -> Result<T, JobError>
-where
-    JobError: From<E>,
-{
-    let result = match reply.await {
-        Ok(r) => r.map_err(JobError::from),
-        Err(_) => Err(JobError::ActorGone(stage)),
-    };
-    if result.is_err() {
-        cancel.cancel();
-    }
-    result
-}
-
-/// Waits for every stage and puts the timeline together, or names the failure's cause: the
-/// first error in stage order that is not a knock-on of another.
+/// Waits for both halves and puts the timeline together, or names the failure's cause.
 async fn gather(
     submitted: Instant,
     cancel: CancellationToken,
-    r: Replies,
+    produced: ProducerReplies,
+    decoded: stages::DecodeReply,
 ) -> Result<(Timeline, StopReason), JobError> {
-    let (p, e, t, d) = tokio::join!(
-        settle(r.prefilled, "producer", &cancel),
-        settle(r.encoded, "encoder", &cancel),
-        settle(r.sent, "producer transfer", &cancel),
-        settle(r.decoded, "decoder", &cancel),
+    let (p, d) = tokio::join!(
+        produced.settle(&cancel),
+        stages::settle(decoded, "decoder", &cancel),
     );
-    let (prefill, encoded, sent, decoded) = match (p, e, t, d) {
-        (Ok(p), Ok(e), Ok(t), Ok(d)) => (p, e, t, d),
-        (p, e, t, d) => {
-            let mut errors: Vec<JobError> = [p.err(), e.err(), t.err(), d.err()]
-                .into_iter()
-                .flatten()
-                .collect();
-            let cause = errors.iter().position(|e| !e.is_knock_on()).unwrap_or(0);
-            return Err(if cause < errors.len() {
-                errors.swap_remove(cause)
-            } else {
-                JobError::Internal("a stage failed without an error".into())
-            });
+    let (produced, decoded) = match (p, d) {
+        (Ok(p), Ok(d)) => (p, d),
+        (p, d) => {
+            let mut errors = p.err().unwrap_or_default();
+            errors.extend(d.err());
+            return Err(cause(errors));
         }
     };
     let mut timeline = Timeline::new(submitted);
-    timeline.prefill = prefill;
-    timeline.encode = encoded.span;
-    timeline.layer_bytes = encoded.layer_bytes;
-    timeline.transfer = Some(sent.span);
-    timeline.wire_bytes = sent.wire_bytes;
+    timeline.prefill = produced.prefill;
+    timeline.encode = produced.encoded.span;
+    timeline.layer_bytes = produced.encoded.layer_bytes;
+    timeline.transfer = Some(produced.sent.span);
+    timeline.wire_bytes = produced.sent.wire_bytes;
     timeline.arrivals = decoded.arrivals;
     timeline.rebuild = Some(decoded.rebuild);
     timeline.first_token = decoded.first_token;

@@ -1,14 +1,16 @@
 //! The transfer actors, the QUIC side of a job.
 //!
-//! - [`TransferOut`] (producer node) holds the connection to the consumer node; for each job it
-//!   opens a job stream and sends the encoder's frames as they come. The transport's
+//! - [`TransferOut`] (producer node): for each job it opens a job stream on the connection to
+//!   the job's consumer node and sends the encoder's frames as they come. The transport's
 //!   [`scd_transport::JobSender`] queue is bounded, so a slow link slows the encoder, which
 //!   slows the producer. Jobs are sent one at a time.
-//! - [`TransferIn`] (consumer node) accepts job streams on the connection from the producer
-//!   node. A job is expected first ([`TransferInMsg::Expect`], with the bounded channel of the
-//!   decoder that will take it); its frames are then forwarded as they arrive, stamped with
-//!   their arrival time. A stream nobody expects is cancelled, and so is a stream whose decoder
-//!   stopped taking frames (the producer node sees why).
+//! - [`TransferIn`] (consumer node) accepts job streams on every connection from a producer
+//!   node it is given ([`TransferInMsg::Connection`]). A stream goes to the decoder channel
+//!   registered for its job ([`TransferInMsg::Expect`]), or, for a stream nobody expects, to the
+//!   node's handler of new jobs if it has one (a cluster node looks the job up in the store and
+//!   hands the stream back with [`TransferInMsg::Attach`]); otherwise it is cancelled. Frames are
+//!   forwarded stamped with their arrival time; a stream whose decoder stopped taking frames is
+//!   cancelled (the producer node sees why).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -51,16 +53,12 @@ pub struct TransferReport {
 /// The producer node's transfer actor.
 pub struct TransferOut;
 
-/// A [`TransferOut`]'s state and arguments: the connection to the consumer node.
-pub struct TransferOutState {
-    /// The connection.
-    pub connection: Connection,
-}
-
 /// One job's frames to send.
 pub struct SendJob {
     /// The job.
     pub job: JobId,
+    /// The connection to the job's consumer node.
+    pub connection: Connection,
     /// Frames from the encoder, in order; the stream finishes when this closes.
     pub frames: mpsc::Receiver<CodeFrame>,
     /// The job's cancellation.
@@ -75,26 +73,26 @@ pub enum TransferOutMsg {
 
 impl Actor for TransferOut {
     type Msg = TransferOutMsg;
-    type State = TransferOutState;
-    type Arguments = TransferOutState;
+    type State = ();
+    type Arguments = ();
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        args: TransferOutState,
+        (): (),
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(args)
+        Ok(())
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
-        state: &mut Self::State,
+        (): &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             TransferOutMsg::Send(job, reply) => {
-                let result = send_job(&state.connection, job).await;
+                let result = send_job(job).await;
                 if let Err(e) = &result {
                     tracing::debug!(error = %e, "transfer failed");
                 }
@@ -105,9 +103,10 @@ impl Actor for TransferOut {
     }
 }
 
-async fn send_job(conn: &Connection, job: SendJob) -> Result<TransferReport, TransferError> {
+async fn send_job(job: SendJob) -> Result<TransferReport, TransferError> {
     let SendJob {
         job,
+        connection: conn,
         mut frames,
         cancel,
     } = job;
@@ -151,18 +150,20 @@ pub struct TransferIn;
 
 /// What a [`TransferIn`] starts with.
 pub struct TransferInArgs {
-    /// The connection from the producer node.
-    pub connection: Connection,
-    /// The node's cancellation: stops the accept loop and every forwarding task.
+    /// The node's cancellation: stops the accept loops and every forwarding task.
     pub cancel: CancellationToken,
+    /// Where streams nobody expects go (bounded: when it is full, such a stream is cancelled as
+    /// busy); `None`: they are cancelled.
+    pub unexpected: Option<mpsc::Sender<JobReceiver>>,
 }
 
 /// A [`TransferIn`]'s state.
 pub struct TransferInState {
     /// Jobs expected and not yet arrived, with their decoder's channel.
     expected: HashMap<JobId, mpsc::Sender<Inbound>>,
+    unexpected: Option<mpsc::Sender<JobReceiver>>,
     cancel: CancellationToken,
-    accept_loop: JoinHandle<()>,
+    accept_loops: Vec<JoinHandle<()>>,
 }
 
 /// Messages of [`TransferIn`].
@@ -177,8 +178,17 @@ pub enum TransferInMsg {
         /// Acknowledgement.
         reply: RpcReplyPort<()>,
     },
-    /// A job stream was accepted (from the actor's own accept loop).
+    /// Accept job streams on this connection from a producer node.
+    Connection(Connection),
+    /// A job stream was accepted (from one of the actor's accept loops).
     Accepted(Box<JobReceiver>),
+    /// Forward this stream, handed out as unexpected, to `inbound`.
+    Attach {
+        /// The stream.
+        receiver: Box<JobReceiver>,
+        /// The decoder's channel.
+        inbound: mpsc::Sender<Inbound>,
+    },
 }
 
 impl Actor for TransferIn {
@@ -188,14 +198,14 @@ impl Actor for TransferIn {
 
     async fn pre_start(
         &self,
-        myself: ActorRef<Self::Msg>,
+        _myself: ActorRef<Self::Msg>,
         args: TransferInArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let accept_loop = tokio::spawn(accept_loop(args.connection, myself, args.cancel.clone()));
         Ok(TransferInState {
             expected: HashMap::new(),
+            unexpected: args.unexpected,
             cancel: args.cancel,
-            accept_loop,
+            accept_loops: Vec::new(),
         })
     }
 
@@ -204,13 +214,15 @@ impl Actor for TransferIn {
         _myself: ActorRef<Self::Msg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        state.accept_loop.abort();
+        for task in &state.accept_loops {
+            task.abort();
+        }
         Ok(())
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
@@ -232,14 +244,39 @@ impl Actor for TransferIn {
                     Some(inbound) => {
                         tokio::spawn(forward(*receiver, inbound, cancel));
                     }
-                    None => {
-                        tracing::warn!(job = %receiver.job_id(), "job stream nobody expects");
-                        tokio::spawn(receiver.cancel("no decoder expects this job"));
-                    }
+                    None => hand_out(state.unexpected.as_ref(), *receiver),
                 }
+            }
+            TransferInMsg::Attach { receiver, inbound } => {
+                tokio::spawn(forward(*receiver, inbound, state.cancel.child_token()));
+            }
+            TransferInMsg::Connection(connection) => {
+                state.accept_loops.retain(|t| !t.is_finished());
+                let task = accept_loop(connection, myself, state.cancel.clone());
+                state.accept_loops.push(tokio::spawn(task));
             }
         }
         Ok(())
+    }
+}
+
+/// Gives a stream nobody expects to the node's handler, or cancels it.
+fn hand_out(handler: Option<&mpsc::Sender<JobReceiver>>, receiver: JobReceiver) {
+    let job = receiver.job_id();
+    let Some(handler) = handler else {
+        tracing::warn!(%job, "job stream nobody expects");
+        tokio::spawn(receiver.cancel("no decoder expects this job"));
+        return;
+    };
+    match handler.try_send(receiver) {
+        Ok(()) => {}
+        Err(mpsc::error::TrySendError::Full(receiver)) => {
+            tracing::warn!(%job, "too many new job streams waiting; refusing one");
+            tokio::spawn(receiver.cancel("the consumer node is busy"));
+        }
+        Err(mpsc::error::TrySendError::Closed(receiver)) => {
+            tokio::spawn(receiver.cancel("the consumer node is shutting down"));
+        }
     }
 }
 
@@ -260,7 +297,7 @@ async fn accept_loop(conn: Connection, actor: ActorRef<TransferInMsg>, cancel: C
                 }
             }
             Err(AcceptJobError::ConnectionLost(e)) => {
-                tracing::warn!(error = %e, "connection from the producer node lost");
+                tracing::info!(peer = %conn.peer().name, error = %e, "connection from a producer node ended");
                 return;
             }
             Err(e) => tracing::warn!(error = %e, "refused a job stream"),

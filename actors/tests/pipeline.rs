@@ -3,145 +3,20 @@
 //! layers stream while the producer is still prefilling, and a corrupt code fails its job
 //! without harming the next.
 
-use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+mod common;
 
+use std::sync::Arc;
+
+use common::{models, params, prompt, raw_codec, reference, scd_codec, Models, MAX_TOKENS};
 use scd_actors::{
     DecoderError, JobCodec, JobError, JobOutput, JobSpec, Pipeline, PipelineOptions, ProducerError,
 };
-use scd_models::codec::{self, CodecOptions, Raw};
-use scd_models::tokenizer::{ChatMessage, Tokenizer};
-use scd_models::translator::Translator;
+use scd_models::codec::{CodecOptions, Raw};
 use scd_models::{
-    generate_with_cache, AdapterMode, Capture, Codec, CodecError, GenerateParams, GgufFile, Input,
-    LayerCapture, LayerDecoder, Llama, LogitsWanted, LoraAdapter, Prefix, Sampling, StopReason,
+    Capture, Codec, CodecError, LayerCapture, LayerDecoder, Llama, Prefix, StopReason,
 };
-use scd_transport::{ClusterCa, CodeDType, JobId, LayerCode, Mode};
+use scd_transport::{ClusterCa, JobId, LayerCode, Mode};
 use tokio_util::sync::CancellationToken;
-
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-const MAX_TOKENS: usize = 16;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// `$SCD_MODEL_DIR/<model>` or `<repo>/.cache/models/<model>`; fails with the fix when absent.
-fn model_path() -> PathBuf {
-    let dir = std::env::var_os("SCD_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".cache/models"));
-    let path = dir.join(MODEL_FILE);
-    assert!(
-        path.exists(),
-        "{} is missing: run `make model` (or set SCD_MODEL_DIR to the folder holding {MODEL_FILE})",
-        path.display()
-    );
-    path
-}
-
-/// The base model, the mail expert, their translator (with the expert's index in it) and the
-/// tokenizer, loaded once per test binary.
-struct Models {
-    base: Arc<Llama>,
-    expert: Arc<Llama>,
-    translator: (Arc<Translator>, usize),
-    tok: Tokenizer,
-}
-
-fn models() -> &'static Models {
-    static MODELS: OnceLock<Models> = OnceLock::new();
-    MODELS.get_or_init(|| {
-        let file = GgufFile::open(model_path()).unwrap();
-        let tok = Tokenizer::from_gguf(file.content()).unwrap();
-        let base = file.load_model().unwrap();
-        let mail = repo().join("experts/mail");
-        let adapter = LoraAdapter::load(mail.join("adapter.safetensors"), base.config()).unwrap();
-        let expert = base.with_adapter(&adapter, AdapterMode::Merge).unwrap();
-        let translator = Translator::load(&mail.join("translator")).unwrap();
-        let index = translator.check_pair(&base, &expert).unwrap();
-        Models {
-            base: Arc::new(base),
-            expert: Arc::new(expert),
-            translator: (Arc::new(translator), index),
-            tok,
-        }
-    })
-}
-
-/// A chat prompt of about a hundred tokens, long enough that the prefill takes a while.
-fn prompt(m: &Models) -> Vec<u32> {
-    let text = "Please read this message and write a short, polite reply. \
-        From: Jane Smith <jane@example.org>. Subject: Re: the server upgrade on Friday. \
-        Hi all, a reminder that the mail server will be down for maintenance from six to \
-        eight in the evening on Friday. Messages sent during that window will be queued and \
-        delivered afterwards. If you have urgent deliveries, send them before five. Thanks \
-        for your patience, Jane.";
-    let chat = m
-        .tok
-        .apply_chat_template(&[ChatMessage::user(text.to_owned())], true)
-        .unwrap();
-    let ids = m.tok.encode(&chat, false).unwrap();
-    assert!(ids.len() > 64, "prompt of {} tokens", ids.len());
-    ids
-}
-
-fn params() -> GenerateParams {
-    GenerateParams {
-        max_tokens: MAX_TOKENS,
-        sampling: Sampling::Greedy,
-        seed: 0,
-        // No stop token: every run generates exactly MAX_TOKENS, so the comparison is long.
-        stop_tokens: Vec::new(),
-    }
-}
-
-fn raw_codec() -> JobCodec {
-    JobCodec::for_mode(Mode::Raw, None, &CodecOptions::default()).unwrap()
-}
-
-fn scd_codec(m: &Models) -> JobCodec {
-    let (t, index) = &m.translator;
-    let codec = JobCodec::for_mode(
-        Mode::Scd,
-        Some((t, *index)),
-        &CodecOptions {
-            code_dtype: CodeDType::I8_ROWS,
-            ..CodecOptions::default()
-        },
-    )
-    .unwrap();
-    assert_eq!(codec.translator, Some(t.hash()));
-    codec
-}
-
-/// The same mode in one process, without actors or QUIC: the whole prefix's captures encoded,
-/// decoded with the codec's layer decoder, generated with the same function.
-fn reference(m: &Models, codec: &dyn Codec, prompt: &[u32]) -> Vec<u32> {
-    let (&last, prefix) = prompt.split_last().unwrap();
-    let codes = match codec.capture() {
-        Some(capture) => {
-            let captured = m
-                .base
-                .forward(
-                    Input::new(prefix)
-                        .capture(capture)
-                        .logits(LogitsWanted::None),
-                )
-                .unwrap()
-                .captured;
-            codec::encode(codec, &captured).unwrap()
-        }
-        None => Vec::new(),
-    };
-    let mut cache = codec::decode(codec, &m.expert, &codes, Prefix::new(prefix)).unwrap();
-    generate_with_cache(&m.expert, &mut cache, &[last], &params(), |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap()
-    .tokens
-}
 
 async fn start(m: &Models) -> Pipeline {
     let ca = ClusterCa::generate("test").unwrap();

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use scd_types::{JobId, JobState, Mode, TraceContext};
+use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext};
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, CodecError};
@@ -69,6 +69,13 @@ pub struct JobRecord {
     /// Bytes of codes sent.
     #[serde(default)]
     pub payload_bytes: u64,
+    /// What the job asks for (the prompt's tokens and the generation settings); `None` for a
+    /// record made only to be scheduled (the scheduler's own tests).
+    #[serde(default)]
+    pub request: Option<JobRequest>,
+    /// What the expert generated, once done.
+    #[serde(default)]
+    pub output: Option<JobResult>,
     /// Why it failed or was cancelled, or why the last attempt was abandoned.
     #[serde(default)]
     pub error: Option<String>,
@@ -148,10 +155,18 @@ impl JobRecord {
             }],
             timings_ms: BTreeMap::new(),
             payload_bytes: 0,
+            request: None,
+            output: None,
             error: None,
             created_at_ms: now,
             updated_at_ms: now,
         }
+    }
+
+    /// The same job carrying `request`.
+    pub fn with_request(mut self, request: JobRequest) -> Self {
+        self.request = Some(request);
+        self
     }
 
     /// The same job carrying `trace`.

@@ -52,7 +52,7 @@ pub use membership::{
     LiveNodes, NodeInfo, NodeMap, Registration, RegistrationConfig, RegistrationEvent,
 };
 pub use models::{ModelRecord, ModelRegistry};
-pub use scd_types::{JobId, JobState, Mode, TraceContext, TranslatorHash};
+pub use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext, TranslatorHash};
 pub use service::{Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
 pub use translators::{

@@ -228,6 +228,12 @@ impl Registration {
 
     /// Stops renewing and revokes the lease, removing the node key now.
     pub async fn deregister(self) -> Result<(), MembershipError> {
+        self.leave().await
+    }
+
+    /// [`Registration::deregister`] for a registration that is shared: the renewals stop and
+    /// the lease is revoked; later updates fail with the lease gone.
+    pub async fn leave(&self) -> Result<(), MembershipError> {
         self.task.abort();
         match self.shared.store.revoke_lease(self.lease()).await {
             Ok(()) | Err(StoreError::LeaseNotFound(_)) => Ok(()),

@@ -54,6 +54,11 @@ impl Connection {
         }
     }
 
+    /// Whether the connection has closed (for whatever reason): a new one is needed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.close_reason().is_some()
+    }
+
     /// Who the peer is, from its certificate.
     pub fn peer(&self) -> &PeerIdentity {
         &self.peer

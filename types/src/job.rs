@@ -276,3 +276,40 @@ mod tests {
         assert!("running".parse::<JobState>().is_err());
     }
 }
+
+/// What a job asks the expert to do: the prompt, already tokenised with the base model's
+/// tokenizer (the producer prefills all but its last token), and how to generate. Kept in the
+/// job record, so that whichever producer and consumer the job lands on (or lands on again
+/// after a retry) work from the same request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobRequest {
+    /// The prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// At most this many new tokens.
+    pub max_tokens: u32,
+    /// Softmax temperature; 0 is greedy.
+    #[serde(default)]
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1], used when `temperature` > 0.
+    #[serde(default = "one")]
+    pub top_p: f32,
+    /// Seed of the sampler.
+    #[serde(default)]
+    pub seed: u64,
+    /// Tokens that end generation (not emitted).
+    #[serde(default)]
+    pub stop_tokens: Vec<u32>,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+/// What a finished job produced, written by the consumer that decoded it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobResult {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why generation ended (`max_tokens`, `stop_token`, ...).
+    pub stop: String,
+}

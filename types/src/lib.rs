@@ -18,7 +18,7 @@ pub mod trace;
 pub mod translator;
 
 pub use code::{CodeDType, CodeKind, LayerCode};
-pub use job::{JobId, JobState, ParseJobIdError, ParseJobStateError};
+pub use job::{JobId, JobRequest, JobResult, JobState, ParseJobIdError, ParseJobStateError};
 pub use mode::{Mode, ParseModeError};
 pub use trace::{TraceContext, TraceContextError, TraceEntry};
 pub use translator::{ParseTranslatorHashError, TranslatorHash};

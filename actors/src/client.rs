@@ -1,0 +1,156 @@
+//! Submitting jobs to a cluster and following them through the store: what an admin endpoint,
+//! the HTTP gateway and the in-process demo do on a user's behalf. A submission is a job record
+//! (`queued`, carrying the request); the scheduler assigns it, the nodes work on it, and the
+//! record ends `done` with the tokens or `failed` with the reason.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use scd_scheduler::jobs::JobError as RecordError;
+use scd_scheduler::{
+    JobId, JobRecord, JobRequest, JobStore, Keys, MetaStore, Mode, NodeMap, StoreError,
+};
+
+/// Attempts a job gets (a producer or consumer lost mid-job costs one) unless the caller says.
+pub const DEFAULT_ATTEMPTS: u32 = 3;
+
+/// Why a submission or a wait failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No live node decodes the expert.
+    #[error("no consumer serves expert {expert}: start a node with the consumer role and that expert (experts[] in its config){known}")]
+    NoConsumer {
+        /// The expert asked for.
+        expert: String,
+        /// The experts that are served, for the message.
+        known: String,
+    },
+    /// The prompt cannot be a job.
+    #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
+    PromptTooShort(usize),
+    /// Reading or writing the job record failed.
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    /// The store failed.
+    #[error("cluster store: {0}")]
+    Store(#[from] StoreError),
+    /// The job vanished (swept, or the store was wiped).
+    #[error("job {0} is gone from the store")]
+    Gone(JobId),
+    /// The job did not finish in time.
+    #[error("job {id} did not finish within {after:?}; it is {state}")]
+    Timeout {
+        /// The job.
+        id: JobId,
+        /// How long the caller waited.
+        after: Duration,
+        /// Where it was.
+        state: scd_scheduler::JobState,
+    },
+}
+
+/// A client of one cluster's store.
+#[derive(Clone)]
+pub struct ClusterClient {
+    store: Arc<dyn MetaStore>,
+    keys: Keys,
+    jobs: JobStore,
+}
+
+impl ClusterClient {
+    /// A client of the cluster under `keys` in `store`.
+    pub fn new(store: Arc<dyn MetaStore>, keys: Keys) -> Self {
+        let jobs = JobStore::new(store.clone(), keys.clone());
+        Self { store, keys, jobs }
+    }
+
+    /// The live nodes now.
+    pub async fn nodes(&self) -> Result<NodeMap, ClientError> {
+        let listing = self.store.get_prefix(&self.keys.nodes_prefix()).await?;
+        let mut nodes = NodeMap::new();
+        for kv in listing.kvs {
+            if let Ok(info) =
+                scd_scheduler::codec::decode::<scd_scheduler::NodeInfo>(&kv.key, &kv.value)
+            {
+                nodes.insert(info.id.clone(), info);
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// Queues a job for `expert` in `mode`; its id. Refused at once when no live node decodes
+    /// the expert (the job would only wait).
+    pub async fn submit(
+        &self,
+        expert: &str,
+        mode: Mode,
+        request: JobRequest,
+    ) -> Result<JobId, ClientError> {
+        if request.prompt.len() < 2 {
+            return Err(ClientError::PromptTooShort(request.prompt.len()));
+        }
+        let nodes = self.nodes().await?;
+        if !nodes
+            .values()
+            .any(|n| n.consumer_models.iter().any(|m| m == expert))
+        {
+            let mut served: Vec<&str> = nodes
+                .values()
+                .flat_map(|n| n.consumer_models.iter().map(String::as_str))
+                .collect();
+            served.sort_unstable();
+            served.dedup();
+            let known = if served.is_empty() {
+                String::from("; no node serves any expert now")
+            } else {
+                format!("; served now: {}", served.join(", "))
+            };
+            return Err(ClientError::NoConsumer {
+                expert: expert.to_owned(),
+                known,
+            });
+        }
+        let id = JobId::random();
+        let record = JobRecord::new(id, expert, mode, DEFAULT_ATTEMPTS).with_request(request);
+        self.jobs.create(&record).await?;
+        Ok(id)
+    }
+
+    /// The job's record now.
+    pub async fn get(&self, id: JobId) -> Result<JobRecord, ClientError> {
+        self.jobs.get(id).await?.ok_or(ClientError::Gone(id))
+    }
+
+    /// Cancels a job.
+    pub async fn cancel(&self, id: JobId, reason: &str) -> Result<JobRecord, ClientError> {
+        Ok(self.jobs.cancel(id, reason).await?)
+    }
+
+    /// Waits until the job is done, failed or cancelled (or `timeout` passes); its record.
+    pub async fn wait(&self, id: JobId, timeout: Duration) -> Result<JobRecord, ClientError> {
+        let key = self.keys.job(id);
+        let wait = async {
+            loop {
+                let Some(kv) = self.store.get(&key).await? else {
+                    return Err(ClientError::Gone(id));
+                };
+                let job: JobRecord =
+                    scd_scheduler::codec::decode(&kv.key, &kv.value).map_err(RecordError::from)?;
+                if job.state.is_finished() {
+                    return Ok(job);
+                }
+                let mut watch = self.store.watch_prefix(&key, kv.mod_revision + 1).await?;
+                // Any change (or the watch ending) means: read the record again.
+                let _ = watch.next().await;
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Timeout {
+                id,
+                after: timeout,
+                state: self.get(id).await?.state,
+            }),
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! A cluster node: what `scd node --config` runs, and what the in-process cluster of
+//! `scd demo` and the tests start several of.
+//!
+//! A node binds its QUIC endpoint, registers in the store under a lease (as producer of its
+//! base model and consumer of its experts, with its capacity and load), publishes the model
+//! records, runs a scheduler replica if its roles say so, starts the actors of its roles, and
+//! then follows the job records ([`work`]): it prefills the jobs assigned to it as producer and
+//! decodes the job streams that reach it as consumer.
+//!
+//! [`Node::shutdown`] drains: the node stops taking work and advertises nothing to serve, lets
+//! the jobs in flight finish for a while, hands the rest back to the queue, revokes its lease
+//! (the node leaves at once, not when the lease expires), then stops its actors and endpoint.
+//!
+//! - [`served`]: loading the models and translators a config names.
+//! - `work`: the node's share of the jobs, from the records and the streams.
+
+pub mod served;
+mod work;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use ractor::{Actor, ActorCell, SpawnErr};
+use scd_models::codec::CodecOptions;
+use scd_scheduler::jobs::now_ms;
+use scd_scheduler::membership::MembershipError;
+use scd_scheduler::models::ModelError;
+use scd_scheduler::{
+    JobStore, Keys, LiveNodes, MetaStore, ModelRegistry, NodeInfo, Registration,
+    RegistrationConfig, Scheduler, SchedulerConfig, SchedulerError,
+};
+use scd_transport::{BindError, Endpoint, Identity, JobId, Role, TransportOptions};
+use tokio::sync::{mpsc, watch, Mutex};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{NodeConfig, NodeRole};
+use crate::decoder::{Decoder, DecoderArgs};
+use crate::encoder::Encoder;
+use crate::pipeline::PipelineOptions;
+use crate::producer::{Producer, ProducerArgs};
+use crate::stages::ProducerActors;
+use crate::transfer::{TransferIn, TransferInArgs, TransferInMsg, TransferOut};
+pub use served::{ServeError, Served, ServedExpert};
+use work::Work;
+
+/// Streams that arrived before any decoder took them, waiting for the node to look their job
+/// up; past this many, a new stream is refused as busy.
+const NEW_STREAMS_QUEUE: usize = 64;
+
+/// Errors starting or stopping a node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The endpoint could not be bound.
+    #[error("binding the QUIC endpoint: {0}")]
+    Bind(#[from] BindError),
+    /// The endpoint's address could not be read.
+    #[error("reading the endpoint's address: {0}")]
+    Address(std::io::Error),
+    /// Registration or the node view failed.
+    #[error("joining the cluster: {0}")]
+    Membership(#[from] MembershipError),
+    /// The model records could not be written.
+    #[error("publishing the model records: {0}")]
+    Models(#[from] ModelError),
+    /// A model record in the store disagrees with what this node loaded.
+    #[error("model {id}: the cluster has weights {theirs}, this node loaded {ours}; every node must load the same file")]
+    ModelMismatch {
+        /// The model.
+        id: String,
+        /// The hash in the store.
+        theirs: String,
+        /// This node's hash.
+        ours: String,
+    },
+    /// The scheduler replica could not start.
+    #[error("starting the scheduler replica: {0}")]
+    Scheduler(#[from] SchedulerError),
+    /// An actor could not start.
+    #[error("starting an actor: {0}")]
+    Spawn(#[from] SpawnErr),
+    /// The config asks for a role this node cannot take on with what it loaded.
+    #[error("{0}")]
+    Roles(String),
+}
+
+/// What a drain did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Jobs in flight when the drain began.
+    pub in_flight: usize,
+    /// Jobs handed back to the queue (or failed, out of attempts) because they did not finish
+    /// in time.
+    pub handed_back: Vec<JobId>,
+}
+
+/// A running node.
+pub struct Node {
+    id: String,
+    addr: SocketAddr,
+    work: Arc<Work>,
+    registration: Arc<Registration>,
+    scheduler: Option<Scheduler>,
+    actors: Vec<(ActorCell, JoinHandle<()>)>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Node {
+    /// Starts a node: `config` says what it is, `identity` is its certificate (issued to
+    /// `config.node.id` by the cluster CA), `served` the models it loaded
+    /// ([`Served::load`]), `store` the cluster state. Cancelling `cancel` stops its work at
+    /// once (use [`Node::shutdown`] to drain first).
+    pub async fn start(
+        config: &NodeConfig,
+        identity: &Identity,
+        served: Arc<Served>,
+        store: Arc<dyn MetaStore>,
+        cancel: CancellationToken,
+    ) -> Result<Self, NodeError> {
+        let cancel = cancel.child_token();
+        let id = config.node.id.clone();
+        let keys = Keys::new(config.store.prefix());
+        let producer_role = config.has_role(NodeRole::Producer);
+        let consumer_role = config.has_role(NodeRole::Consumer);
+        check_models(&store, &keys, &served).await?;
+
+        let transport = TransportOptions {
+            send_queue_frames: config.limits.frames_in_flight.get(),
+            ..TransportOptions::default()
+        };
+        let endpoint = Endpoint::bind(config.node.listen, identity, transport.clone())?;
+        let addr = endpoint.local_addr().map_err(NodeError::Address)?;
+
+        let mut actors = Vec::new();
+        let started =
+            spawn_actors(&mut actors, &served, producer_role, consumer_role, &cancel).await;
+        let (producer, decoders, transfer_in, new_streams) = match started {
+            Ok(a) => a,
+            Err(e) => {
+                for (cell, _) in &actors {
+                    cell.stop(None);
+                }
+                return Err(e);
+            }
+        };
+
+        let mut info = NodeInfo::new(
+            id.clone(),
+            advertised(config.node.listen, addr),
+            u32::try_from(config.limits.concurrent_jobs.get()).unwrap_or(u32::MAX),
+        );
+        if producer_role {
+            info.producer_models = vec![served.base_id.clone()];
+        }
+        if consumer_role {
+            info.consumer_models = served.experts.keys().cloned().collect();
+        }
+        let registration = Arc::new(
+            Registration::register(store.clone(), &keys, info, RegistrationConfig::default())
+                .await?,
+        );
+        let nodes = LiveNodes::start(store.clone(), &keys).await?;
+        let scheduler = if config.has_role(NodeRole::Scheduler) {
+            Some(
+                Scheduler::start(store.clone(), keys.clone(), &id, SchedulerConfig::default())
+                    .await?,
+            )
+        } else {
+            None
+        };
+
+        let (load, load_rx) = watch::channel(0);
+        let work = Arc::new(Work {
+            id: id.clone(),
+            store: store.clone(),
+            jobs: JobStore::new(store.clone(), keys.clone()),
+            keys,
+            served,
+            codec_options: CodecOptions::default(),
+            queues: PipelineOptions {
+                transport,
+                ..PipelineOptions::default()
+            },
+            producer,
+            decoders,
+            transfer_in: transfer_in.clone(),
+            endpoint,
+            nodes,
+            load,
+            links: Mutex::new(HashMap::new()),
+            active: StdMutex::new(HashMap::new()),
+            draining: AtomicBool::new(false),
+            cancel: cancel.clone(),
+        });
+        let tasks = vec![
+            tokio::spawn(accept_connections(work.clone(), transfer_in)),
+            tokio::spawn(take_streams(work.clone(), new_streams)),
+            tokio::spawn(work::follow_jobs(work.clone())),
+            tokio::spawn(report_load(registration.clone(), load_rx, cancel.clone())),
+        ];
+        tracing::info!(node = id, %addr, producer = producer_role, consumer = consumer_role, "node started");
+        Ok(Self {
+            id,
+            addr,
+            work,
+            registration,
+            scheduler,
+            actors,
+            tasks,
+        })
+    }
+
+    /// The node's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Where its QUIC endpoint listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Jobs it works on now.
+    pub fn load(&self) -> usize {
+        self.work.load()
+    }
+
+    /// Drains and stops the node (see the module docs): jobs in flight get `grace` to finish.
+    pub async fn shutdown(mut self, grace: Duration) -> DrainReport {
+        let work = &self.work;
+        work.draining.store(true, Ordering::SeqCst);
+        let in_flight = work.load();
+        let stop_serving = self.registration.update(|info| {
+            info.producer_models.clear();
+            info.consumer_models.clear();
+            info.capacity = 0;
+        });
+        if let Err(e) = stop_serving.await {
+            tracing::warn!(node = self.id, error = %e, "advertising the drain failed");
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        while work.load() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let left = work.active_jobs();
+        let mut handed_back = Vec::new();
+        for job in left {
+            work.cancel_local(job);
+            let reason = format!("node {} shut down", self.id);
+            let back = work
+                .jobs
+                .update(job, |j| {
+                    if j.state.is_running() {
+                        let producer_failed = j.producer.as_deref() == Some(self.id.as_str());
+                        j.retry(&reason, producer_failed, now_ms())?;
+                    }
+                    Ok(())
+                })
+                .await;
+            match back {
+                Ok(_) => handed_back.push(job),
+                Err(e) => tracing::warn!(%job, error = %e, "handing a job back failed"),
+            }
+        }
+        if let Err(e) = self.registration.leave().await {
+            tracing::warn!(node = self.id, error = %e, "revoking the lease failed; the node key goes when it expires");
+        }
+        if let Some(s) = self.scheduler.take() {
+            if let Err(e) = s.shutdown().await {
+                tracing::warn!(node = self.id, error = %e, "resigning the scheduler leadership failed");
+            }
+        }
+        self.stop().await;
+        tracing::info!(
+            node = self.id,
+            in_flight,
+            handed_back = handed_back.len(),
+            "node stopped"
+        );
+        DrainReport {
+            in_flight,
+            handed_back,
+        }
+    }
+
+    /// Stops at once, as a crash would, but tidily in this process: no drain, the lease is
+    /// left to expire.
+    pub async fn kill(mut self) {
+        self.scheduler.take();
+        self.stop().await;
+    }
+
+    async fn stop(&mut self) {
+        self.work.cancel.cancel();
+        for task in &self.tasks {
+            task.abort();
+        }
+        for (cell, _) in &self.actors {
+            cell.stop(None);
+        }
+        for (_, handle) in self.actors.drain(..) {
+            let _ = handle.await;
+        }
+        self.work.endpoint.close();
+        self.work.endpoint.wait_idle().await;
+    }
+}
+
+/// The address other nodes reach this one at: the configured one, with the port the endpoint
+/// got when the config asked for any (port 0).
+fn advertised(listen: SocketAddr, bound: SocketAddr) -> String {
+    if listen.port() == 0 {
+        bound.to_string()
+    } else {
+        listen.to_string()
+    }
+}
+
+type NodeActors = (
+    Option<ProducerActors>,
+    BTreeMap<String, ractor::ActorRef<crate::decoder::DecoderMsg>>,
+    ractor::ActorRef<TransferInMsg>,
+    mpsc::Receiver<scd_transport::JobReceiver>,
+);
+
+async fn spawn_actors(
+    actors: &mut Vec<(ActorCell, JoinHandle<()>)>,
+    served: &Served,
+    producer_role: bool,
+    consumer_role: bool,
+    cancel: &CancellationToken,
+) -> Result<NodeActors, NodeError> {
+    let producer = if producer_role {
+        let args = ProducerArgs {
+            model: served.base.clone(),
+        };
+        let (producer, h) = Actor::spawn(None, Producer, args).await?;
+        actors.push((producer.get_cell(), h));
+        let (encoder, h) = Actor::spawn(None, Encoder, ()).await?;
+        actors.push((encoder.get_cell(), h));
+        let (transfer, h) = Actor::spawn(None, TransferOut, ()).await?;
+        actors.push((transfer.get_cell(), h));
+        Some(ProducerActors {
+            producer,
+            encoder,
+            transfer,
+        })
+    } else {
+        None
+    };
+    let mut decoders = BTreeMap::new();
+    if consumer_role {
+        for (name, expert) in &served.experts {
+            let model = expert.model.clone().ok_or_else(|| {
+                NodeError::Roles(format!(
+                    "expert {name}: a consumer needs the expert's model"
+                ))
+            })?;
+            let (decoder, h) = Actor::spawn(None, Decoder, DecoderArgs { model }).await?;
+            actors.push((decoder.get_cell(), h));
+            decoders.insert(name.clone(), decoder);
+        }
+    }
+    let (new_tx, new_rx) = mpsc::channel(NEW_STREAMS_QUEUE);
+    let args = TransferInArgs {
+        cancel: cancel.clone(),
+        unexpected: consumer_role.then_some(new_tx),
+    };
+    let (transfer_in, h) = Actor::spawn(None, TransferIn, args).await?;
+    actors.push((transfer_in.get_cell(), h));
+    Ok((producer, decoders, transfer_in, new_rx))
+}
+
+/// Checks this node's models against the cluster's records, then writes them: a node with
+/// other weights under the same name would decode garbage, so it is refused at start.
+async fn check_models(
+    store: &Arc<dyn MetaStore>,
+    keys: &Keys,
+    served: &Served,
+) -> Result<(), NodeError> {
+    let registry = ModelRegistry::new(store.clone(), keys.clone());
+    for record in served.records() {
+        if let Some(theirs) = registry.get(&record.id).await? {
+            if theirs.weights_hash != record.weights_hash {
+                return Err(NodeError::ModelMismatch {
+                    id: record.id,
+                    theirs: theirs.weights_hash,
+                    ours: record.weights_hash,
+                });
+            }
+            continue;
+        }
+        registry.put(&record).await?;
+    }
+    Ok(())
+}
+
+/// Accepts connections: other nodes' go to the transfer actor (their job streams); admin
+/// clients are not served by this slice.
+async fn accept_connections(work: Arc<Work>, transfer_in: ractor::ActorRef<TransferInMsg>) {
+    loop {
+        let incoming = tokio::select! {
+            () = work.cancel.cancelled() => return,
+            i = work.endpoint.accept() => i,
+        };
+        let Some(incoming) = incoming else { return };
+        let transfer_in = transfer_in.clone();
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            let connection = match incoming.complete().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(%remote, error = %e, "refused a connection");
+                    return;
+                }
+            };
+            match connection.peer().role {
+                Role::Node => {
+                    let _ = transfer_in.send_message(TransferInMsg::Connection(connection));
+                }
+                role => {
+                    tracing::info!(%remote, ?role, "closing a connection this node does not serve");
+                    connection.close("this node serves node connections only");
+                }
+            }
+        });
+    }
+}
+
+/// Hands the job streams nobody expected to the node's consumer side.
+async fn take_streams(work: Arc<Work>, mut streams: mpsc::Receiver<scd_transport::JobReceiver>) {
+    loop {
+        let next = tokio::select! {
+            () = work.cancel.cancelled() => return,
+            s = streams.recv() => s,
+        };
+        let Some(receiver) = next else { return };
+        if work.draining.load(Ordering::SeqCst) {
+            receiver.cancel("the node is draining").await;
+            continue;
+        }
+        let work = work.clone();
+        tokio::spawn(async move { work.on_stream(receiver).await });
+    }
+}
+
+/// Writes the node's load into its registration as it changes (the latest value wins).
+async fn report_load(
+    registration: Arc<Registration>,
+    mut load: watch::Receiver<usize>,
+    cancel: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            changed = load.changed() => if changed.is_err() { return },
+        }
+        let now = u32::try_from(*load.borrow_and_update()).unwrap_or(u32::MAX);
+        if let Err(e) = registration.update(|info| info.load = now).await {
+            tracing::debug!(error = %e, "reporting the load failed");
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! What a node serves, loaded from its config: the base model (a producer prefills with it; a
+//! consumer builds its experts on it), each expert's model (consumer role) and each expert's
+//! translator, checked against the models it names before the node joins the cluster.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use scd_models::translator::{Translator, TranslatorError};
+use scd_models::{AdapterError, AdapterMode, GgufFile, Llama, LoadError, LoraAdapter};
+use scd_scheduler::ModelRecord;
+
+use crate::config::{NodeConfig, NodeRole};
+
+/// Why a node's models could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The config names no base model.
+    #[error("models.base is not set: every node needs the base model (a producer prefills with it, a consumer's experts are built on it)")]
+    NoBase,
+    /// The base model could not be loaded.
+    #[error("loading the base model {path}: {source}")]
+    Base {
+        /// Its file.
+        path: PathBuf,
+        /// Why.
+        source: Box<LoadError>,
+    },
+    /// An expert's adapter could not be loaded or applied.
+    #[error("expert {expert}: loading its adapter {path}: {source}")]
+    Adapter {
+        /// The expert.
+        expert: String,
+        /// The adapter file.
+        path: PathBuf,
+        /// Why.
+        source: Box<AdapterError>,
+    },
+    /// A consumer's expert has no adapter.
+    #[error("expert {0}: a consumer needs its adapter (experts[].adapter)")]
+    NoAdapter(String),
+    /// An expert's translator could not be loaded or is for other models.
+    #[error("expert {expert}: translator {path}: {source}")]
+    Translator {
+        /// The expert.
+        expert: String,
+        /// The translator folder.
+        path: PathBuf,
+        /// Why.
+        source: Box<TranslatorError>,
+    },
+    /// The translator was calibrated for other consumers.
+    #[error(
+        "expert {expert}: translator {path} was calibrated for consumers [{names}], not {expert}"
+    )]
+    NotInTranslator {
+        /// The expert.
+        expert: String,
+        /// The translator folder.
+        path: PathBuf,
+        /// The consumers it has.
+        names: String,
+    },
+}
+
+/// One expert as a node serves it.
+pub struct ServedExpert {
+    /// Its name (the model id in the cluster).
+    pub name: String,
+    /// The expert model: base plus adapter (consumer role only).
+    pub model: Option<Arc<Llama>>,
+    /// Its translator and the expert's index in it.
+    pub translator: (Arc<Translator>, usize),
+}
+
+/// What a node serves.
+pub struct Served {
+    /// The base model's id in the cluster: its file name.
+    pub base_id: String,
+    /// The base model.
+    pub base: Arc<Llama>,
+    /// The experts, by name.
+    pub experts: BTreeMap<String, ServedExpert>,
+}
+
+impl Served {
+    /// Loads what `config`'s roles need.
+    pub fn load(config: &NodeConfig) -> Result<Self, ServeError> {
+        let path = config.models.base.as_ref().ok_or(ServeError::NoBase)?;
+        let base = GgufFile::open(path)
+            .and_then(|f| f.load_model())
+            .map_err(|source| ServeError::Base {
+                path: path.clone(),
+                source: Box::new(source),
+            })?;
+        let base = Arc::new(base);
+        let consumer = config.has_role(NodeRole::Consumer);
+        let mut experts = BTreeMap::new();
+        for e in &config.experts {
+            let model = match (consumer, e.adapter_file()) {
+                (false, _) => None,
+                (true, None) => return Err(ServeError::NoAdapter(e.name.clone())),
+                (true, Some(file)) => Some(Arc::new(expert_model(&base, &e.name, &file)?)),
+            };
+            let translator = load_translator(&e.name, &e.translator, &base, model.as_deref())?;
+            experts.insert(
+                e.name.clone(),
+                ServedExpert {
+                    name: e.name.clone(),
+                    model,
+                    translator,
+                },
+            );
+        }
+        Ok(Self {
+            base_id: model_id(&base),
+            base,
+            experts,
+        })
+    }
+
+    /// The cluster's records of these models: the base, and each expert this node has the
+    /// model of (a producer knows its experts by name only), with its base.
+    pub fn records(&self) -> Vec<ModelRecord> {
+        let mut records = vec![ModelRecord {
+            id: self.base_id.clone(),
+            architecture: "llama".into(),
+            weights_hash: self.base.identity().sha256.clone(),
+            base: None,
+        }];
+        for e in self.experts.values() {
+            let Some(model) = e.model.as_deref() else {
+                continue;
+            };
+            let weights = model.identity();
+            records.push(ModelRecord {
+                id: e.name.clone(),
+                architecture: "llama".into(),
+                weights_hash: weights
+                    .adapter_sha256
+                    .clone()
+                    .unwrap_or_else(|| weights.sha256.clone()),
+                base: Some(self.base_id.clone()),
+            });
+        }
+        records
+    }
+}
+
+/// A model's id in the cluster: the name of its weight file, which every node of the cluster
+/// loads (the records carry the content hash that says it is the same file).
+pub fn model_id(model: &Llama) -> String {
+    model
+        .identity()
+        .source
+        .file_name()
+        .map(|f| f.to_string_lossy().replace(char::is_whitespace, "_"))
+        .unwrap_or_else(|| "base".into())
+}
+
+fn expert_model(base: &Llama, name: &str, file: &Path) -> Result<Llama, ServeError> {
+    let err = |source| ServeError::Adapter {
+        expert: name.to_owned(),
+        path: file.to_owned(),
+        source: Box::new(source),
+    };
+    let adapter = LoraAdapter::load(file, base.config()).map_err(err)?;
+    base.with_adapter(&adapter, AdapterMode::Merge).map_err(err)
+}
+
+/// The translator of `name`, checked: against the base and the expert model where the node has
+/// it; by the expert's name where it has only the base (a producer).
+fn load_translator(
+    name: &str,
+    dir: &Path,
+    base: &Llama,
+    expert: Option<&Llama>,
+) -> Result<(Arc<Translator>, usize), ServeError> {
+    let err = |source| ServeError::Translator {
+        expert: name.to_owned(),
+        path: dir.to_owned(),
+        source: Box::new(source),
+    };
+    let t = Translator::load(dir).map_err(err)?;
+    let index = match expert {
+        Some(expert) => t.check_pair(base, expert).map_err(err)?,
+        None => {
+            // check_pair with the base as its own consumer checks the producer side only
+            // when it fails on the consumer; the producer is checked on its own here.
+            if !t.manifest.producer.matches(base) {
+                let e = t.check_pair(base, base).err();
+                return Err(err(e.unwrap_or_else(|| {
+                    TranslatorError::WrongPair("calibrated with another producer".into())
+                })));
+            }
+            let names = &t.manifest.consumers;
+            names.iter().position(|c| c.name == name).ok_or_else(|| {
+                ServeError::NotInTranslator {
+                    expert: name.to_owned(),
+                    path: dir.to_owned(),
+                    names: names
+                        .iter()
+                        .map(|c| c.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                }
+            })?
+        }
+    };
+    Ok((Arc::new(t), index))
+}

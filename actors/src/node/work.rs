@@ -1,0 +1,580 @@
+//! A node's share of the jobs, driven by the job records in the store.
+//!
+//! - Producer side: a record assigned to this node as producer is claimed (`assigned` to
+//!   `prefilling`, by compare-and-swap, so a record seen twice runs once); the node connects to
+//!   the job's consumer node and starts its producer half (prefill, encode, send). Timings and
+//!   bytes go into the record.
+//! - Consumer side: the job stream itself starts the work. A stream nobody expects comes here
+//!   from the transfer actor; the record says whether it is ours (this node the consumer, the
+//!   stream's peer the recorded producer, the job still running), which expert and mode, and the
+//!   request. The decoder rebuilds and decodes; the record ends `done` with the tokens and
+//!   timings, or `failed` with the reason.
+//!
+//! Starting the consumer from the stream, not from the record, means a decoder never waits for
+//! a stream that is stuck behind another job on the producer: it only takes jobs whose codes
+//! are arriving.
+//!
+//! A record that turns `cancelled`, `failed` or back to `queued` (the scheduler gave the
+//! attempt to someone else) cancels the local work on it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Instant;
+
+use ractor::ActorRef;
+use scd_models::codec::CodecOptions;
+use scd_models::{GenerateParams, Sampling, StopReason};
+use scd_scheduler::jobs::now_ms;
+use scd_scheduler::{
+    JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore,
+};
+use scd_transport::{Connection, Endpoint, JobId, JobReceiver};
+use tokio::sync::{mpsc, watch, Mutex};
+use tokio_util::sync::CancellationToken;
+
+use crate::decoder::DecoderMsg;
+use crate::job::JobCodec;
+use crate::node::served::Served;
+use crate::pipeline::PipelineOptions;
+use crate::stages::{self, cause, ConsumerJob, ProducerActors};
+use crate::transfer::TransferInMsg;
+
+/// Everything a node's job handling uses.
+pub(crate) struct Work {
+    pub id: String,
+    pub store: Arc<dyn MetaStore>,
+    pub jobs: JobStore,
+    pub served: Arc<Served>,
+    pub codec_options: CodecOptions,
+    pub queues: PipelineOptions,
+    pub producer: Option<ProducerActors>,
+    pub decoders: BTreeMap<String, ActorRef<DecoderMsg>>,
+    pub transfer_in: ActorRef<TransferInMsg>,
+    pub endpoint: Endpoint,
+    pub nodes: LiveNodes,
+    pub keys: Keys,
+    /// This node's load as it changes; the node's reporter writes it to its registration.
+    pub load: watch::Sender<usize>,
+    /// Connections to consumer nodes, by node id.
+    pub links: Mutex<HashMap<String, Connection>>,
+    /// Jobs this node works on (a one-process node may hold both halves of one), with their
+    /// cancellation.
+    /// Keyed by attempt too: a job handed back and given to this node again starts afresh
+    /// while the old attempt winds down.
+    pub active: StdMutex<HashMap<(JobId, u32, Side), CancellationToken>>,
+    /// Set when the node drains: no new work is taken.
+    pub draining: AtomicBool,
+    /// The node's cancellation.
+    pub cancel: CancellationToken,
+}
+
+/// A job's half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Side {
+    Producer,
+    Consumer,
+}
+
+/// Why a job's half could not start on this node.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    #[error("the job record has no request (prompt and generation settings)")]
+    NoRequest,
+    #[error("the prompt has {0} tokens; a job needs at least two")]
+    PromptTooShort(usize),
+    #[error("the prompt has {tokens} tokens; the model's context holds {context}")]
+    PromptTooLong { tokens: usize, context: usize },
+    #[error("token {0} is outside the base model's vocabulary")]
+    BadToken(u32),
+    #[error("this node does not serve expert {0}")]
+    UnknownExpert(String),
+    #[error("bad sampling settings: {0}")]
+    Sampling(String),
+    #[error("no codec: {0}")]
+    Codec(String),
+    #[error("consumer node {0} is not in the cluster")]
+    ConsumerGone(String),
+    #[error("connecting to consumer node {node}: {error}")]
+    Connect { node: String, error: String },
+}
+
+impl Work {
+    fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Registers local work on `job`; `None` if it is already running here.
+    fn begin(&self, job: JobId, attempt: u32, side: Side) -> Option<CancellationToken> {
+        let mut active = self.active.lock().unwrap_or_else(|p| p.into_inner());
+        if active.contains_key(&(job, attempt, side)) {
+            return None;
+        }
+        let token = self.cancel.child_token();
+        active.insert((job, attempt, side), token.clone());
+        let load = active.len();
+        drop(active);
+        self.report_load(load);
+        Some(token)
+    }
+
+    fn end(&self, job: JobId, attempt: u32, side: Side) {
+        let mut active = self.active.lock().unwrap_or_else(|p| p.into_inner());
+        active.remove(&(job, attempt, side));
+        let load = active.len();
+        drop(active);
+        self.report_load(load);
+    }
+
+    /// The number of jobs this node works on now.
+    pub fn load(&self) -> usize {
+        self.active.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Cancels local work on `job`, if any.
+    pub fn cancel_local(&self, job: JobId) {
+        let active = self.active.lock().unwrap_or_else(|p| p.into_inner());
+        for ((j, _, _), token) in active.iter() {
+            if *j == job {
+                token.cancel();
+            }
+        }
+    }
+
+    /// The jobs this node works on.
+    pub fn active_jobs(&self) -> Vec<JobId> {
+        let active = self.active.lock().unwrap_or_else(|p| p.into_inner());
+        let mut jobs: Vec<JobId> = active.keys().map(|(j, _, _)| *j).collect();
+        jobs.sort_unstable();
+        jobs.dedup();
+        jobs
+    }
+
+    fn report_load(&self, load: usize) {
+        self.load.send_replace(load);
+    }
+
+    /// Reacts to a job record as it is now.
+    pub fn on_record(self: &Arc<Self>, job: JobRecord) {
+        match job.state {
+            JobState::Queued | JobState::Failed | JobState::Cancelled => self.cancel_local(job.id),
+            JobState::Assigned
+                if job.producer.as_deref() == Some(self.id.as_str())
+                    && self.producer.is_some()
+                    && !self.is_draining() =>
+            {
+                if let Some(cancel) = self.begin(job.id, job.attempts, Side::Producer) {
+                    let work = Arc::clone(self);
+                    tokio::spawn(async move {
+                        let (id, attempt) = (job.id, job.attempts);
+                        work.run_producer(job, cancel).await;
+                        work.end(id, attempt, Side::Producer);
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The producer half of an assigned job.
+    async fn run_producer(&self, job: JobRecord, cancel: CancellationToken) {
+        let id = job.id;
+        let attempt = job.attempts;
+        let me = self.id.clone();
+        let claimed = self
+            .jobs
+            .update(id, |j| {
+                let ours = j.state == JobState::Assigned
+                    && j.attempts == attempt
+                    && j.producer.as_deref() == Some(me.as_str());
+                if ours {
+                    j.transition(JobState::Prefilling, now_ms())?;
+                }
+                Ok(())
+            })
+            .await;
+        let job = match claimed {
+            Ok(j) if j.state == JobState::Prefilling && j.attempts == attempt => j,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(job = %id, error = %e, "claiming a job failed");
+                return;
+            }
+        };
+        let started = Instant::now();
+        let outcome = match self.start_producer(&job, &cancel).await {
+            Ok(replies) => replies.settle(&cancel).await.map_err(cause),
+            Err(refusal) => {
+                self.fail(id, attempt, &format!("producer {me}: {refusal}"))
+                    .await;
+                return;
+            }
+        };
+        match outcome {
+            Ok(done) => {
+                let ms = |span: Option<crate::timeline::Span>| {
+                    span.map(|s| s.end.duration_since(s.start).as_secs_f64() * 1e3)
+                };
+                let prefill = ms(done.prefill);
+                let encode = ms(done.encoded.span);
+                let transfer = ms(Some(done.sent.span));
+                let bytes = done.sent.wire_bytes;
+                let total = started.elapsed().as_secs_f64() * 1e3;
+                let written = self
+                    .jobs
+                    .update(id, |j| {
+                        for (k, v) in [
+                            ("prefill", prefill),
+                            ("encode", encode),
+                            ("transfer", transfer),
+                            ("producer_total", Some(total)),
+                        ] {
+                            if let Some(v) = v {
+                                j.timings_ms.insert(k.into(), v);
+                            }
+                        }
+                        j.payload_bytes = bytes;
+                        if j.state == JobState::Prefilling && j.attempts == attempt {
+                            j.transition(JobState::Transferring, now_ms())?;
+                        }
+                        Ok(())
+                    })
+                    .await;
+                if let Err(e) = written {
+                    tracing::warn!(job = %id, error = %e, "recording the producer's timings failed");
+                }
+            }
+            Err(e) if e.is_knock_on() => {
+                tracing::debug!(job = %id, error = %e, "producer side stopped");
+            }
+            Err(e) => self.fail(id, attempt, &format!("producer {me}: {e}")).await,
+        }
+    }
+
+    async fn start_producer(
+        &self,
+        job: &JobRecord,
+        cancel: &CancellationToken,
+    ) -> Result<stages::ProducerReplies, Refusal> {
+        let request = self.check_request(job)?;
+        let codec = self.codec(job)?;
+        let consumer = job
+            .consumer
+            .clone()
+            .ok_or_else(|| Refusal::ConsumerGone("(none recorded)".into()))?;
+        let connection = self.link(&consumer).await?;
+        let prefix = request.prompt[..request.prompt.len() - 1].to_vec();
+        let producer = self
+            .producer
+            .as_ref()
+            .ok_or(Refusal::Codec("this node has no producer role".into()))?;
+        producer
+            .start(job.id, prefix, codec, connection, &self.queues, cancel)
+            .map_err(|e| Refusal::Codec(e.to_string()))
+    }
+
+    /// A connection to consumer node `node`, opened on first use and again after it closed.
+    async fn link(&self, node: &str) -> Result<Connection, Refusal> {
+        let mut links = self.links.lock().await;
+        if let Some(c) = links.get(node).filter(|c| !c.is_closed()) {
+            return Ok(c.clone());
+        }
+        let info = self
+            .nodes
+            .snapshot()
+            .get(node)
+            .cloned()
+            .ok_or_else(|| Refusal::ConsumerGone(node.to_owned()))?;
+        let connect_err = |error: String| Refusal::Connect {
+            node: node.to_owned(),
+            error,
+        };
+        let addr = tokio::net::lookup_host(&info.addr)
+            .await
+            .map_err(|e| connect_err(format!("resolving {}: {e}", info.addr)))?
+            .next()
+            .ok_or_else(|| connect_err(format!("{} resolves to nothing", info.addr)))?;
+        let connection = self
+            .endpoint
+            .connect(addr, node)
+            .await
+            .map_err(|e| connect_err(e.to_string()))?;
+        links.insert(node.to_owned(), connection.clone());
+        Ok(connection)
+    }
+
+    /// A job stream nobody expected: the consumer half of a job, if the record says so.
+    pub async fn on_stream(self: &Arc<Self>, receiver: JobReceiver) {
+        let id = receiver.job_id();
+        let peer = receiver.peer().name.clone();
+        let job = match self.jobs.get(id).await {
+            Ok(Some(j)) => j,
+            Ok(None) => {
+                receiver.cancel("no such job").await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(job = %id, error = %e, "reading a job record failed");
+                receiver
+                    .cancel("the consumer node cannot read the job")
+                    .await;
+                return;
+            }
+        };
+        let ours = job.consumer.as_deref() == Some(self.id.as_str())
+            && job.producer.as_deref() == Some(peer.as_str())
+            && job.state.is_running();
+        if !ours {
+            tracing::warn!(job = %id, %peer, state = %job.state, "refused a job stream: not this node's job, or not from its producer");
+            receiver
+                .cancel("this node is not the job's consumer, or the sender not its producer")
+                .await;
+            return;
+        }
+        let attempt = job.attempts;
+        let Some(cancel) = self.begin(id, attempt, Side::Consumer) else {
+            receiver.cancel("the job is already being decoded").await;
+            return;
+        };
+        let work = Arc::clone(self);
+        tokio::spawn(async move {
+            work.run_consumer(job, receiver, cancel).await;
+            work.end(id, attempt, Side::Consumer);
+        });
+    }
+
+    async fn run_consumer(&self, job: JobRecord, receiver: JobReceiver, cancel: CancellationToken) {
+        let id = job.id;
+        let attempt = job.attempts;
+        let me = self.id.clone();
+        let started = Instant::now();
+        let set_up = self
+            .consumer_job(&job)
+            .and_then(|(decoder, params, codec)| {
+                let request = self.check_request(&job)?;
+                Ok((decoder, params, codec, request.prompt.clone()))
+            });
+        let (decoder, params, codec, prompt) = match set_up {
+            Ok(s) => s,
+            Err(refusal) => {
+                receiver.cancel(&refusal.to_string()).await;
+                self.fail(id, attempt, &format!("consumer {me}: {refusal}"))
+                    .await;
+                return;
+            }
+        };
+        let (inbound_tx, inbound_rx) = mpsc::channel(self.queues.arrival_queue.max(1));
+        let attach = TransferInMsg::Attach {
+            receiver: Box::new(receiver),
+            inbound: inbound_tx,
+        };
+        if self.transfer_in.send_message(attach).is_err() {
+            let reason = format!("consumer {me}: its transfer actor is gone");
+            self.fail(id, attempt, &reason).await;
+            return;
+        }
+        let decode = ConsumerJob {
+            job: id,
+            prompt,
+            codec,
+            params,
+            inbound: inbound_rx,
+        };
+        let (decoded, mut tokens_rx) =
+            match stages::start_decode(&decoder, decode, &self.queues, &cancel) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.fail(id, attempt, &format!("consumer {me}: {e}")).await;
+                    return;
+                }
+            };
+        let mut tokens = Vec::new();
+        while let Some(t) = tokens_rx.recv().await {
+            tokens.push(t);
+        }
+        match stages::settle(decoded, "decoder", &cancel).await {
+            Ok(report) => {
+                let ms = |at: Instant| at.duration_since(started).as_secs_f64() * 1e3;
+                let rebuild = report.rebuild.end.duration_since(report.rebuild.start);
+                let first_token = report.first_token.map(ms);
+                let decode_total = started.elapsed().as_secs_f64() * 1e3;
+                let output = JobResult {
+                    tokens,
+                    stop: stop_name(&report.stop),
+                };
+                let done = self
+                    .jobs
+                    .update(id, |j| {
+                        if j.state.is_finished() || j.attempts != attempt {
+                            return Ok(());
+                        }
+                        for next in [JobState::Transferring, JobState::Decoding, JobState::Done] {
+                            if j.state.can_transition_to(next) {
+                                j.transition(next, now_ms())?;
+                            }
+                        }
+                        j.timings_ms
+                            .insert("rebuild".into(), rebuild.as_secs_f64() * 1e3);
+                        if let Some(t) = first_token {
+                            j.timings_ms.insert("first_token".into(), t);
+                        }
+                        j.timings_ms.insert("consumer_total".into(), decode_total);
+                        let total = now_ms().saturating_sub(j.created_at_ms) as f64;
+                        j.timings_ms.insert("total".into(), total);
+                        j.output = Some(output.clone());
+                        Ok(())
+                    })
+                    .await;
+                if let Err(e) = done {
+                    tracing::warn!(job = %id, error = %e, "recording a finished job failed");
+                }
+            }
+            Err(e) if cancel.is_cancelled() && e.is_knock_on() => {
+                tracing::debug!(job = %id, error = %e, "consumer side stopped");
+            }
+            Err(e) => self.fail(id, attempt, &format!("consumer {me}: {e}")).await,
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn consumer_job(
+        &self,
+        job: &JobRecord,
+    ) -> Result<(ActorRef<DecoderMsg>, GenerateParams, JobCodec), Refusal> {
+        let decoder = self
+            .decoders
+            .get(&job.expert)
+            .cloned()
+            .ok_or_else(|| Refusal::UnknownExpert(job.expert.clone()))?;
+        let request = self.check_request(job)?;
+        let sampling = Sampling::from_params(request.temperature, request.top_p)
+            .map_err(|e| Refusal::Sampling(e.to_string()))?;
+        let params = GenerateParams {
+            max_tokens: request.max_tokens as usize,
+            sampling,
+            seed: request.seed,
+            stop_tokens: request.stop_tokens.clone(),
+        };
+        Ok((decoder, params, self.codec(job)?))
+    }
+
+    fn codec(&self, job: &JobRecord) -> Result<JobCodec, Refusal> {
+        let expert = self
+            .served
+            .experts
+            .get(&job.expert)
+            .ok_or_else(|| Refusal::UnknownExpert(job.expert.clone()))?;
+        let (t, index) = &expert.translator;
+        JobCodec::for_mode(job.mode, Some((t, *index)), &self.codec_options)
+            .map_err(|e| Refusal::Codec(e.to_string()))
+    }
+
+    fn check_request<'a>(&self, job: &'a JobRecord) -> Result<&'a JobRequest, Refusal> {
+        let request = job.request.as_ref().ok_or(Refusal::NoRequest)?;
+        check_prompt(&self.served, request)?;
+        Ok(request)
+    }
+
+    /// Fails `job` with `reason`, if it is still running the attempt this node worked on (a
+    /// job handed back meanwhile is someone else's now).
+    async fn fail(&self, job: JobId, attempt: u32, reason: &str) {
+        tracing::warn!(%job, reason, "job failed");
+        let failed = self
+            .jobs
+            .update(job, |j| {
+                if !j.state.is_running() || j.attempts != attempt {
+                    return Ok(());
+                }
+                j.fail(reason, now_ms())
+            })
+            .await;
+        if let Err(e) = failed {
+            tracing::warn!(%job, error = %e, "recording a failure failed");
+        }
+    }
+}
+
+fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), Refusal> {
+    let cfg = served.base.config();
+    let tokens = request.prompt.len();
+    if tokens < 2 {
+        return Err(Refusal::PromptTooShort(tokens));
+    }
+    let needed = tokens + request.max_tokens as usize;
+    if needed > cfg.context_length {
+        return Err(Refusal::PromptTooLong {
+            tokens: needed,
+            context: cfg.context_length,
+        });
+    }
+    if let Some(&bad) = request
+        .prompt
+        .iter()
+        .find(|&&t| t as usize >= cfg.vocab_size)
+    {
+        return Err(Refusal::BadToken(bad));
+    }
+    Ok(())
+}
+
+/// The record's name of a stop reason.
+pub fn stop_name(stop: &StopReason) -> String {
+    match stop {
+        StopReason::StopToken(t) => format!("stop_token:{t}"),
+        StopReason::MaxTokens => "max_tokens".into(),
+        StopReason::Cancelled => "cancelled".into(),
+    }
+}
+
+/// Drives `work` from the job records: lists them, then follows every change.
+pub(crate) async fn follow_jobs(work: Arc<Work>) {
+    let prefix = work.keys.jobs_prefix();
+    loop {
+        let listing = tokio::select! {
+            () = work.cancel.cancelled() => return,
+            l = work.store.get_prefix(&prefix) => l,
+        };
+        let listing = match listing {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the job records failed; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        for kv in &listing.kvs {
+            if let Ok(job) = scd_scheduler::codec::decode::<JobRecord>(&kv.key, &kv.value) {
+                work.on_record(job);
+            }
+        }
+        let mut watch = match work.store.watch_prefix(&prefix, listing.revision + 1).await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "watching the job records failed; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        loop {
+            let event = tokio::select! {
+                () = work.cancel.cancelled() => return,
+                e = watch.next() => e,
+            };
+            match event {
+                Some(Ok(event)) if event.kind == scd_scheduler::store::EventKind::Put => {
+                    match scd_scheduler::codec::decode::<JobRecord>(&event.kv.key, &event.kv.value)
+                    {
+                        Ok(job) => work.on_record(job),
+                        Err(e) => tracing::warn!(error = %e, "unreadable job record"),
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "the job watch failed; listing again");
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+}

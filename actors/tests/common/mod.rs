@@ -1,0 +1,141 @@
+//! What the actors' tests share: the real base model and the shipped `mail` expert with its
+//! translator (loaded once per test binary), a chat prompt, greedy parameters, and the
+//! in-process reference a job through the actors must equal.
+#![allow(dead_code)]
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use scd_actors::JobCodec;
+use scd_models::codec::{self, CodecOptions};
+use scd_models::tokenizer::{ChatMessage, Tokenizer};
+use scd_models::translator::Translator;
+use scd_models::{
+    generate_with_cache, AdapterMode, Codec, GenerateParams, GgufFile, Input, Llama, LogitsWanted,
+    LoraAdapter, Prefix, Sampling,
+};
+use scd_transport::{CodeDType, Mode};
+
+pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const MAX_TOKENS: usize = 16;
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `$SCD_MODEL_DIR/<model>` or `<repo>/.cache/models/<model>`; fails with the fix when absent.
+pub fn model_path() -> PathBuf {
+    let dir = std::env::var_os("SCD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".cache/models"));
+    let path = dir.join(MODEL_FILE);
+    assert!(
+        path.exists(),
+        "{} is missing: run `make model` (or set SCD_MODEL_DIR to the folder holding {MODEL_FILE})",
+        path.display()
+    );
+    path
+}
+
+/// The base model, the mail expert, their translator (with the expert's index in it) and the
+/// tokenizer, loaded once per test binary.
+pub struct Models {
+    pub base: Arc<Llama>,
+    pub expert: Arc<Llama>,
+    pub translator: (Arc<Translator>, usize),
+    pub tok: Tokenizer,
+}
+
+pub fn models() -> &'static Models {
+    static MODELS: OnceLock<Models> = OnceLock::new();
+    MODELS.get_or_init(|| {
+        let file = GgufFile::open(model_path()).unwrap();
+        let tok = Tokenizer::from_gguf(file.content()).unwrap();
+        let base = file.load_model().unwrap();
+        let mail = repo().join("experts/mail");
+        let adapter = LoraAdapter::load(mail.join("adapter.safetensors"), base.config()).unwrap();
+        let expert = base.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+        let translator = Translator::load(&mail.join("translator")).unwrap();
+        let index = translator.check_pair(&base, &expert).unwrap();
+        Models {
+            base: Arc::new(base),
+            expert: Arc::new(expert),
+            translator: (Arc::new(translator), index),
+            tok,
+        }
+    })
+}
+
+/// A chat prompt of about a hundred tokens, long enough that the prefill takes a while.
+pub fn prompt(m: &Models) -> Vec<u32> {
+    let text = "Please read this message and write a short, polite reply. \
+        From: Jane Smith <jane@example.org>. Subject: Re: the server upgrade on Friday. \
+        Hi all, a reminder that the mail server will be down for maintenance from six to \
+        eight in the evening on Friday. Messages sent during that window will be queued and \
+        delivered afterwards. If you have urgent deliveries, send them before five. Thanks \
+        for your patience, Jane.";
+    let chat = m
+        .tok
+        .apply_chat_template(&[ChatMessage::user(text.to_owned())], true)
+        .unwrap();
+    let ids = m.tok.encode(&chat, false).unwrap();
+    assert!(ids.len() > 64, "prompt of {} tokens", ids.len());
+    ids
+}
+
+pub fn params() -> GenerateParams {
+    GenerateParams {
+        max_tokens: MAX_TOKENS,
+        sampling: Sampling::Greedy,
+        seed: 0,
+        // No stop token: every run generates exactly MAX_TOKENS, so the comparison is long.
+        stop_tokens: Vec::new(),
+    }
+}
+
+pub fn raw_codec() -> JobCodec {
+    JobCodec::for_mode(Mode::Raw, None, &CodecOptions::default()).unwrap()
+}
+
+pub fn scd_codec(m: &Models) -> JobCodec {
+    let (t, index) = &m.translator;
+    let codec = JobCodec::for_mode(
+        Mode::Scd,
+        Some((t, *index)),
+        &CodecOptions {
+            code_dtype: CodeDType::I8_ROWS,
+            ..CodecOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(codec.translator, Some(t.hash()));
+    codec
+}
+
+/// The same mode in one process, without actors or QUIC: the whole prefix's captures encoded,
+/// decoded with the codec's layer decoder, generated with the same function.
+pub fn reference(m: &Models, codec: &dyn Codec, prompt: &[u32]) -> Vec<u32> {
+    let (&last, prefix) = prompt.split_last().unwrap();
+    let codes = match codec.capture() {
+        Some(capture) => {
+            let captured = m
+                .base
+                .forward(
+                    Input::new(prefix)
+                        .capture(capture)
+                        .logits(LogitsWanted::None),
+                )
+                .unwrap()
+                .captured;
+            codec::encode(codec, &captured).unwrap()
+        }
+        None => Vec::new(),
+    };
+    let mut cache = codec::decode(codec, &m.expert, &codes, Prefix::new(prefix)).unwrap();
+    generate_with_cache(&m.expert, &mut cache, &[last], &params(), |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+    .tokens
+}

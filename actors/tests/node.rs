@@ -1,0 +1,256 @@
+//! A cluster of nodes in one process on the embedded store, over real QUIC on loopback, with the
+//! real base model and the shipped `mail` expert: jobs submitted as records are scheduled,
+//! prefilled by the producer node, streamed to the consumer node and decoded there, and each
+//! result equals the same mode in-process; bad jobs fail with their reason; a draining node
+//! leaves at once and loses no job.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{model_path, models, prompt, reference, repo, MAX_TOKENS};
+use scd_actors::{ClientError, ClusterClient, JobCodec, Node, NodeConfig, Served};
+use scd_models::codec::CodecOptions;
+use scd_scheduler::{EmbeddedStore, JobRequest, JobState, Keys, MetaStore, Mode};
+use scd_transport::{ClusterCa, Role};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(300);
+
+fn config(id: &str, roles: &str, expert: bool) -> NodeConfig {
+    let mail = repo().join("experts/mail");
+    let experts = if expert {
+        format!(
+            "[[experts]]\nname = \"mail\"\nadapter = \"{}\"\ntranslator = \"{}\"\n",
+            mail.display(),
+            mail.join("translator").display()
+        )
+    } else {
+        String::new()
+    };
+    let text = format!(
+        "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n\n\
+         [models]\nbase = \"{}\"\n\n{experts}\n[store]\nkind = \"embedded\"\n\n\
+         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n",
+        model_path().display()
+    );
+    NodeConfig::parse(&text, &repo()).unwrap()
+}
+
+struct Cluster {
+    store: Arc<dyn MetaStore>,
+    ca: ClusterCa,
+    client: ClusterClient,
+}
+
+impl Cluster {
+    fn new() -> Self {
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let client = ClusterClient::new(store.clone(), Keys::default());
+        Self {
+            store,
+            ca: ClusterCa::generate("test").unwrap(),
+            client,
+        }
+    }
+
+    async fn start(&self, config: &NodeConfig) -> Node {
+        let served = Arc::new(Served::load(config).unwrap());
+        let identity = self.ca.issue(&config.node.id, Role::Node).unwrap();
+        Node::start(
+            config,
+            &identity,
+            served,
+            self.store.clone(),
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// The producer node (also the scheduler replica) and a consumer node serving mail.
+    async fn two_nodes(&self) -> (Node, Node) {
+        let producer = self
+            .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+            .await;
+        let consumer = self.start(&config("mail-0", "\"consumer\"", true)).await;
+        (producer, consumer)
+    }
+}
+
+fn request(prompt: &[u32], max_tokens: usize) -> JobRequest {
+    JobRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: max_tokens as u32,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        stop_tokens: Vec::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_reference() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let (producer, consumer) = cluster.two_nodes().await;
+
+    for mode in [Mode::Raw, Mode::Scd, Mode::Q4, Mode::Oracle] {
+        let (t, index) = &m.translator;
+        let codec = JobCodec::for_mode(mode, Some((t, *index)), &CodecOptions::default()).unwrap();
+        let want = reference(m, codec.codec.as_ref(), &prompt);
+        let id = cluster
+            .client
+            .submit("mail", mode, request(&prompt, MAX_TOKENS))
+            .await
+            .unwrap();
+        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{mode}: {:?}", job.error);
+        assert_eq!(job.producer.as_deref(), Some("prefill-0"));
+        assert_eq!(job.consumer.as_deref(), Some("mail-0"));
+        let output = job.output.expect("a done job has its output");
+        assert_eq!(output.tokens, want, "{mode}");
+        assert_eq!(output.stop, "max_tokens");
+        // The record went through every state, and carries both nodes' timings.
+        let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
+        assert_eq!(
+            states,
+            [
+                JobState::Queued,
+                JobState::Assigned,
+                JobState::Prefilling,
+                JobState::Transferring,
+                JobState::Decoding,
+                JobState::Done
+            ],
+            "{mode}"
+        );
+        for key in ["rebuild", "first_token", "total"] {
+            assert!(job.timings_ms.contains_key(key), "{mode}: no {key} timing");
+        }
+        if mode != Mode::Oracle {
+            assert!(job.timings_ms.contains_key("prefill"), "{mode}");
+            assert!(job.payload_bytes > 0, "{mode}");
+        }
+        eprintln!(
+            "{mode}: {} payload bytes, timings {:?}",
+            job.payload_bytes, job.timings_ms
+        );
+    }
+    assert_eq!(producer.load(), 0);
+    assert_eq!(consumer.load(), 0);
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_jobs_fail_with_their_reason_and_the_next_job_runs() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let (producer, consumer) = cluster.two_nodes().await;
+
+    // No node serves this expert: refused at submission, saying what to start.
+    let err = cluster
+        .client
+        .submit("sotu", Mode::Raw, request(&prompt, 4))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::NoConsumer { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(
+        message.contains("sotu") && message.contains("served now: mail"),
+        "{message}"
+    );
+
+    // A token outside the vocabulary: the producer refuses the job, the record says why.
+    let mut bad = prompt.clone();
+    bad[3] = u32::MAX;
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&bad, 4))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    let reason = job.error.unwrap_or_default();
+    assert!(
+        reason.contains("prefill-0") && reason.contains(&u32::MAX.to_string()),
+        "{reason}"
+    );
+
+    // More tokens than the context holds.
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 1 << 20))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    assert!(
+        job.error.as_deref().unwrap_or_default().contains("context"),
+        "{:?}",
+        job.error
+    );
+
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 4))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_draining_node_leaves_at_once_and_its_job_finishes_elsewhere() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let (producer, consumer) = cluster.two_nodes().await;
+
+    // A long job; drain the consumer while it decodes.
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 400))
+        .await
+        .unwrap();
+    let mut waited = 0;
+    while consumer.load() == 0 {
+        let job = cluster.client.get(id).await.unwrap();
+        assert!(!job.state.is_finished(), "{:?}", job.error);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        waited += 1;
+        assert!(waited < 15_000, "the consumer never took the job");
+    }
+    let report = consumer.shutdown(Duration::ZERO).await;
+    assert_eq!(report.in_flight, 1);
+    assert_eq!(report.handed_back, vec![id]);
+    // Its lease was revoked: it is gone from the cluster now, not when the lease expires.
+    let nodes = cluster.client.nodes().await.unwrap();
+    assert!(!nodes.contains_key("mail-0"), "{:?}", nodes.keys());
+    let job = cluster.client.get(id).await.unwrap();
+    assert_eq!(job.state, JobState::Queued);
+    assert!(
+        job.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("mail-0 shut down"),
+        "{:?}",
+        job.error
+    );
+
+    // Another consumer of mail joins; the job runs there to the end.
+    let other = cluster.start(&config("mail-1", "\"consumer\"", true)).await;
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.consumer.as_deref(), Some("mail-1"));
+    assert_eq!(job.attempts, 2);
+    assert_eq!(job.output.map(|o| o.tokens.len()), Some(400));
+    other.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
