@@ -25,19 +25,9 @@ demo: setup model build
 	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
 		--adapter experts/melville/adapter.safetensors \
 		--prompt "Describe the sea in two sentences." --max-tokens 48
-	@echo "== disaggregated: the base prefills a mail, the mail expert decodes =="
-	@echo "-- the expert's own prefill (the reference) --"
-	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
-		--adapter experts/mail/adapter.safetensors --raw --max-tokens 48 \
-		--prompt "$$(cat ops/demo-mail.txt)"
-	@echo "-- from the base's raw KV (what disaggregated serving does today) --"
-	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
-		--adapter experts/mail/adapter.safetensors --raw --max-tokens 48 --transfer raw \
-		--prompt "$$(cat ops/demo-mail.txt)"
-	@echo "-- from SCD codes (Reuse + Patch, through the shipped translator) --"
-	target/release/scd generate --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
-		--adapter experts/mail/adapter.safetensors --raw --max-tokens 48 --transfer scd \
-		--translator experts/mail/translator --code-dtype i8-rows --prompt "$$(cat ops/demo-mail.txt)"
+	@echo "== the cluster: a producer node and a mail-expert node in one process, every transfer mode =="
+	target/release/scd demo --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
+		--expert mail --prompt-file ops/demo-mail.txt --max-tokens 48
 
 test: setup model data
 	cargo test --workspace --all-targets --no-fail-fast

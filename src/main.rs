@@ -34,6 +34,10 @@ enum Command {
     Cert(cmd::cert::Args),
     /// Run benchmarks (build with --release).
     Bench(cmd::bench::Args),
+    /// Run a cluster node from its config file until SIGTERM or Ctrl-C (then drain).
+    Node(cmd::node::Args),
+    /// Start an in-process cluster and run one prompt through it in every transfer mode.
+    Demo(cmd::demo::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,5 +56,7 @@ fn main() -> anyhow::Result<()> {
         Command::Calibrate(args) => cmd::calibrate::run(args),
         Command::Cert(args) => cmd::cert::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Node(args) => cmd::node::run(args),
+        Command::Demo(args) => cmd::demo::run(args),
     }
 }

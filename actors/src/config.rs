@@ -54,6 +54,41 @@ pub struct NodeConfig {
     /// `[limits]`: queue lengths and concurrency.
     #[serde(default)]
     pub limits: Limits,
+    /// `[codec]`: how this node's producer writes codes.
+    #[serde(default)]
+    pub codec: CodecConfig,
+}
+
+/// `[codec]`: how a producer writes the codes of `reuse` and `scd` jobs. A consumer reads
+/// whatever element type each frame names, so producers may differ.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodecConfig {
+    /// `code_dtype`: `"f16"` (the default) or `"i8-rows"` (int8 with a scale per token and
+    /// code: half the bytes, at the KL cost BENCHMARKS.md measures).
+    #[serde(default)]
+    pub code_dtype: CodeDtypeName,
+}
+
+/// The code element types a producer can be configured to send.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CodeDtypeName {
+    /// IEEE half precision.
+    #[default]
+    F16,
+    /// int8 rows, each with its f32 scale.
+    I8Rows,
+}
+
+impl CodeDtypeName {
+    /// The wire's element type.
+    pub fn dtype(self) -> scd_transport::CodeDType {
+        match self {
+            Self::F16 => scd_transport::CodeDType::F16,
+            Self::I8Rows => scd_transport::CodeDType::I8_ROWS,
+        }
+    }
 }
 
 /// `[node]`: the node's identity, address and roles.

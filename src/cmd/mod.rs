@@ -5,6 +5,8 @@ pub mod bench_model;
 pub mod bench_transport;
 pub mod calibrate;
 pub mod cert;
+pub mod demo;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
+pub mod node;

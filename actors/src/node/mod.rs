@@ -179,7 +179,10 @@ impl Node {
             jobs: JobStore::new(store.clone(), keys.clone()),
             keys,
             served,
-            codec_options: CodecOptions::default(),
+            codec_options: CodecOptions {
+                code_dtype: config.codec.code_dtype.dtype(),
+                ..CodecOptions::default()
+            },
             queues: PipelineOptions {
                 transport,
                 ..PipelineOptions::default()

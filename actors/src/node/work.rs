@@ -398,6 +398,7 @@ impl Work {
                 let rebuild = report.rebuild.end.duration_since(report.rebuild.start);
                 let first_token = report.first_token.map(ms);
                 let decode_total = started.elapsed().as_secs_f64() * 1e3;
+                let since_first_token = report.first_token.map(|t| t.elapsed());
                 let output = JobResult {
                     tokens,
                     stop: stop_name(&report.stop),
@@ -421,6 +422,12 @@ impl Work {
                         j.timings_ms.insert("consumer_total".into(), decode_total);
                         let total = now_ms().saturating_sub(j.created_at_ms) as f64;
                         j.timings_ms.insert("total".into(), total);
+                        // Submission to first token, on the store's clock: the consumer's own
+                        // first-token time placed on the wall clock.
+                        if let Some(since) = since_first_token {
+                            let ttft = total - since.as_secs_f64() * 1e3;
+                            j.timings_ms.insert("ttft".into(), ttft.max(0.0));
+                        }
                         j.output = Some(output.clone());
                         Ok(())
                     })

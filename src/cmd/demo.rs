@@ -1,0 +1,282 @@
+//! `scd demo`: an in-process cluster on the embedded store (a producer node that is also the
+//! scheduler, and a consumer node serving one expert, over real QUIC on loopback with a
+//! throwaway CA), and the same prompt through it in every transfer mode, each a job record the
+//! scheduler assigns; then the results side by side: text, time to first token and its parts,
+//! payload bytes, and agreement with the expert's own prefill (the oracle).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use scd_actors::{ClusterClient, Node, NodeConfig, Served};
+use scd_models::tokenizer::Tokenizer;
+use scd_models::GgufFile;
+use scd_scheduler::{EmbeddedStore, JobRecord, JobRequest, JobState, Keys, MetaStore};
+use scd_transport::{ClusterCa, Role};
+use scd_types::Mode;
+use tokio_util::sync::CancellationToken;
+
+/// Arguments of `scd demo`.
+#[derive(clap::Args)]
+#[command(after_help = "Example (what `make demo` runs):\n  \
+    scd demo --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --expert mail \\\n    \
+    --prompt-file ops/demo-mail.txt")]
+pub struct Args {
+    /// The base model (GGUF).
+    #[arg(long, env = "SCD_MODEL")]
+    pub model: PathBuf,
+    /// The expert: a folder under --experts with adapter.safetensors and translator/.
+    #[arg(long, default_value = "mail")]
+    pub expert: String,
+    /// Where the shipped experts are.
+    #[arg(long, default_value = "experts")]
+    pub experts: PathBuf,
+    /// The prompt, as it is (no chat template: the mail expert continues mail).
+    #[arg(long)]
+    pub prompt_file: PathBuf,
+    /// New tokens per job.
+    #[arg(long, default_value_t = 48)]
+    pub max_tokens: u32,
+    /// Modes to run, in order (the oracle always runs first: the others are compared to it).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "raw,q4,droidspeak,reuse,scd"
+    )]
+    pub modes: Vec<Mode>,
+    /// Element type of reuse and scd codes: f16 or i8-rows.
+    #[arg(long, default_value = "i8-rows")]
+    pub code_dtype: String,
+}
+
+fn node_config(
+    id: &str,
+    roles: &str,
+    args: &Args,
+    model: &Path,
+    expert: &Path,
+) -> anyhow::Result<NodeConfig> {
+    let text = format!(
+        r#"[node]
+id = "{id}"
+listen = "127.0.0.1:0"
+roles = [{roles}]
+
+[models]
+base = "{model}"
+
+[[experts]]
+name = "{name}"
+adapter = "{expert}"
+translator = "{translator}"
+
+[store]
+kind = "embedded"
+
+[tls]
+ca = "unused.pem"
+cert = "unused.pem"
+key = "unused.key"
+
+[codec]
+code_dtype = "{dtype}"
+"#,
+        model = model.display(),
+        name = args.expert,
+        expert = expert.display(),
+        translator = expert.join("translator").display(),
+        dtype = args.code_dtype,
+    );
+    NodeConfig::parse(&text, Path::new(".")).context("building the demo's node configs")
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let model = std::path::absolute(&args.model)?;
+    let expert_dir = std::path::absolute(args.experts.join(&args.expert))?;
+    if !expert_dir.join("translator").is_dir() {
+        bail!(
+            "{} has no translator/: pick an expert that ships one (mail, sotu, melville)",
+            expert_dir.display()
+        );
+    }
+    let text = std::fs::read_to_string(&args.prompt_file)
+        .with_context(|| format!("reading {}", args.prompt_file.display()))?;
+    let file = GgufFile::open(&model).context("opening the model")?;
+    let tok = Tokenizer::from_gguf(file.content()).context("reading the tokenizer")?;
+    let prompt = tok.encode(&text, false).context("tokenising the prompt")?;
+    let producer_cfg = node_config(
+        "prefill-0",
+        r#""producer", "scheduler""#,
+        &args,
+        &model,
+        &expert_dir,
+    )?;
+    let consumer_cfg = node_config(
+        &format!("{}-0", args.expert),
+        r#""consumer""#,
+        &args,
+        &model,
+        &expert_dir,
+    )?;
+    let t0 = Instant::now();
+    // One load serves both nodes: the producer node uses the base and the translator, the
+    // consumer node the expert.
+    let served = Arc::new(Served::load(&consumer_cfg).context("loading the models")?);
+    eprintln!(
+        "loaded {} and expert {} in {:.1} s",
+        served.base_id,
+        args.expert,
+        t0.elapsed().as_secs_f64()
+    );
+    let (translator, _) = &served
+        .experts
+        .get(&args.expert)
+        .context("the expert is not loaded")?
+        .translator;
+    let m = &translator.manifest;
+    let translator_line = format!(
+        "translator {}: ranks K/V/H {}/{}/{}, Patch layers {:?}, DroidSpeak blocks {:?}",
+        translator.hash().short(),
+        m.default_ranks.k,
+        m.default_ranks.v,
+        m.default_ranks.h,
+        m.patch_layers,
+        m.droidspeak_blocks
+    );
+
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let ca = ClusterCa::generate("demo")?;
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let mut nodes = Vec::new();
+        for cfg in [&producer_cfg, &consumer_cfg] {
+            let identity = ca.issue(&cfg.node.id, Role::Node)?;
+            let node = Node::start(
+                cfg,
+                &identity,
+                served.clone(),
+                store.clone(),
+                CancellationToken::new(),
+            )
+            .await
+            .with_context(|| format!("starting node {}", cfg.node.id))?;
+            nodes.push(node);
+        }
+        println!("== an in-process cluster on the embedded store, over QUIC on loopback ==");
+        println!(
+            "node {} (producer of {}, scheduler) at {}",
+            nodes[0].id(),
+            served.base_id,
+            nodes[0].local_addr()
+        );
+        println!(
+            "node {} (consumer of {}) at {}",
+            nodes[1].id(),
+            args.expert,
+            nodes[1].local_addr()
+        );
+        println!("{translator_line}; codes in {}", args.code_dtype);
+        println!(
+            "prompt: {} tokens from {}; {} new tokens per job, greedy",
+            prompt.len(),
+            args.prompt_file.display(),
+            args.max_tokens
+        );
+        let client = ClusterClient::new(store.clone(), Keys::default());
+        let mut modes = vec![Mode::Oracle];
+        modes.extend(args.modes.iter().copied().filter(|m| *m != Mode::Oracle));
+        let mut done: Vec<(Mode, JobRecord)> = Vec::new();
+        for mode in modes {
+            let request = JobRequest {
+                prompt: prompt.clone(),
+                max_tokens: args.max_tokens,
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: 0,
+                stop_tokens: tok.eos_id().into_iter().collect(),
+            };
+            let id = client.submit(&args.expert, mode, request).await?;
+            eprintln!("job {id}: {mode} ...");
+            let job = client.wait(id, Duration::from_secs(600)).await?;
+            if job.state != JobState::Done {
+                bail!(
+                    "job {id} ({mode}) ended {}: {}",
+                    job.state,
+                    job.error.as_deref().unwrap_or("no reason recorded")
+                );
+            }
+            done.push((mode, job));
+        }
+        for node in nodes.into_iter().rev() {
+            node.shutdown(Duration::ZERO).await;
+        }
+        print_results(&done, &tok);
+        Ok(())
+    })
+}
+
+fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
+    let tokens = |job: &JobRecord| {
+        job.output
+            .as_ref()
+            .map(|o| o.tokens.clone())
+            .unwrap_or_default()
+    };
+    let oracle = done.first().map(|(_, j)| tokens(j)).unwrap_or_default();
+    let raw_bytes = done
+        .iter()
+        .find(|(m, _)| *m == Mode::Raw)
+        .map(|(_, j)| j.payload_bytes);
+    let ms = |job: &JobRecord, key: &str| {
+        job.timings_ms
+            .get(key)
+            .map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
+    };
+    println!();
+    println!(
+        "{:<11} {:>10} {:>7} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  same tokens as the oracle",
+        "mode", "wire B", "vs raw", "prefill", "encode", "transfer", "rebuild", "TTFT", "total"
+    );
+    for (mode, job) in done {
+        // The oracle sends no codes (its job stream carries only the opening frame).
+        let sends = *mode != Mode::Oracle;
+        let share = match raw_bytes {
+            Some(r) if r > 0 && sends => {
+                format!("{:.1}%", 100.0 * job.payload_bytes as f64 / r as f64)
+            }
+            _ => "-".to_owned(),
+        };
+        let bytes = if sends {
+            job.payload_bytes.to_string()
+        } else {
+            "-".to_owned()
+        };
+        let got = tokens(job);
+        let same = got.iter().zip(&oracle).take_while(|(a, b)| a == b).count();
+        let agreement = if got == oracle {
+            format!("all {}", got.len())
+        } else {
+            format!("first {same} of {}", oracle.len())
+        };
+        println!(
+            "{:<11} {:>10} {:>7} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  {agreement}",
+            mode.to_string(),
+            bytes,
+            share,
+            ms(job, "prefill"),
+            ms(job, "encode"),
+            ms(job, "transfer"),
+            ms(job, "rebuild"),
+            ms(job, "ttft"),
+            ms(job, "total"),
+        );
+    }
+    println!("(times in ms; prefill, encode and transfer overlap layer by layer; TTFT is submission to first token, scheduling included)");
+    for (mode, job) in done {
+        let text = tok
+            .decode(&tokens(job), true)
+            .unwrap_or_else(|e| format!("(undecodable: {e})"));
+        println!("\n-- {mode} --\n{}", text.trim());
+    }
+}

@@ -1,0 +1,119 @@
+//! `scd node --config FILE`: runs one cluster node until SIGTERM or Ctrl-C, then drains it
+//! (jobs in flight get `--drain-timeout` to finish, the rest go back to the queue, the node's
+//! lease is revoked). A second signal stops at once.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use scd_actors::config::StoreConfig;
+use scd_actors::{Node, NodeConfig, Served};
+use scd_scheduler::{EmbeddedStore, EtcdStore, MetaStore};
+use tokio_util::sync::CancellationToken;
+
+/// Arguments of `scd node`.
+#[derive(clap::Args)]
+#[command(after_help = "Example:\n  scd node --config cluster-config/three-node/producer.toml")]
+pub struct Args {
+    /// The node's config (cluster-config/ has ready ones; each says how to start it).
+    #[arg(long, env = "SCD_NODE_CONFIG")]
+    pub config: PathBuf,
+    /// On SIGTERM or Ctrl-C, how long jobs in flight may run on before they are handed back
+    /// to the queue (seconds).
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
+}
+
+/// Opens the store a config names.
+pub async fn open_store(config: &StoreConfig) -> anyhow::Result<Arc<dyn MetaStore>> {
+    Ok(match config {
+        StoreConfig::Embedded { .. } => Arc::new(EmbeddedStore::new()),
+        StoreConfig::Etcd { endpoints, .. } => {
+            Arc::new(EtcdStore::connect(endpoints).await.with_context(|| {
+                format!(
+                    "connecting to etcd at {}: is it running? (make test starts one; \
+                         ops/ has how to run one for a cluster)",
+                    endpoints.join(", ")
+                )
+            })?)
+        }
+    })
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = NodeConfig::load(&args.config)
+        .with_context(|| format!("reading the node config {}", args.config.display()))?;
+    let identity = config.identity()?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let store = open_store(&config.store).await?;
+        let started = Instant::now();
+        eprintln!("node {}: loading models ...", config.node.id);
+        let load = config.clone();
+        let served = tokio::task::spawn_blocking(move || Served::load(&load))
+            .await
+            .context("loading models")??;
+        eprintln!(
+            "node {}: base {} and {} expert(s) loaded in {:.1} s",
+            config.node.id,
+            served.base_id,
+            served.experts.len(),
+            started.elapsed().as_secs_f64()
+        );
+        let cancel = CancellationToken::new();
+        let node = Node::start(&config, &identity, Arc::new(served), store, cancel.clone())
+            .await
+            .with_context(|| format!("starting node {}", config.node.id))?;
+        let roles: Vec<&str> = config.node.roles.iter().map(|r| r.as_str()).collect();
+        let experts: Vec<&str> = config.experts.iter().map(|e| e.name.as_str()).collect();
+        println!(
+            "node {} up: QUIC on {}, roles [{}], experts [{}]; Ctrl-C or SIGTERM drains it",
+            node.id(),
+            node.local_addr(),
+            roles.join(", "),
+            experts.join(", ")
+        );
+        shutdown_signal().await?;
+        let grace = Duration::from_secs_f64(args.drain_timeout.max(0.0));
+        eprintln!(
+            "node {}: draining ({} job(s) in flight, up to {:.0} s; signal again to stop now)",
+            node.id(),
+            node.load(),
+            grace.as_secs_f64()
+        );
+        let id = node.id().to_owned();
+        tokio::select! {
+            report = node.shutdown(grace) => {
+                eprintln!(
+                    "node {id}: stopped; {} job(s) were in flight, {} handed back to the queue",
+                    report.in_flight,
+                    report.handed_back.len()
+                );
+            }
+            _ = shutdown_signal() => {
+                cancel.cancel();
+                eprintln!("node {id}: stopped without draining");
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Waits for SIGTERM or Ctrl-C.
+async fn shutdown_signal() -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        tokio::select! {
+            _ = term.recv() => {}
+            r = tokio::signal::ctrl_c() => r.context("listening for Ctrl-C")?,
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c()
+        .await
+        .context("listening for Ctrl-C")?;
+    Ok(())
+}
