@@ -6,12 +6,14 @@
 
 mod common;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::{model_path, models, prompt, reference, repo, MAX_TOKENS};
 use scd_actors::{ClientError, ClusterClient, JobCodec, Node, NodeConfig, Served};
 use scd_models::codec::CodecOptions;
+use scd_models::translator::Translator;
 use scd_scheduler::{EmbeddedStore, JobRequest, JobState, Keys, MetaStore, Mode};
 use scd_transport::{ClusterCa, Role};
 use tokio_util::sync::CancellationToken;
@@ -19,12 +21,16 @@ use tokio_util::sync::CancellationToken;
 const WAIT: Duration = Duration::from_secs(300);
 
 fn config(id: &str, roles: &str, expert: bool) -> NodeConfig {
+    config_with(id, roles, expert, &repo().join("experts/mail/translator"))
+}
+
+fn config_with(id: &str, roles: &str, expert: bool, translator: &Path) -> NodeConfig {
     let mail = repo().join("experts/mail");
     let experts = if expert {
         format!(
             "[[experts]]\nname = \"mail\"\nadapter = \"{}\"\ntranslator = \"{}\"\n",
             mail.display(),
-            mail.join("translator").display()
+            translator.display()
         )
     } else {
         String::new()
@@ -252,5 +258,50 @@ async fn a_draining_node_leaves_at_once_and_its_job_finishes_elsewhere() {
     assert_eq!(job.attempts, 2);
     assert_eq!(job.output.map(|o| o.tokens.len()), Some(400));
     other.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_with_another_translator_version_refuses_the_codes_with_the_reason() {
+    let m = models();
+    let prompt = prompt(m);
+    // Another version of the mail translator: the same fit with one eigenvalue nudged, so its
+    // content hash differs while it still matches the model pair.
+    let dir = tempfile::tempdir().unwrap();
+    let mut other = Translator::load(&repo().join("experts/mail/translator")).unwrap();
+    other.layers[0].k.eigenvalues[0] *= 1.0 + 1e-6;
+    let other_hash = other.save(dir.path()).unwrap();
+    assert_ne!(other_hash, m.translator.0.hash());
+
+    let cluster = Cluster::new();
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+        .await;
+    let consumer = cluster
+        .start(&config_with("mail-0", "\"consumer\"", true, dir.path()))
+        .await;
+    let id = cluster
+        .client
+        .submit("mail", Mode::Scd, request(&prompt, 4))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    let reason = job.error.unwrap_or_default();
+    assert!(
+        reason.contains("mail-0")
+            && reason.contains(&m.translator.0.hash().short())
+            && reason.contains(&other_hash.short()),
+        "{reason}"
+    );
+    // Raw codes carry no translator: the same nodes still serve them.
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 4))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }

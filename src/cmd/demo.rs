@@ -194,7 +194,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 temperature: 0.0,
                 top_p: 1.0,
                 seed: 0,
-                stop_tokens: tok.eos_id().into_iter().collect(),
+                stop_tokens: tok.stop_ids().to_vec(),
             };
             let id = client.submit(&args.expert, mode, request).await?;
             eprintln!("job {id}: {mode} ...");

@@ -1,0 +1,291 @@
+//! End-to-end: three `scd node` processes (a producer that is also a scheduler replica, a
+//! consumer of the mail expert, a consumer of the sotu expert that is a second scheduler
+//! replica) on a real etcd, with certificates from `scd cert`. Jobs submitted as records in etcd
+//! run across the processes in several modes, and each result is what `scd generate --transfer`
+//! produces in one process for the same prompt; a bad job fails with its reason; SIGTERM drains a
+//! node, which leaves the cluster at once (its lease revoked, not left to expire).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use scd_actors::ClusterClient;
+use scd_models::tokenizer::Tokenizer;
+use scd_models::GgufFile;
+use scd_scheduler::{EtcdServer, EtcdStore, JobRequest, JobState, Keys, MetaStore, Mode};
+use scd_transport::pki::{init_ca_dir, issue_in_dir};
+use scd_transport::Role;
+
+const PROMPT: &str =
+    "From: dana@lists.example.org\nSubject: Re: sorting folders by date\n\nNot directly, but";
+const MAX_TOKENS: u32 = 8;
+/// Starting a node loads the model (seconds in a test build); generous for a loaded machine.
+const START_WITHIN: Duration = Duration::from_secs(240);
+const JOB_WITHIN: Duration = Duration::from_secs(240);
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn model_path() -> PathBuf {
+    let dir = std::env::var("SCD_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join(".cache/models"));
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `make model`",
+        path.display()
+    );
+    path
+}
+
+/// A node process, killed if the test ends without stopping it; its output goes to files in
+/// the test's folder, shown when something fails.
+struct NodeProc {
+    id: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl NodeProc {
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Panics with the node's log if it has exited.
+    fn check_alive(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            panic!("node {} exited ({status}):\n{}", self.id, self.log());
+        }
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_config(
+    dir: &Path,
+    id: &str,
+    roles: &str,
+    experts: &[(&str, bool)],
+    etcd: &str,
+    prefix: &str,
+) -> PathBuf {
+    let mut text = format!(
+        "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n\n\
+         [models]\nbase = \"{}\"\n\n",
+        model_path().display()
+    );
+    for (name, adapter) in experts {
+        let e = repo().join("experts").join(name);
+        text.push_str(&format!("[[experts]]\nname = \"{name}\"\n"));
+        if *adapter {
+            text.push_str(&format!("adapter = \"{}\"\n", e.display()));
+        }
+        text.push_str(&format!(
+            "translator = \"{}\"\n\n",
+            e.join("translator").display()
+        ));
+    }
+    text.push_str(&format!(
+        "[store]\nkind = \"etcd\"\nendpoints = [\"{etcd}\"]\nprefix = \"{prefix}\"\n\n\
+         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n"
+    ));
+    let path = dir.join(format!("{id}.toml"));
+    fs::write(&path, text).unwrap();
+    path
+}
+
+fn spawn_node(dir: &Path, id: &str, config: &Path) -> NodeProc {
+    let log = dir.join(format!("{id}.log"));
+    let out = fs::File::create(&log).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["node", "--drain-timeout", "60", "--config"])
+        .arg(config)
+        .env("SCD_LOG", "info")
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    NodeProc {
+        id: id.to_owned(),
+        child,
+        log,
+    }
+}
+
+/// What `scd generate --transfer MODE` gives in one process for the same prompt.
+fn in_process(expert: &str, mode: Mode) -> String {
+    let e = repo().join("experts").join(expert);
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["generate", "--model"])
+        .arg(model_path())
+        .arg("--adapter")
+        .arg(e.join("adapter.safetensors"))
+        .args(["--prompt", PROMPT, "--raw", "--max-tokens"])
+        .arg(MAX_TOKENS.to_string())
+        .args(["--transfer", &mode.to_string(), "--code-dtype", "f16"])
+        .arg("--translator")
+        .arg(e.join("translator"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sigterm() {
+    let etcd = EtcdServer::start()
+        .await
+        .expect("etcd is needed: `make setup` installs it");
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path();
+    init_ca_dir(pki, "test").unwrap();
+    for id in ["producer", "consumer-a", "consumer-b"] {
+        issue_in_dir(pki, id, Role::Node).unwrap();
+    }
+    let prefix = "/scd-e2e";
+    let endpoint = etcd.endpoint();
+    let configs = [
+        (
+            "producer",
+            "\"producer\", \"scheduler\"",
+            vec![("mail", false), ("sotu", false)],
+        ),
+        ("consumer-a", "\"consumer\"", vec![("mail", true)]),
+        (
+            "consumer-b",
+            "\"consumer\", \"scheduler\"",
+            vec![("sotu", true)],
+        ),
+    ];
+    let mut nodes: Vec<NodeProc> = configs
+        .iter()
+        .map(|(id, roles, experts)| {
+            let cfg = write_config(pki, id, roles, experts, &endpoint, prefix);
+            spawn_node(pki, id, &cfg)
+        })
+        .collect();
+
+    let store: Arc<dyn MetaStore> =
+        Arc::new(EtcdStore::connect(&[endpoint.clone()]).await.unwrap());
+    let client = ClusterClient::new(store, Keys::new(prefix));
+    let started = Instant::now();
+    loop {
+        for n in &mut nodes {
+            n.check_alive();
+        }
+        let live = client.nodes().await.unwrap();
+        if live.len() == 3 {
+            break;
+        }
+        assert!(
+            started.elapsed() < START_WITHIN,
+            "only {:?} registered after {START_WITHIN:?}",
+            live.keys()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let file = GgufFile::open(model_path()).unwrap();
+    let tok = Tokenizer::from_gguf(file.content()).unwrap();
+    let prompt = tok.encode(PROMPT, false).unwrap();
+    let request = |prompt: Vec<u32>| JobRequest {
+        prompt,
+        max_tokens: MAX_TOKENS,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        stop_tokens: tok.stop_ids().to_vec(),
+    };
+
+    for (expert, consumer, mode) in [
+        ("mail", "consumer-a", Mode::Scd),
+        ("mail", "consumer-a", Mode::Raw),
+        ("mail", "consumer-a", Mode::Oracle),
+        ("sotu", "consumer-b", Mode::Scd),
+    ] {
+        let id = client
+            .submit(expert, mode, request(prompt.clone()))
+            .await
+            .unwrap();
+        let job = match client.wait(id, JOB_WITHIN).await {
+            Ok(job) => job,
+            Err(e) => {
+                let logs: Vec<String> = nodes.iter().map(NodeProc::log).collect();
+                panic!("{expert} {mode}: {e}\n{}", logs.join("\n----\n"));
+            }
+        };
+        assert_eq!(
+            job.state,
+            JobState::Done,
+            "{expert} {mode}: {:?}",
+            job.error
+        );
+        assert_eq!(job.producer.as_deref(), Some("producer"));
+        assert_eq!(job.consumer.as_deref(), Some(consumer));
+        let tokens = job.output.expect("output").tokens;
+        let text = tok.decode(&tokens, true).unwrap();
+        let want = in_process(expert, mode);
+        assert_eq!(text.trim_end(), want.trim_end(), "{expert} {mode}");
+        eprintln!("{expert} {mode}: {text:?}; timings {:?}", job.timings_ms);
+    }
+
+    // A token the base model does not have: the producer refuses the job, the record says why.
+    let mut bad = prompt.clone();
+    bad[1] = u32::MAX;
+    let id = client
+        .submit("mail", Mode::Raw, request(bad))
+        .await
+        .unwrap();
+    let job = client.wait(id, JOB_WITHIN).await.unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    let reason = job.error.unwrap_or_default();
+    assert!(
+        reason.contains("producer") && reason.contains("vocabulary"),
+        "{reason}"
+    );
+
+    // SIGTERM: consumer-b drains (nothing in flight), revokes its lease and exits 0; it is gone
+    // from the cluster at once, long before its lease (10 s) would have expired.
+    let b = nodes.pop().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &b.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut b = b;
+    let stopped = Instant::now();
+    let exit = loop {
+        if let Some(status) = b.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(60), "{}", b.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(exit.success(), "{}", b.log());
+    let live = client.nodes().await.unwrap();
+    assert!(!live.contains_key("consumer-b"), "{:?}", live.keys());
+    assert!(b.log().contains("draining"), "{}", b.log());
+    // With it gone, nobody serves sotu: a submission says what to start.
+    let err = client
+        .submit("sotu", Mode::Raw, request(prompt.clone()))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("no consumer serves expert sotu"),
+        "{err}"
+    );
+}
