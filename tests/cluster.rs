@@ -179,8 +179,11 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         })
         .collect();
 
-    let store: Arc<dyn MetaStore> =
-        Arc::new(EtcdStore::connect(&[endpoint.clone()]).await.unwrap());
+    let store: Arc<dyn MetaStore> = Arc::new(
+        EtcdStore::connect(std::slice::from_ref(&endpoint))
+            .await
+            .unwrap(),
+    );
     let client = ClusterClient::new(store, Keys::new(prefix));
     let started = Instant::now();
     loop {
