@@ -38,9 +38,13 @@ enum Command {
     Node(cmd::node::Args),
     /// Start an in-process cluster and run one prompt through it in every transfer mode.
     Demo(cmd::demo::Args),
+    /// Submit a job to a cluster and stream the expert's reply.
+    Submit(cmd::admin::SubmitArgs),
+    /// Follow or cancel a cluster's jobs.
+    Jobs(cmd::admin::JobsArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -49,7 +53,7 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match cli.command {
+    let done = match cli.command {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Finetune(args) => cmd::finetune::run(args),
         Command::Eval(args) => cmd::eval::run(args),
@@ -58,5 +62,9 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Node(args) => cmd::node::run(args),
         Command::Demo(args) => cmd::demo::run(args),
-    }
+        // These choose their own exit codes (cluster unreachable, job failed, refused).
+        Command::Submit(args) => return cmd::admin::submit(args),
+        Command::Jobs(args) => return cmd::admin::jobs(args),
+    };
+    done.map(|()| std::process::ExitCode::SUCCESS)
 }

@@ -122,6 +122,18 @@ fn spawn_node(dir: &Path, id: &str, config: &Path) -> NodeProc {
     }
 }
 
+/// `NAME@HOST:PORT` of a node, from the line it prints when it is up.
+fn admin_address(node: &NodeProc) -> String {
+    let log = node.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("admin clients: --node "))
+        .unwrap_or_else(|| panic!("no address line in:\n{log}"));
+    let start = line.find("--node ").unwrap() + "--node ".len();
+    let rest = &line[start..];
+    rest[..rest.find(')').unwrap()].to_owned()
+}
+
 /// What `scd generate --transfer MODE` gives in one process for the same prompt.
 fn in_process(expert: &str, mode: Mode) -> String {
     let e = repo().join("experts").join(expert);
@@ -156,12 +168,13 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
     for id in ["producer", "consumer-a", "consumer-b"] {
         issue_in_dir(pki, id, Role::Node).unwrap();
     }
+    issue_in_dir(pki, "ops", Role::Admin).unwrap();
     let prefix = "/scd-e2e";
     let endpoint = etcd.endpoint();
     let configs = [
         (
             "producer",
-            "\"producer\", \"scheduler\"",
+            "\"producer\", \"scheduler\", \"admin\"",
             vec![("mail", false), ("sotu", false)],
         ),
         ("consumer-a", "\"consumer\"", vec![("mail", true)]),
@@ -214,6 +227,7 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         stop_tokens: tok.stop_ids().to_vec(),
     };
 
+    let mut want_mail_scd = String::new();
     for (expert, consumer, mode) in [
         ("mail", "consumer-a", Mode::Scd),
         ("mail", "consumer-a", Mode::Raw),
@@ -243,6 +257,9 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         let text = tok.decode(&tokens, true).unwrap();
         let want = in_process(expert, mode);
         assert_eq!(text.trim_end(), want.trim_end(), "{expert} {mode}");
+        if (expert, mode) == ("mail", Mode::Scd) {
+            want_mail_scd = want;
+        }
         eprintln!("{expert} {mode}: {text:?}; timings {:?}", job.timings_ms);
     }
 
@@ -259,6 +276,87 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
     assert!(
         reason.contains("producer") && reason.contains("vocabulary"),
         "{reason}"
+    );
+
+    // The admin endpoint: `scd submit` with an admin certificate streams the same reply.
+    let admin = admin_address(&nodes[0]);
+    let submit = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_scd"))
+            .args(["submit", "--node", &admin, "--name", "ops", "--pki-dir"])
+            .arg(pki)
+            .args(["--raw", "--prompt", PROMPT, "--max-tokens"])
+            .arg(MAX_TOKENS.to_string())
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = submit(&["--expert", "mail", "--mode", "scd"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(stdout.trim_end(), want_mail_scd.trim_end(), "{stderr}");
+    assert!(
+        stderr.contains("[done: ") && stderr.contains("producer -> consumer-a"),
+        "{stderr}"
+    );
+    // The same job, followed again by its id: the same text, as JSON.
+    let job = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("job "))
+        .expect("the job id on stderr")
+        .trim()
+        .to_owned();
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args([
+            "jobs",
+            "watch",
+            "--json",
+            "--node",
+            &admin,
+            "--name",
+            "ops",
+            "--pki-dir",
+        ])
+        .arg(pki)
+        .arg(&job)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["state"], "done");
+    assert_eq!(summary["job"], job.as_str());
+    assert_eq!(
+        summary["text"].as_str().unwrap().trim_end(),
+        want_mail_scd.trim_end()
+    );
+    // An expert nobody serves: refused with what to do, exit code 5.
+    let out = submit(&["--expert", "nope"]);
+    assert_eq!(out.status.code(), Some(5));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no consumer serves expert nope"),
+        "{stderr}"
+    );
+    // An admin certificate of another CA: the node refuses the connection, exit code 3.
+    let rogue = dir.path().join("rogue");
+    fs::create_dir(&rogue).unwrap();
+    init_ca_dir(&rogue, "other").unwrap();
+    issue_in_dir(&rogue, "ops", Role::Admin).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["submit", "--node", &admin, "--name", "ops", "--pki-dir"])
+        .arg(&rogue)
+        .args(["--expert", "mail", "--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 
     // SIGTERM: consumer-b drains (nothing in flight), revokes its lease and exits 0; it is gone

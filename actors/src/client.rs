@@ -9,6 +9,7 @@ use std::time::Duration;
 use scd_scheduler::jobs::JobError as RecordError;
 use scd_scheduler::{
     JobId, JobRecord, JobRequest, JobStore, Keys, MetaStore, Mode, NodeMap, StoreError,
+    TraceContext,
 };
 
 /// Attempts a job gets (a producer or consumer lost mid-job costs one) unless the caller says.
@@ -86,6 +87,23 @@ impl ClusterClient {
         mode: Mode,
         request: JobRequest,
     ) -> Result<JobId, ClientError> {
+        let id = JobId::random();
+        self.submit_as(id, expert, mode, request, TraceContext::new())
+            .await?;
+        Ok(id)
+    }
+
+    /// [`ClusterClient::submit`] under the caller's job id (a client that retries a submit
+    /// learns from [`RecordError::AlreadyExists`] that the first one landed), carrying the
+    /// caller's trace context.
+    pub async fn submit_as(
+        &self,
+        id: JobId,
+        expert: &str,
+        mode: Mode,
+        request: JobRequest,
+        trace: TraceContext,
+    ) -> Result<(), ClientError> {
         if request.prompt.len() < 2 {
             return Err(ClientError::PromptTooShort(request.prompt.len()));
         }
@@ -110,10 +128,11 @@ impl ClusterClient {
                 known,
             });
         }
-        let id = JobId::random();
-        let record = JobRecord::new(id, expert, mode, DEFAULT_ATTEMPTS).with_request(request);
+        let record = JobRecord::new(id, expert, mode, DEFAULT_ATTEMPTS)
+            .with_request(request)
+            .with_trace(trace);
         self.jobs.create(&record).await?;
-        Ok(id)
+        Ok(())
     }
 
     /// The job's record now.
@@ -151,6 +170,45 @@ impl ClusterClient {
                 after: timeout,
                 state: self.get(id).await?.state,
             }),
+        }
+    }
+
+    /// Calls `on_change` with the job's record as it is now and again after each change,
+    /// until it is done, failed or cancelled; the final record.
+    pub async fn follow(
+        &self,
+        id: JobId,
+        mut on_change: impl FnMut(&JobRecord),
+    ) -> Result<JobRecord, ClientError> {
+        let key = self.keys.job(id);
+        let read = |kv: &scd_scheduler::store::KeyValue| {
+            scd_scheduler::codec::decode::<JobRecord>(&kv.key, &kv.value)
+                .map_err(|e| ClientError::Record(RecordError::from(e)))
+        };
+        loop {
+            let Some(kv) = self.store.get(&key).await? else {
+                return Err(ClientError::Gone(id));
+            };
+            let job = read(&kv)?;
+            on_change(&job);
+            if job.state.is_finished() {
+                return Ok(job);
+            }
+            let mut watch = self.store.watch_prefix(&key, kv.mod_revision + 1).await?;
+            loop {
+                match watch.next().await {
+                    Some(Ok(event)) if event.kind == scd_scheduler::store::EventKind::Put => {
+                        let job = read(&event.kv)?;
+                        on_change(&job);
+                        if job.state.is_finished() {
+                            return Ok(job);
+                        }
+                    }
+                    Some(Ok(_)) => return Err(ClientError::Gone(id)),
+                    // A broken watch: read the record again and watch anew.
+                    Some(Err(_)) | None => break,
+                }
+            }
         }
     }
 }

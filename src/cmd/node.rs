@@ -68,11 +68,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let roles: Vec<&str> = config.node.roles.iter().map(|r| r.as_str()).collect();
         let experts: Vec<&str> = config.experts.iter().map(|e| e.name.as_str()).collect();
         println!(
-            "node {} up: QUIC on {}, roles [{}], experts [{}]; Ctrl-C or SIGTERM drains it",
-            node.id(),
-            node.local_addr(),
+            "node {id} up: QUIC on {addr} (admin clients: --node {id}@{addr}), roles [{}], experts [{}]; Ctrl-C or SIGTERM drains it",
             roles.join(", "),
-            experts.join(", ")
+            experts.join(", "),
+            id = node.id(),
+            addr = node.local_addr(),
         );
         shutdown_signal().await?;
         let grace = Duration::from_secs_f64(args.drain_timeout.max(0.0));

@@ -504,12 +504,13 @@ mod tests {
             Err(DecodeError::BadMagic(_))
         ));
         let mut bad = buf.as_slice().to_vec();
-        bad[4] = 2;
+        let other = PROTOCOL_VERSION + 1;
+        bad[4..6].copy_from_slice(&other.to_le_bytes());
         assert_eq!(
             decode(&bad, u32::MAX).unwrap_err(),
             DecodeError::UnsupportedVersion {
-                got: 2,
-                supported: 1
+                got: other,
+                supported: PROTOCOL_VERSION
             }
         );
         let mut bad = buf.as_slice().to_vec();

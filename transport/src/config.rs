@@ -151,6 +151,9 @@ mod tests {
 
     #[test]
     fn alpn_carries_the_version() {
-        assert_eq!(TransportOptions::default().alpn(), b"scd/1");
+        assert_eq!(
+            TransportOptions::default().alpn(),
+            format!("scd/{PROTOCOL_VERSION}").as_bytes()
+        );
     }
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use quinn::{ConnectionError, VarInt};
 
+use crate::admin::{self, AdminCall, AdminError, AdminRequest};
 use crate::budget::ReceiveBudget;
 use crate::config::TransportOptions;
 use crate::pacing::Pacer;
@@ -15,6 +16,7 @@ use crate::pki::PeerIdentity;
 use crate::session::error_code;
 use crate::stream::{self, AcceptJobError, JobReceiver, JobSender, JobStreams, OpenJobError};
 use crate::tasks::TaskCounter;
+use crate::wire::Control;
 use scd_types::{JobId, TraceContext};
 
 /// What every connection of one endpoint shares.
@@ -87,6 +89,17 @@ impl Connection {
     /// Wait for the peer to open a job stream, and read its Open frame.
     pub async fn accept_job(&self) -> Result<JobReceiver, AcceptJobError> {
         stream::accept(&self.inner, self.streams(), self.peer.clone()).await
+    }
+
+    /// Start an admin call: send `request` on a new stream and read the node's replies from
+    /// the returned call.
+    pub async fn call_admin(&self, request: Control) -> Result<AdminCall, AdminError> {
+        AdminCall::start(&self.inner, request).await
+    }
+
+    /// Wait for the peer to start an admin call, and read its request.
+    pub async fn accept_admin(&self) -> Result<AdminRequest, AdminError> {
+        admin::accept(&self.inner, self.shared.opts.open_timeout).await
     }
 
     /// Close the connection; every job on it ends on both sides.

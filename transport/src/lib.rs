@@ -24,6 +24,8 @@
 //! - `stream`: job streams over QUIC: a bounded queue and a writer task per job on the sending
 //!   side, the frame reader and the tracker on the receiving side; carries out what `session`
 //!   decides.
+//! - [`admin`]: admin calls, one request and its replies on a stream of an admin client's
+//!   connection (`scd submit` and the other cluster commands).
 //! - `connection`: an authenticated connection and the state its job streams share.
 //! - `endpoint`: binding, connecting, accepting; builds connections from `tls` and `handshake`.
 //! - [`bench`]: the measurements behind `scd bench transport`.
@@ -31,6 +33,7 @@
 //!   by the bounded harness in `cargo test`.
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod bench;
 pub mod budget;
 pub mod codec;
@@ -48,6 +51,7 @@ mod tasks;
 mod tls;
 pub mod wire;
 
+pub use admin::{AdminCall, AdminError, AdminReplies, AdminRequest};
 pub use budget::{BudgetError, BudgetStats};
 pub use config::{LinkProfile, TransportOptions};
 pub use connection::Connection;
@@ -64,4 +68,6 @@ pub use stream::{
     CONTROL_MAX_FRAME_BYTES,
 };
 pub use tls::{verify_signed_by_ca, TlsConfigError};
-pub use wire::{CodeFrame, Control, Message, PrefillRequest, Prompt, PROTOCOL_VERSION};
+pub use wire::{
+    CodeFrame, Control, Message, PrefillRequest, Prompt, SubmitRequest, PROTOCOL_VERSION,
+};

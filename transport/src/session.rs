@@ -28,6 +28,11 @@ pub mod error_code {
     /// The receiver has no room for the job's frames now (its receive budget is spent): try
     /// again later or elsewhere.
     pub const BUSY: u32 = 5;
+    /// An admin request that is well formed but cannot be served as asked (an expert nobody
+    /// serves, a prompt too long, bad sampling settings).
+    pub const REFUSED: u32 = 6;
+    /// An admin request about a job the cluster does not have.
+    pub const NOT_FOUND: u32 = 7;
 }
 
 /// What the job stream rules need to know about a frame, read from an owned or an archived
@@ -75,8 +80,11 @@ impl<'a> FrameFacts<'a> {
                     ArchivedControl::Hello { .. } => None,
                     ArchivedControl::Open { job_id, .. }
                     | ArchivedControl::JobStatus { job_id, .. }
-                    | ArchivedControl::Cancel { job_id, .. } => Some(job_id.get()),
+                    | ArchivedControl::Cancel { job_id, .. }
+                    | ArchivedControl::Watch { job_id }
+                    | ArchivedControl::Tokens { job_id, .. } => Some(job_id.get()),
                     ArchivedControl::PrefillRequest(r) => Some(r.job_id.get()),
+                    ArchivedControl::Submit(r) => Some(r.job_id.get()),
                     ArchivedControl::Error { job_id, .. } => job_id.as_ref().map(|j| j.get()),
                 },
                 is_open: matches!(c, ArchivedControl::Open { .. }),

@@ -10,7 +10,7 @@ use scd_types::{
 
 /// The wire protocol version. It is in the ALPN string (so a peer with another version fails
 /// the TLS handshake) and in every frame header (so a stray frame of another version is refused).
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// One layer's codes for a job, as they go on the wire.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -81,11 +81,38 @@ pub struct PrefillRequest {
     pub trace: TraceContext,
 }
 
+/// An admin client's job: what `scd submit` sends to a node's admin endpoint. Sampling settings
+/// travel in thousandths, so that the message stays plain comparable data.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct SubmitRequest {
+    /// The job's id, chosen by the client (so that a retried submit is recognised).
+    pub job_id: JobId,
+    /// The expert that answers.
+    pub expert: String,
+    /// The transfer mode.
+    pub mode: Mode,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Apply the model's chat template to a text prompt (as a user message).
+    pub chat: bool,
+    /// At most this many new tokens.
+    pub max_tokens: u32,
+    /// Softmax temperature in thousandths; 0 is greedy.
+    pub temperature_milli: u32,
+    /// Nucleus mass in thousandths, 1 to 1000.
+    pub top_p_milli: u32,
+    /// Seed of the sampler.
+    pub seed: u64,
+    /// Trace context of the client's span.
+    pub trace: TraceContext,
+}
+
 // rkyv generates one struct per struct-like variant, without docs; the allow is scoped to this
 // module so the rest of the file keeps the lint.
 #[allow(missing_docs)]
 mod control {
-    use super::{JobId, JobState, PrefillRequest, TraceContext};
+    use super::{JobId, JobState, PrefillRequest, SubmitRequest, TraceContext};
     use rkyv::{Archive, Deserialize, Serialize};
 
     /// Control messages: requests, status, errors, cancellation, greeting.
@@ -133,6 +160,22 @@ mod control {
             /// Why.
             reason: String,
         },
+        /// Admin: run a job and follow it (replies: status, tokens, the end).
+        Submit(SubmitRequest),
+        /// Admin: follow an existing job to its end (replies as for `Submit`).
+        Watch {
+            /// The job.
+            job_id: JobId,
+        },
+        /// Admin reply: tokens the expert generated since the last `Tokens` of this job.
+        Tokens {
+            /// The job.
+            job_id: JobId,
+            /// The new tokens.
+            tokens: Vec<u32>,
+            /// Their text (what they add to the decoded reply).
+            text: String,
+        },
     }
 }
 pub use control::{ArchivedControl, Control};
@@ -143,9 +186,12 @@ impl Control {
         match self {
             Control::Hello { .. } => None,
             Control::PrefillRequest(r) => Some(r.job_id),
+            Control::Submit(r) => Some(r.job_id),
             Control::Open { job_id, .. }
             | Control::JobStatus { job_id, .. }
-            | Control::Cancel { job_id, .. } => Some(*job_id),
+            | Control::Cancel { job_id, .. }
+            | Control::Watch { job_id }
+            | Control::Tokens { job_id, .. } => Some(*job_id),
             Control::Error { job_id, .. } => *job_id,
         }
     }
@@ -206,6 +252,10 @@ impl ArchivedMessage {
                 Ok(())
             }
             ArchivedMessage::Control(ArchivedControl::PrefillRequest(r)) => {
+                TraceContext::from_archived(&r.trace)?;
+                Ok(())
+            }
+            ArchivedMessage::Control(ArchivedControl::Submit(r)) => {
                 TraceContext::from_archived(&r.trace)?;
                 Ok(())
             }

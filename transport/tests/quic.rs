@@ -259,7 +259,7 @@ async fn a_client_without_a_certificate_is_refused() {
     .unwrap()
     .with_root_certificates(roots)
     .with_no_client_auth();
-    tls.alpn_protocols = vec![b"scd/1".to_vec()];
+    tls.alpn_protocols = vec![format!("scd/{}", scd_transport::PROTOCOL_VERSION).into_bytes()];
     let mut client = quinn::Endpoint::client(local()).unwrap();
     client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
         QuicClientConfig::try_from(tls).unwrap(),
@@ -277,8 +277,9 @@ async fn a_client_without_a_certificate_is_refused() {
 async fn another_protocol_version_fails_with_a_clear_error() {
     let ca = ClusterCa::generate("test").unwrap();
     let server = serve_as_node_a(&ca, TransportOptions::default());
+    let next = scd_transport::PROTOCOL_VERSION + 1;
     let future = TransportOptions {
-        protocol_version: 2,
+        protocol_version: next,
         ..TransportOptions::default()
     };
     let client = Endpoint::bind(local(), &ca.issue("node-b", Role::Node).unwrap(), future).unwrap();
@@ -287,13 +288,13 @@ async fn another_protocol_version_fails_with_a_clear_error() {
     let accept = tokio::spawn(async move { s.accept().await.unwrap().complete().await });
     let err = client.connect(addr, "node-a").await.unwrap_err();
     assert!(
-        matches!(err, ConnectError::VersionMismatch { ours: 2, .. }),
+        matches!(err, ConnectError::VersionMismatch { ours, .. } if ours == next),
         "{err}"
     );
     assert!(err.to_string().contains("protocol version mismatch"));
     let err = accept.await.unwrap().unwrap_err();
     assert!(
-        matches!(err, AcceptError::VersionMismatch { ours: 1, .. }),
+        matches!(err, AcceptError::VersionMismatch { ours, .. } if ours == scd_transport::PROTOCOL_VERSION),
         "{err}"
     );
 }
@@ -322,6 +323,51 @@ async fn admin_certificates_connect_but_cannot_serve() {
     let err = client.connect(addr, "node-q").await.unwrap_err();
     assert!(matches!(err, ConnectError::UntrustedPeer { .. }), "{err}");
     assert!(accept.await.unwrap().is_err());
+}
+
+#[tokio::test]
+async fn an_admin_call_carries_one_request_and_the_replies_in_order() {
+    let ca = ClusterCa::generate("test").unwrap();
+    let admin = ca.issue("ops", Role::Admin).unwrap();
+    let server = serve_as_node_a(&ca, TransportOptions::default());
+    let client = Endpoint::client(local(), &admin, TransportOptions::default()).unwrap();
+    let addr = server.local_addr().unwrap();
+    let s = server.clone();
+    let node = tokio::spawn(async move {
+        let conn = s.accept().await.unwrap().complete().await.unwrap();
+        let call = conn.accept_admin().await.unwrap();
+        let job_id = call.request.job_id().unwrap();
+        assert_eq!(call.request, Control::Watch { job_id });
+        let mut replies = call.replies;
+        for (i, piece) in ["Call", " me", " Ishmael"].into_iter().enumerate() {
+            let tokens = vec![i as u32];
+            let text = piece.to_owned();
+            replies
+                .send(Control::Tokens {
+                    job_id,
+                    tokens,
+                    text,
+                })
+                .await
+                .unwrap();
+        }
+        replies.finish();
+        conn
+    });
+    let conn = client.connect(addr, "node-a").await.unwrap();
+    let job_id = jid(7);
+    let mut call = conn.call_admin(Control::Watch { job_id }).await.unwrap();
+    let mut text = String::new();
+    while let Some(reply) = call.next().await.unwrap() {
+        match reply {
+            Control::Tokens {
+                job_id: j, text: t, ..
+            } if j == job_id => text.push_str(&t),
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+    assert_eq!(text, "Call me Ishmael");
+    drop(node.await.unwrap());
 }
 
 #[tokio::test]

@@ -14,6 +14,7 @@
 //! - [`served`]: loading the models and translators a config names.
 //! - `work`: the node's share of the jobs, from the records and the streams.
 
+mod admin;
 pub mod served;
 mod work;
 
@@ -177,6 +178,8 @@ impl Node {
             id: id.clone(),
             store: store.clone(),
             jobs: JobStore::new(store.clone(), keys.clone()),
+            client: crate::client::ClusterClient::new(store.clone(), keys.clone()),
+            admin: config.has_role(NodeRole::Admin),
             keys,
             served,
             codec_options: CodecOptions {
@@ -401,8 +404,8 @@ async fn check_models(
     Ok(())
 }
 
-/// Accepts connections: other nodes' go to the transfer actor (their job streams); admin
-/// clients are not served by this slice.
+/// Accepts connections: other nodes' go to the transfer actor (their job streams), admin
+/// clients' to the admin endpoint when the node has the admin role.
 async fn accept_connections(work: Arc<Work>, transfer_in: ractor::ActorRef<TransferInMsg>) {
     loop {
         let incoming = tokio::select! {
@@ -411,6 +414,7 @@ async fn accept_connections(work: Arc<Work>, transfer_in: ractor::ActorRef<Trans
         };
         let Some(incoming) = incoming else { return };
         let transfer_in = transfer_in.clone();
+        let work = work.clone();
         tokio::spawn(async move {
             let remote = incoming.remote_address();
             let connection = match incoming.complete().await {
@@ -424,9 +428,10 @@ async fn accept_connections(work: Arc<Work>, transfer_in: ractor::ActorRef<Trans
                 Role::Node => {
                     let _ = transfer_in.send_message(TransferInMsg::Connection(connection));
                 }
-                role => {
-                    tracing::info!(%remote, ?role, "closing a connection this node does not serve");
-                    connection.close("this node serves node connections only");
+                Role::Admin if work.admin => admin::serve(work, connection).await,
+                Role::Admin => {
+                    tracing::info!(%remote, "closing an admin connection: no admin role here");
+                    connection.close("this node has no admin role: use a node whose config lists \"admin\" in node.roles");
                 }
             }
         });

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use scd_models::tokenizer::{Tokenizer, TokenizerError};
 use scd_models::translator::{Translator, TranslatorError};
 use scd_models::{AdapterError, AdapterMode, GgufFile, Llama, LoadError, LoraAdapter};
 use scd_scheduler::ModelRecord;
@@ -25,6 +26,14 @@ pub enum ServeError {
         path: PathBuf,
         /// Why.
         source: Box<LoadError>,
+    },
+    /// The base model's tokenizer could not be read.
+    #[error("reading the tokenizer of {path}: {source}")]
+    Tokenizer {
+        /// The model file.
+        path: PathBuf,
+        /// Why.
+        source: Box<TokenizerError>,
     },
     /// An expert's adapter could not be loaded or applied.
     #[error("expert {expert}: loading its adapter {path}: {source}")]
@@ -79,6 +88,8 @@ pub struct Served {
     pub base_id: String,
     /// The base model.
     pub base: Arc<Llama>,
+    /// The base model's tokenizer (experts share it).
+    pub tokenizer: Tokenizer,
     /// The experts, by name.
     pub experts: BTreeMap<String, ServedExpert>,
 }
@@ -87,12 +98,17 @@ impl Served {
     /// Loads what `config`'s roles need.
     pub fn load(config: &NodeConfig) -> Result<Self, ServeError> {
         let path = config.models.base.as_ref().ok_or(ServeError::NoBase)?;
-        let base = GgufFile::open(path)
-            .and_then(|f| f.load_model())
-            .map_err(|source| ServeError::Base {
+        let base_err = |source| ServeError::Base {
+            path: path.clone(),
+            source: Box::new(source),
+        };
+        let file = GgufFile::open(path).map_err(base_err)?;
+        let tokenizer =
+            Tokenizer::from_gguf(file.content()).map_err(|source| ServeError::Tokenizer {
                 path: path.clone(),
                 source: Box::new(source),
             })?;
+        let base = file.load_model().map_err(base_err)?;
         let base = Arc::new(base);
         let consumer = config.has_role(NodeRole::Consumer);
         let mut experts = BTreeMap::new();
@@ -115,6 +131,7 @@ impl Served {
         Ok(Self {
             base_id: model_id(&base),
             base,
+            tokenizer,
             experts,
         })
     }

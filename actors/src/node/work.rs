@@ -54,6 +54,10 @@ pub(crate) struct Work {
     pub endpoint: Endpoint,
     pub nodes: LiveNodes,
     pub keys: Keys,
+    /// The cluster's jobs as a client sees them (the admin endpoint's view).
+    pub client: crate::client::ClusterClient,
+    /// Whether this node serves admin clients.
+    pub admin: bool,
     /// This node's load as it changes; the node's reporter writes it to its registration.
     pub load: watch::Sender<usize>,
     /// Connections to consumer nodes, by node id.
@@ -69,6 +73,9 @@ pub(crate) struct Work {
     pub cancel: CancellationToken,
 }
 
+/// How often a decoding job's tokens so far are written to its record.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// A job's half.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Side {
@@ -78,7 +85,7 @@ pub(crate) enum Side {
 
 /// Why a job's half could not start on this node.
 #[derive(Debug, thiserror::Error)]
-enum Refusal {
+pub(crate) enum Refusal {
     #[error("the job record has no request (prompt and generation settings)")]
     NoRequest,
     #[error("the prompt has {0} tokens; a job needs at least two")]
@@ -388,9 +395,18 @@ impl Work {
                     return;
                 }
             };
+        // Tokens go into the record as they come (the first at once, then at most every
+        // PROGRESS_EVERY), so that clients following the job stream them.
         let mut tokens = Vec::new();
+        let mut flushed = 0;
+        let mut last_flush = Instant::now();
         while let Some(t) = tokens_rx.recv().await {
             tokens.push(t);
+            if flushed == 0 || last_flush.elapsed() >= PROGRESS_EVERY {
+                self.progress(id, attempt, &tokens).await;
+                flushed = tokens.len();
+                last_flush = Instant::now();
+            }
         }
         match stages::settle(decoded, "decoder", &cancel).await {
             Ok(report) => {
@@ -440,6 +456,31 @@ impl Work {
                 tracing::debug!(job = %id, error = %e, "consumer side stopped");
             }
             Err(e) => self.fail(id, attempt, &format!("consumer {me}: {e}")).await,
+        }
+    }
+
+    /// Writes the tokens so far into the record of a job still decoding here.
+    async fn progress(&self, job: JobId, attempt: u32, tokens: &[u32]) {
+        let written = self
+            .jobs
+            .update(job, |j| {
+                if !j.state.is_running() || j.attempts != attempt {
+                    return Ok(());
+                }
+                for next in [JobState::Transferring, JobState::Decoding] {
+                    if j.state.can_transition_to(next) {
+                        j.transition(next, now_ms())?;
+                    }
+                }
+                j.output = Some(JobResult {
+                    tokens: tokens.to_vec(),
+                    stop: String::new(),
+                });
+                Ok(())
+            })
+            .await;
+        if let Err(e) = written {
+            tracing::debug!(%job, error = %e, "recording progress failed");
         }
     }
 
@@ -501,7 +542,7 @@ impl Work {
     }
 }
 
-fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), Refusal> {
+pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), Refusal> {
     let cfg = served.base.config();
     let tokens = request.prompt.len();
     if tokens < 2 {

@@ -52,7 +52,7 @@ pub async fn raw_client(ca: &ClusterCa, server: &Endpoint) -> quinn::Connection 
     .with_root_certificates(roots)
     .with_client_auth_cert(id.cert_chain.clone(), id.key.clone_key())
     .unwrap();
-    tls.alpn_protocols = vec![b"scd/1".to_vec()];
+    tls.alpn_protocols = vec![format!("scd/{}", scd_transport::PROTOCOL_VERSION).into_bytes()];
     let mut client = quinn::Endpoint::client(local()).unwrap();
     client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
         QuicClientConfig::try_from(tls).unwrap(),

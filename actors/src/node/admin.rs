@@ -1,0 +1,292 @@
+//! The admin endpoint: calls from clients holding an admin certificate of the cluster CA
+//! (`scd submit`, `scd jobs watch|cancel`), on the node's QUIC endpoint.
+//!
+//! - `Submit`: the prompt is tokenised here (chat template applied on request), checked against
+//!   the model's context and the sampling ranges, and queued as a job record under the client's
+//!   job id; then followed as for `Watch`.
+//! - `Watch`: the job's state changes and its tokens as the consumer writes them into the record,
+//!   then a final status whose detail is the record's summary as JSON.
+//! - `Cancel`: the record is cancelled; the nodes working on it stop.
+//!
+//! A client that goes away stops the following, not the job: it can `Watch` it again.
+
+use std::sync::Arc;
+
+use scd_models::Sampling;
+use scd_scheduler::jobs::JobError as RecordError;
+use scd_scheduler::{JobId, JobRecord, JobRequest, JobState};
+use scd_transport::{
+    error_code, AdminError, AdminReplies, AdminRequest, Connection, Control, Prompt, SubmitRequest,
+};
+use tokio::sync::mpsc;
+
+use crate::client::ClientError;
+use crate::node::work::{check_prompt, Work};
+
+/// An admin call's failure: the error code and message the client gets.
+struct Refused {
+    code: u32,
+    message: String,
+}
+
+impl Refused {
+    fn new(code: u32, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<ClientError> for Refused {
+    fn from(e: ClientError) -> Self {
+        let code = match &e {
+            ClientError::NoConsumer { .. } | ClientError::PromptTooShort(_) => error_code::REFUSED,
+            ClientError::Gone(_) | ClientError::Record(RecordError::NotFound(_)) => {
+                error_code::NOT_FOUND
+            }
+            _ => error_code::INTERNAL,
+        };
+        Self::new(code, e.to_string())
+    }
+}
+
+/// Serves the admin calls of one client connection until it closes or the node stops.
+pub(crate) async fn serve(work: Arc<Work>, conn: Connection) {
+    let client = conn.peer().name.clone();
+    loop {
+        let call = tokio::select! {
+            () = work.cancel.cancelled() => return,
+            c = conn.accept_admin() => c,
+        };
+        match call {
+            Ok(call) => {
+                let work = work.clone();
+                let client = client.clone();
+                tokio::spawn(async move { handle(&work, &client, call).await });
+            }
+            Err(AdminError::ConnectionLost(_)) => return,
+            Err(e) => tracing::warn!(client, error = %e, "a bad admin call"),
+        }
+    }
+}
+
+async fn handle(work: &Work, client: &str, call: AdminRequest) {
+    let AdminRequest {
+        request,
+        mut replies,
+    } = call;
+    let job = request.job_id();
+    tracing::info!(client, ?job, "admin call");
+    let result = match request {
+        Control::Submit(r) => submit(work, r, &mut replies).await,
+        Control::Watch { job_id } => follow(work, job_id, &mut replies).await,
+        Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
+        _ => Err(Refused::new(
+            error_code::PROTOCOL,
+            "not an admin request: send Submit, Watch or Cancel",
+        )),
+    };
+    if let Err(refused) = result {
+        let error = Control::Error {
+            job_id: job,
+            code: refused.code,
+            message: refused.message,
+        };
+        if let Err(e) = replies.send(error).await {
+            tracing::debug!(client, error = %e, "the admin client went away");
+        }
+    }
+    replies.finish();
+}
+
+/// The job request of a submission, tokenised and checked here so that a bad one is refused at
+/// once, with the reason, instead of failing later on a producer.
+fn request_of(work: &Work, r: &SubmitRequest) -> Result<JobRequest, Refused> {
+    let tok = &work.served.tokenizer;
+    let refuse = |m: String| Refused::new(error_code::REFUSED, m);
+    let prompt = match &r.prompt {
+        Prompt::Tokens(t) => t.clone(),
+        Prompt::Text(text) => {
+            let text = if r.chat {
+                let chat = [scd_models::tokenizer::ChatMessage::user(text.clone())];
+                tok.apply_chat_template(&chat, true)
+                    .map_err(|e| refuse(format!("applying the chat template: {e}")))?
+            } else {
+                text.clone()
+            };
+            tok.encode(&text, false)
+                .map_err(|e| refuse(format!("tokenising the prompt: {e}")))?
+        }
+    };
+    let temperature = r.temperature_milli as f32 / 1000.0;
+    let top_p = r.top_p_milli as f32 / 1000.0;
+    Sampling::from_params(temperature, top_p).map_err(|e| refuse(e.to_string()))?;
+    let request = JobRequest {
+        prompt,
+        max_tokens: r.max_tokens,
+        temperature,
+        top_p,
+        seed: r.seed,
+        stop_tokens: tok.stop_ids().to_vec(),
+    };
+    check_prompt(&work.served, &request).map_err(|e| refuse(e.to_string()))?;
+    Ok(request)
+}
+
+async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Result<(), Refused> {
+    let request = request_of(work, &r)?;
+    let tokens = request.prompt.len();
+    let submitted = work
+        .client
+        .submit_as(r.job_id, &r.expert, r.mode, request, r.trace.clone())
+        .await;
+    match submitted {
+        Ok(()) => {}
+        // A retried submit: the first one landed; follow it.
+        Err(ClientError::Record(RecordError::AlreadyExists(_))) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let detail = format!(
+        "queued on {}: {} prompt tokens, expert {}, mode {}",
+        work.id, tokens, r.expert, r.mode
+    );
+    send(replies, status(r.job_id, JobState::Queued, detail)).await?;
+    follow(work, r.job_id, replies).await
+}
+
+async fn cancel(
+    work: &Work,
+    job: JobId,
+    reason: &str,
+    replies: &mut AdminReplies,
+) -> Result<(), Refused> {
+    let record = work.client.cancel(job, reason).await.map_err(|e| match e {
+        ClientError::Record(RecordError::InvalidTransition { from, .. }) => Refused::new(
+            error_code::REFUSED,
+            format!("job {job} is {from}: only an unfinished job can be cancelled"),
+        ),
+        e => e.into(),
+    })?;
+    send(replies, status(job, record.state, summary(&record))).await
+}
+
+fn status(job_id: JobId, state: JobState, detail: String) -> Control {
+    Control::JobStatus {
+        job_id,
+        state,
+        detail,
+    }
+}
+
+async fn send(replies: &mut AdminReplies, msg: Control) -> Result<(), Refused> {
+    replies
+        .send(msg)
+        .await
+        .map_err(|e| Refused::new(error_code::INTERNAL, e.to_string()))
+}
+
+/// The record's summary a finished call ends with, as JSON.
+fn summary(job: &JobRecord) -> String {
+    serde_json::json!({
+        "job": job.id,
+        "state": job.state,
+        "expert": job.expert,
+        "mode": job.mode,
+        "producer": job.producer,
+        "consumer": job.consumer,
+        "attempts": job.attempts,
+        "error": job.error,
+        "stop": job.output.as_ref().map(|o| o.stop.clone()),
+        "tokens": job.output.as_ref().map_or(0, |o| o.tokens.len()),
+        "payload_bytes": job.payload_bytes,
+        "timings_ms": job.timings_ms,
+        "traceparent": job.trace.get("traceparent"),
+    })
+    .to_string()
+}
+
+/// What has been sent of a job so far.
+#[derive(Default)]
+struct Sent {
+    state: Option<JobState>,
+    tokens: usize,
+    text: String,
+}
+
+impl Sent {
+    /// The replies that bring the client from what it has to `job`.
+    fn replies(&mut self, work: &Work, job: &JobRecord) -> Vec<Control> {
+        let mut out = Vec::new();
+        if let Some(output) = &job.output {
+            if output.tokens.len() > self.tokens {
+                let text = work
+                    .served
+                    .tokenizer
+                    .decode(&output.tokens, true)
+                    .unwrap_or_default();
+                // Decoding a longer sequence can rewrite its tail (a multi-byte character
+                // completed); the client is sent what extends what it has.
+                let delta = text.strip_prefix(self.text.as_str()).unwrap_or(&text);
+                out.push(Control::Tokens {
+                    job_id: job.id,
+                    tokens: output.tokens[self.tokens..].to_vec(),
+                    text: delta.to_owned(),
+                });
+                self.tokens = output.tokens.len();
+                self.text = text;
+            }
+        }
+        if self.state != Some(job.state) {
+            self.state = Some(job.state);
+            let detail = if job.state.is_finished() {
+                summary(job)
+            } else {
+                match (&job.producer, &job.consumer) {
+                    (Some(p), Some(c)) => format!("producer {p}, consumer {c}"),
+                    _ => String::new(),
+                }
+            };
+            out.push(status(job.id, job.state, detail));
+        }
+        out
+    }
+}
+
+async fn follow(work: &Work, job: JobId, replies: &mut AdminReplies) -> Result<(), Refused> {
+    // The follower's callback cannot wait; it hands the latest record over, and a skipped one
+    // only means the next carries more.
+    let (tx, mut rx) = mpsc::channel::<JobRecord>(8);
+    let client = work.client.clone();
+    let mut follower = tokio::spawn(async move {
+        client
+            .follow(job, |record| {
+                let _ = tx.try_send(record.clone());
+            })
+            .await
+    });
+    let mut sent = Sent::default();
+    loop {
+        tokio::select! {
+            record = rx.recv() => match record {
+                Some(record) => {
+                    for msg in sent.replies(work, &record) {
+                        send(replies, msg).await?;
+                    }
+                }
+                None => break,
+            },
+            () = replies.client_gone() => {
+                follower.abort();
+                return Ok(());
+            }
+        }
+    }
+    let last = (&mut follower)
+        .await
+        .map_err(|e| Refused::new(error_code::INTERNAL, e.to_string()))??;
+    for msg in sent.replies(work, &last) {
+        send(replies, msg).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,367 @@
+//! Cluster commands of an operator: `scd submit` and `scd jobs watch|cancel`, as admin calls on
+//! a node's QUIC endpoint with an admin certificate of the cluster CA (`scd cert issue --role
+//! admin`). The node is named by its certificate name and address, from `--node` or
+//! `SCD_NODE`; the certificate from `--pki-dir`/`--name` or `SCD_PKI_DIR`/`SCD_ADMIN_NAME`.
+//!
+//! Exit codes: 2 for usage errors (clap), 3 when the cluster cannot be reached, 4 when the job
+//! failed or was cancelled, 5 when the node refused the request.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use scd_transport::{
+    error_code, AdminCall, Connection, Control, Endpoint, Identity, JobId, JobState, Prompt,
+    SubmitRequest, TraceContext, TransportOptions,
+};
+use scd_types::Mode;
+
+/// Exit code: the cluster could not be reached.
+const UNREACHABLE: u8 = 3;
+/// Exit code: the job failed or was cancelled.
+const JOB_FAILED: u8 = 4;
+/// Exit code: the node refused the request.
+const REFUSED: u8 = 5;
+
+/// Where the cluster is and who is asking.
+#[derive(clap::Args)]
+pub struct Target {
+    /// The node to talk to, as NAME@HOST:PORT (its certificate name and QUIC address; a node
+    /// prints both when it starts). It must have the admin role.
+    #[arg(long, env = "SCD_NODE")]
+    pub node: String,
+    /// The folder with ca.pem and the admin certificate (`scd cert init` / `scd cert issue`).
+    #[arg(long, env = "SCD_PKI_DIR", default_value = ".cache/pki")]
+    pub pki_dir: PathBuf,
+    /// The admin certificate's name (`<name>.pem`, `<name>.key`).
+    #[arg(long = "name", env = "SCD_ADMIN_NAME", default_value = "ops")]
+    pub admin_name: String,
+}
+
+/// Arguments of `scd submit`.
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd submit --node producer@127.0.0.1:7101 --expert sotu --prompt 'What did the president promise?'\n  \
+    scd submit --node producer@127.0.0.1:7101 --expert mail --raw --prompt-file mail.txt --mode raw --json\n  \
+    echo 'Describe the sea.' | scd submit --node producer@127.0.0.1:7101 --expert melville")]
+pub struct SubmitArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The expert that answers.
+    #[arg(long)]
+    pub expert: String,
+    /// How the base model's prefill reaches the expert: oracle, raw, q4, droidspeak, reuse, scd.
+    #[arg(long, default_value = "scd")]
+    pub mode: Mode,
+    /// The prompt; without it and --prompt-file, stdin.
+    #[arg(long, conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+    /// A file holding the prompt.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Send the prompt as it is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 0.9)]
+    pub top_p: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object at the end (the job's summary and its text) instead of streaming
+    /// the text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `scd jobs`.
+#[derive(clap::Args)]
+pub struct JobsArgs {
+    #[command(subcommand)]
+    pub command: JobsCommand,
+}
+
+/// `scd jobs` subcommands.
+#[derive(clap::Subcommand)]
+pub enum JobsCommand {
+    /// Follow a job to its end, printing its text as it comes.
+    #[command(after_help = "Example:\n  scd jobs watch --node producer@127.0.0.1:7101 3f2a...")]
+    Watch {
+        #[command(flatten)]
+        target: Target,
+        /// The job id (32 hex digits, as `scd submit` prints it).
+        job: JobId,
+        /// Print one JSON object at the end instead of streaming the text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cancel a job; the nodes working on it stop.
+    #[command(after_help = "Example:\n  scd jobs cancel --node producer@127.0.0.1:7101 3f2a...")]
+    Cancel {
+        #[command(flatten)]
+        target: Target,
+        /// The job id.
+        job: JobId,
+        /// Why (kept in the job record).
+        #[arg(long, default_value = "cancelled by an operator")]
+        reason: String,
+    },
+}
+
+/// A failure with its exit code.
+struct Failure {
+    code: u8,
+    error: anyhow::Error,
+}
+
+fn fail(code: u8, error: anyhow::Error) -> Failure {
+    Failure { code, error }
+}
+
+fn exit(result: Result<(), Failure>) -> anyhow::Result<ExitCode> {
+    match result {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(Failure { code, error }) => {
+            eprintln!("error: {error:#}");
+            Ok(ExitCode::from(code))
+        }
+    }
+}
+
+async fn connect(target: &Target) -> Result<(Endpoint, Connection), Failure> {
+    let (name, addr) = target.node.split_once('@').ok_or_else(|| {
+        fail(
+            2,
+            anyhow::anyhow!(
+                "--node {:?} is not NAME@HOST:PORT (the node's certificate name and its QUIC address, e.g. producer@127.0.0.1:7101)",
+                target.node
+            ),
+        )
+    })?;
+    let identity = Identity::load(&target.pki_dir, &target.admin_name)
+        .with_context(|| {
+            format!(
+                "loading the admin certificate {name}.pem from {dir} (make one with `scd cert issue --dir {dir} --name {name} --role admin`)",
+                name = target.admin_name,
+                dir = target.pki_dir.display()
+            )
+        })
+        .map_err(|e| fail(2, e))?;
+    let addr: SocketAddr = tokio::net::lookup_host(addr)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| fail(2, anyhow::anyhow!("cannot resolve the node address {addr}")))?;
+    let local: SocketAddr = if addr.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let endpoint = Endpoint::client(local, &identity, TransportOptions::default())
+        .context("opening a QUIC endpoint")
+        .map_err(|e| fail(UNREACHABLE, e))?;
+    let conn = endpoint
+        .connect(addr, name)
+        .await
+        .with_context(|| {
+            format!("connecting to node {name} at {addr}: is it running, with this cluster's CA?")
+        })
+        .map_err(|e| fail(UNREACHABLE, e))?;
+    Ok((endpoint, conn))
+}
+
+/// The prompt from the flag, the file or stdin.
+fn prompt_text(args: &SubmitArgs) -> anyhow::Result<String> {
+    if let Some(p) = &args.prompt {
+        return Ok(p.clone());
+    }
+    if let Some(path) = &args.prompt_file {
+        return std::fs::read_to_string(path)
+            .with_context(|| format!("reading the prompt file {}", path.display()));
+    }
+    let mut text = String::new();
+    std::io::stdin()
+        .read_to_string(&mut text)
+        .context("reading the prompt from stdin")?;
+    if text.trim().is_empty() {
+        bail!("no prompt: give --prompt, --prompt-file or text on stdin");
+    }
+    Ok(text)
+}
+
+fn milli(x: f32) -> u32 {
+    (x.max(0.0) * 1000.0).round() as u32
+}
+
+pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
+    let text = match prompt_text(&args) {
+        Ok(t) => t,
+        Err(e) => return exit(Err(fail(2, e))),
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    exit(runtime.block_on(async {
+        let (endpoint, conn) = connect(&args.target).await?;
+        let job_id = JobId::random();
+        let request = Control::Submit(SubmitRequest {
+            job_id,
+            expert: args.expert.clone(),
+            mode: args.mode,
+            prompt: Prompt::Text(text),
+            chat: !args.raw,
+            max_tokens: args.max_tokens,
+            temperature_milli: milli(args.temperature),
+            top_p_milli: milli(args.top_p),
+            seed: args.seed,
+            trace: TraceContext::new(),
+        });
+        eprintln!("job {job_id}");
+        let call = conn
+            .call_admin(request)
+            .await
+            .context("sending the job")
+            .map_err(|e| fail(UNREACHABLE, e))?;
+        let result = follow(call, args.json, false).await;
+        conn.close("done");
+        endpoint.wait_idle().await;
+        result
+    }))
+}
+
+pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    exit(runtime.block_on(async {
+        let (target, request, json) = match args.command {
+            JobsCommand::Watch { target, job, json } => {
+                (target, Control::Watch { job_id: job }, json)
+            }
+            JobsCommand::Cancel {
+                target,
+                job,
+                reason,
+            } => (
+                target,
+                Control::Cancel {
+                    job_id: job,
+                    reason,
+                },
+                false,
+            ),
+        };
+        let cancelling = matches!(request, Control::Cancel { .. });
+        let (endpoint, conn) = connect(&target).await?;
+        let call = conn
+            .call_admin(request)
+            .await
+            .context("sending the request")
+            .map_err(|e| fail(UNREACHABLE, e))?;
+        let result = follow(call, json, cancelling).await;
+        conn.close("done");
+        endpoint.wait_idle().await;
+        result
+    }))
+}
+
+/// Reads a call's replies: streams text to stdout (or gathers it for `json`), status lines to
+/// stderr, and ends with the job's fate.
+async fn follow(mut call: AdminCall, json: bool, cancelling: bool) -> Result<(), Failure> {
+    let mut stdout = std::io::stdout().lock();
+    let mut text = String::new();
+    let mut last: Option<(JobState, String)> = None;
+    loop {
+        let reply = call
+            .next()
+            .await
+            .context("reading the node's replies")
+            .map_err(|e| fail(UNREACHABLE, e))?;
+        match reply {
+            None => break,
+            Some(Control::Tokens { text: piece, .. }) => {
+                if !json {
+                    let _ = stdout.write_all(piece.as_bytes());
+                    let _ = stdout.flush();
+                }
+                text.push_str(&piece);
+            }
+            Some(Control::JobStatus { state, detail, .. }) => {
+                if !state.is_finished() && !json {
+                    let sep = if detail.is_empty() { "" } else { ": " };
+                    eprintln!("[{state}{sep}{detail}]");
+                }
+                last = Some((state, detail));
+            }
+            Some(Control::Error { code, message, .. }) => {
+                let exit = match code {
+                    error_code::REFUSED | error_code::NOT_FOUND | error_code::PROTOCOL => REFUSED,
+                    _ => JOB_FAILED,
+                };
+                return Err(fail(exit, anyhow::anyhow!("{message}")));
+            }
+            Some(other) => {
+                return Err(fail(
+                    UNREACHABLE,
+                    anyhow::anyhow!("unexpected reply from the node: {other:?}"),
+                ))
+            }
+        }
+    }
+    let Some((state, detail)) = last else {
+        return Err(fail(
+            UNREACHABLE,
+            anyhow::anyhow!("the node ended the call without a status"),
+        ));
+    };
+    let summary: serde_json::Value =
+        serde_json::from_str(&detail).unwrap_or(serde_json::Value::String(detail));
+    if json {
+        let mut out = summary.clone();
+        if let Some(o) = out.as_object_mut() {
+            o.insert("text".into(), serde_json::Value::String(text));
+        }
+        let _ = writeln!(stdout, "{out}");
+    } else {
+        let _ = writeln!(stdout);
+        eprintln!("[{state}: {}]", describe(&summary));
+    }
+    match state {
+        JobState::Done => Ok(()),
+        JobState::Cancelled if cancelling => Ok(()),
+        _ => Err(fail(
+            JOB_FAILED,
+            anyhow::anyhow!(
+                "job {state}: {}",
+                summary["error"].as_str().unwrap_or("no reason recorded")
+            ),
+        )),
+    }
+}
+
+/// One line of a summary for people.
+fn describe(s: &serde_json::Value) -> String {
+    let ms = |k: &str| {
+        s["timings_ms"][k]
+            .as_f64()
+            .map(|v| format!("{k} {v:.0} ms"))
+    };
+    let mut parts: Vec<String> = ["ttft", "prefill", "transfer", "rebuild", "total"]
+        .iter()
+        .filter_map(|k| ms(k))
+        .collect();
+    if let Some(n) = s["tokens"].as_u64() {
+        parts.insert(0, format!("{n} tokens"));
+    }
+    if let Some(b) = s["payload_bytes"].as_u64().filter(|b| *b > 0) {
+        parts.push(format!("{b} bytes on the wire"));
+    }
+    if let (Some(p), Some(c)) = (s["producer"].as_str(), s["consumer"].as_str()) {
+        parts.push(format!("{p} -> {c}"));
+    }
+    parts.join(", ")
+}
