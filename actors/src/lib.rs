@@ -3,9 +3,9 @@
 //!
 //! It is the one crate that depends on `scd-models`, `scd-transport` and `scd-scheduler`; they do
 //! not know each other. It holds the actors of a job's path, the node that runs them from its
-//! config and the job records in the store, and the client that submits jobs through the store.
-//! The admin endpoint over QUIC, the HTTP gateway and restarts of failed actors are still to
-//! come.
+//! config and the job records in the store under a supervisor that restarts failed actors,
+//! the admin endpoint over QUIC, and the client that submits jobs through the store. The HTTP
+//! gateway and tracing export come with milestone M7.
 //!
 //! An actor is one file: its messages (`XxxMsg`), arguments and state, and handlers. Model
 //! compute runs on blocking threads, never on the async runtime. A job's data moves through
@@ -30,7 +30,8 @@
 //! - [`pipeline`]: a producer node and a consumer node in one process over QUIC on loopback,
 //!   and `run_job`, without a store: the actors' own tests and benchmarks.
 //! - [`node`]: a cluster node: endpoint, registration, model records, scheduler replica, the
-//!   actors of its roles, and its share of the jobs from the records; drains on shutdown.
+//!   supervised actors of its roles, its share of the jobs from the records, and the admin
+//!   endpoint; drains on shutdown.
 //! - [`client`]: submitting a job (a record with its request) and waiting for its end.
 //! - `blocking`: bounded-channel waits for model threads that also end on cancellation.
 //! - [`config`]: the node's TOML file (`scd node --config`): identity, roles, models, experts and

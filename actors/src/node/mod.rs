@@ -12,19 +12,24 @@
 //! (the node leaves at once, not when the lease expires), then stops its actors and endpoint.
 //!
 //! - [`served`]: loading the models and translators a config names.
+//! - `supervisor`: the actor that starts the node's actors and starts a new one in place of
+//!   any that fails; the node reaches them through its table.
 //! - `work`: the node's share of the jobs, from the records and the streams.
+//! - `admin`: the admin endpoint (submit, watch, cancel) for clients with an admin
+//!   certificate.
 
 mod admin;
 pub mod served;
+mod supervisor;
 mod work;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex as StdMutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex as StdMutex, RwLock};
 use std::time::Duration;
 
-use ractor::{Actor, ActorCell, SpawnErr};
+use ractor::{ActorRef, SpawnErr};
 use scd_models::codec::CodecOptions;
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::membership::MembershipError;
@@ -39,13 +44,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{NodeConfig, NodeRole};
-use crate::decoder::{Decoder, DecoderArgs};
-use crate::encoder::Encoder;
 use crate::pipeline::PipelineOptions;
-use crate::producer::{Producer, ProducerArgs};
-use crate::stages::ProducerActors;
-use crate::transfer::{TransferIn, TransferInArgs, TransferInMsg, TransferOut};
+use crate::transfer::TransferInMsg;
 pub use served::{ServeError, Served, ServedExpert};
+use supervisor::{ActorTable, Actors, SupervisorArgs, SupervisorMsg};
 use work::Work;
 
 /// Streams that arrived before any decoder took them, waiting for the node to look their job
@@ -83,9 +85,6 @@ pub enum NodeError {
     /// An actor could not start.
     #[error("starting an actor: {0}")]
     Spawn(#[from] SpawnErr),
-    /// The config asks for a role this node cannot take on with what it loaded.
-    #[error("{0}")]
-    Roles(String),
 }
 
 /// What a drain did.
@@ -105,7 +104,8 @@ pub struct Node {
     work: Arc<Work>,
     registration: Arc<Registration>,
     scheduler: Option<Scheduler>,
-    actors: Vec<(ActorCell, JoinHandle<()>)>,
+    supervisor: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
+    restarts: Arc<AtomicU64>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -135,18 +135,21 @@ impl Node {
         let endpoint = Endpoint::bind(config.node.listen, identity, transport.clone())?;
         let addr = endpoint.local_addr().map_err(NodeError::Address)?;
 
-        let mut actors = Vec::new();
-        let started =
-            spawn_actors(&mut actors, &served, producer_role, consumer_role, &cancel).await;
-        let (producer, decoders, transfer_in, new_streams) = match started {
-            Ok(a) => a,
-            Err(e) => {
-                for (cell, _) in &actors {
-                    cell.stop(None);
-                }
-                return Err(e);
-            }
-        };
+        let (new_streams_tx, new_streams) = mpsc::channel(NEW_STREAMS_QUEUE);
+        let table: ActorTable = Arc::new(RwLock::new(Actors::default()));
+        let inbound = Arc::new(StdMutex::new(Vec::new()));
+        let restarts = Arc::new(AtomicU64::new(0));
+        let (supervisor, supervisor_task) = supervisor::start(SupervisorArgs {
+            served: served.clone(),
+            producer_role,
+            consumer_role,
+            cancel: cancel.clone(),
+            new_streams: new_streams_tx,
+            table: table.clone(),
+            inbound: inbound.clone(),
+            restarts: restarts.clone(),
+        })
+        .await?;
 
         let mut info = NodeInfo::new(
             id.clone(),
@@ -190,9 +193,9 @@ impl Node {
                 transport,
                 ..PipelineOptions::default()
             },
-            producer,
-            decoders,
-            transfer_in: transfer_in.clone(),
+            producer_role,
+            actors: table,
+            inbound,
             endpoint,
             nodes,
             load,
@@ -202,7 +205,7 @@ impl Node {
             cancel: cancel.clone(),
         });
         let tasks = vec![
-            tokio::spawn(accept_connections(work.clone(), transfer_in)),
+            tokio::spawn(accept_connections(work.clone())),
             tokio::spawn(take_streams(work.clone(), new_streams)),
             tokio::spawn(work::follow_jobs(work.clone())),
             tokio::spawn(report_load(registration.clone(), load_rx, cancel.clone())),
@@ -214,7 +217,8 @@ impl Node {
             work,
             registration,
             scheduler,
-            actors,
+            supervisor: Some((supervisor, supervisor_task)),
+            restarts,
             tasks,
         })
     }
@@ -232,6 +236,21 @@ impl Node {
     /// Jobs it works on now.
     pub fn load(&self) -> usize {
         self.work.load()
+    }
+
+    /// Actors its supervisor has started again since the node started.
+    pub fn restarts(&self) -> u64 {
+        self.restarts.load(Ordering::SeqCst)
+    }
+
+    /// Kills one of the node's actors (`producer`, `encoder`, `transfer-out`, `transfer-in`,
+    /// `decoder:<expert>`) as a failure would: for tests of the supervision. Whether it exists.
+    #[doc(hidden)]
+    pub async fn kill_actor(&self, name: &str) -> bool {
+        let Some((supervisor, _)) = &self.supervisor else {
+            return false;
+        };
+        ractor::call!(supervisor, SupervisorMsg::Kill, name.to_owned()).unwrap_or(false)
     }
 
     /// Drains and stops the node (see the module docs): jobs in flight get `grace` to finish.
@@ -304,11 +323,10 @@ impl Node {
         for task in &self.tasks {
             task.abort();
         }
-        for (cell, _) in &self.actors {
-            cell.stop(None);
-        }
-        for (_, handle) in self.actors.drain(..) {
-            let _ = handle.await;
+        if let Some((supervisor, task)) = self.supervisor.take() {
+            // Its children stop with it (its post_stop).
+            supervisor.stop(None);
+            let _ = task.await;
         }
         self.work.endpoint.close();
         self.work.endpoint.wait_idle().await;
@@ -323,61 +341,6 @@ fn advertised(listen: SocketAddr, bound: SocketAddr) -> String {
     } else {
         listen.to_string()
     }
-}
-
-type NodeActors = (
-    Option<ProducerActors>,
-    BTreeMap<String, ractor::ActorRef<crate::decoder::DecoderMsg>>,
-    ractor::ActorRef<TransferInMsg>,
-    mpsc::Receiver<scd_transport::JobReceiver>,
-);
-
-async fn spawn_actors(
-    actors: &mut Vec<(ActorCell, JoinHandle<()>)>,
-    served: &Served,
-    producer_role: bool,
-    consumer_role: bool,
-    cancel: &CancellationToken,
-) -> Result<NodeActors, NodeError> {
-    let producer = if producer_role {
-        let args = ProducerArgs {
-            model: served.base.clone(),
-        };
-        let (producer, h) = Actor::spawn(None, Producer, args).await?;
-        actors.push((producer.get_cell(), h));
-        let (encoder, h) = Actor::spawn(None, Encoder, ()).await?;
-        actors.push((encoder.get_cell(), h));
-        let (transfer, h) = Actor::spawn(None, TransferOut, ()).await?;
-        actors.push((transfer.get_cell(), h));
-        Some(ProducerActors {
-            producer,
-            encoder,
-            transfer,
-        })
-    } else {
-        None
-    };
-    let mut decoders = BTreeMap::new();
-    if consumer_role {
-        for (name, expert) in &served.experts {
-            let model = expert.model.clone().ok_or_else(|| {
-                NodeError::Roles(format!(
-                    "expert {name}: a consumer needs the expert's model"
-                ))
-            })?;
-            let (decoder, h) = Actor::spawn(None, Decoder, DecoderArgs { model }).await?;
-            actors.push((decoder.get_cell(), h));
-            decoders.insert(name.clone(), decoder);
-        }
-    }
-    let (new_tx, new_rx) = mpsc::channel(NEW_STREAMS_QUEUE);
-    let args = TransferInArgs {
-        cancel: cancel.clone(),
-        unexpected: consumer_role.then_some(new_tx),
-    };
-    let (transfer_in, h) = Actor::spawn(None, TransferIn, args).await?;
-    actors.push((transfer_in.get_cell(), h));
-    Ok((producer, decoders, transfer_in, new_rx))
 }
 
 /// Checks this node's models against the cluster's records, then writes them: a node with
@@ -406,14 +369,13 @@ async fn check_models(
 
 /// Accepts connections: other nodes' go to the transfer actor (their job streams), admin
 /// clients' to the admin endpoint when the node has the admin role.
-async fn accept_connections(work: Arc<Work>, transfer_in: ractor::ActorRef<TransferInMsg>) {
+async fn accept_connections(work: Arc<Work>) {
     loop {
         let incoming = tokio::select! {
             () = work.cancel.cancelled() => return,
             i = work.endpoint.accept() => i,
         };
         let Some(incoming) = incoming else { return };
-        let transfer_in = transfer_in.clone();
         let work = work.clone();
         tokio::spawn(async move {
             let remote = incoming.remote_address();
@@ -426,7 +388,14 @@ async fn accept_connections(work: Arc<Work>, transfer_in: ractor::ActorRef<Trans
             };
             match connection.peer().role {
                 Role::Node => {
-                    let _ = transfer_in.send_message(TransferInMsg::Connection(connection));
+                    work.inbound
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(connection.clone());
+                    let transfer_in = supervisor::read(&work.actors).transfer_in.clone();
+                    if let Some(t) = transfer_in {
+                        let _ = t.send_message(TransferInMsg::Connection(connection));
+                    }
                 }
                 Role::Admin if work.admin => admin::serve(work, connection).await,
                 Role::Admin => {

@@ -17,7 +17,7 @@
 //! A record that turns `cancelled`, `failed` or back to `queued` (the scheduler gave the
 //! attempt to someone else) cancels the local work on it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
@@ -36,8 +36,9 @@ use tokio_util::sync::CancellationToken;
 use crate::decoder::DecoderMsg;
 use crate::job::JobCodec;
 use crate::node::served::Served;
-use crate::pipeline::PipelineOptions;
-use crate::stages::{self, cause, ConsumerJob, ProducerActors};
+use crate::node::supervisor::{read, ActorTable};
+use crate::pipeline::{JobError, PipelineOptions};
+use crate::stages::{self, cause, ConsumerJob};
 use crate::transfer::TransferInMsg;
 
 /// Everything a node's job handling uses.
@@ -48,9 +49,12 @@ pub(crate) struct Work {
     pub served: Arc<Served>,
     pub codec_options: CodecOptions,
     pub queues: PipelineOptions,
-    pub producer: Option<ProducerActors>,
-    pub decoders: BTreeMap<String, ActorRef<DecoderMsg>>,
-    pub transfer_in: ActorRef<TransferInMsg>,
+    /// Whether this node prefills.
+    pub producer_role: bool,
+    /// The node's actors as its supervisor keeps them.
+    pub actors: ActorTable,
+    /// Connections from producer nodes (a restarted transfer-in actor is given them again).
+    pub inbound: Arc<StdMutex<Vec<Connection>>>,
     pub endpoint: Endpoint,
     pub nodes: LiveNodes,
     pub keys: Keys,
@@ -167,7 +171,7 @@ impl Work {
             JobState::Queued | JobState::Failed | JobState::Cancelled => self.cancel_local(job.id),
             JobState::Assigned
                 if job.producer.as_deref() == Some(self.id.as_str())
-                    && self.producer.is_some()
+                    && self.producer_role
                     && !self.is_draining() =>
             {
                 if let Some(cancel) = self.begin(job.id, job.attempts, Side::Producer) {
@@ -254,6 +258,10 @@ impl Work {
             Err(e) if e.is_knock_on() => {
                 tracing::debug!(job = %id, error = %e, "producer side stopped");
             }
+            Err(e @ JobError::ActorGone(_)) => {
+                self.hand_back(id, attempt, &format!("producer {me}: {e}"))
+                    .await
+            }
             Err(e) => self.fail(id, attempt, &format!("producer {me}: {e}")).await,
         }
     }
@@ -271,9 +279,8 @@ impl Work {
             .ok_or_else(|| Refusal::ConsumerGone("(none recorded)".into()))?;
         let connection = self.link(&consumer).await?;
         let prefix = request.prompt[..request.prompt.len() - 1].to_vec();
-        let producer = self
-            .producer
-            .as_ref()
+        let producer = read(&self.actors)
+            .producer()
             .ok_or(Refusal::Codec("this node has no producer role".into()))?;
         producer
             .start(job.id, prefix, codec, connection, &self.queues, cancel)
@@ -375,7 +382,8 @@ impl Work {
             receiver: Box::new(receiver),
             inbound: inbound_tx,
         };
-        if self.transfer_in.send_message(attach).is_err() {
+        let transfer_in = read(&self.actors).transfer_in.clone();
+        if transfer_in.is_none_or(|t| t.send_message(attach).is_err()) {
             let reason = format!("consumer {me}: its transfer actor is gone");
             self.fail(id, attempt, &reason).await;
             return;
@@ -400,15 +408,42 @@ impl Work {
         let mut tokens = Vec::new();
         let mut flushed = 0;
         let mut last_flush = Instant::now();
-        while let Some(t) = tokens_rx.recv().await {
-            tokens.push(t);
-            if flushed == 0 || last_flush.elapsed() >= PROGRESS_EVERY {
-                self.progress(id, attempt, &tokens).await;
-                flushed = tokens.len();
-                last_flush = Instant::now();
+        let mut decoded = decoded;
+        // The decoder's answer, when it comes before its tokens end: a failure, or its actor
+        // died (then its blocking work is stopped through the job's token).
+        let mut early = None;
+        loop {
+            tokio::select! {
+                t = tokens_rx.recv() => match t {
+                    Some(t) => {
+                        tokens.push(t);
+                        if flushed == 0 || last_flush.elapsed() >= PROGRESS_EVERY {
+                            self.progress(id, attempt, &tokens).await;
+                            flushed = tokens.len();
+                            last_flush = Instant::now();
+                        }
+                    }
+                    None => break,
+                },
+                r = &mut decoded, if early.is_none() => {
+                    let r = match r {
+                        Ok(r) => r.map_err(JobError::from),
+                        Err(_) => Err(JobError::ActorGone("decoder")),
+                    };
+                    let failed = r.is_err();
+                    early = Some(r);
+                    if failed {
+                        cancel.cancel();
+                        break;
+                    }
+                }
             }
         }
-        match stages::settle(decoded, "decoder", &cancel).await {
+        let result = match early {
+            Some(r) => r,
+            None => stages::settle(decoded, "decoder", &cancel).await,
+        };
+        match result {
             Ok(report) => {
                 let ms = |at: Instant| at.duration_since(started).as_secs_f64() * 1e3;
                 let rebuild = report.rebuild.end.duration_since(report.rebuild.start);
@@ -452,6 +487,10 @@ impl Work {
                     tracing::warn!(job = %id, error = %e, "recording a finished job failed");
                 }
             }
+            Err(e @ JobError::ActorGone(_)) => {
+                self.hand_back(id, attempt, &format!("consumer {me}: {e}"))
+                    .await
+            }
             Err(e) if cancel.is_cancelled() && e.is_knock_on() => {
                 tracing::debug!(job = %id, error = %e, "consumer side stopped");
             }
@@ -489,7 +528,7 @@ impl Work {
         &self,
         job: &JobRecord,
     ) -> Result<(ActorRef<DecoderMsg>, GenerateParams, JobCodec), Refusal> {
-        let decoder = self
+        let decoder = read(&self.actors)
             .decoders
             .get(&job.expert)
             .cloned()
@@ -521,6 +560,24 @@ impl Work {
         let request = job.request.as_ref().ok_or(Refusal::NoRequest)?;
         check_prompt(&self.served, request)?;
         Ok(request)
+    }
+
+    /// Sends `job` back to the queue (its attempt was lost to a failed actor, not to the job
+    /// itself), if it is still running the attempt this node worked on.
+    async fn hand_back(&self, job: JobId, attempt: u32, reason: &str) {
+        tracing::warn!(%job, reason, "job handed back to the queue");
+        let back = self
+            .jobs
+            .update(job, |j| {
+                if !j.state.is_running() || j.attempts != attempt {
+                    return Ok(());
+                }
+                j.retry(reason, false, now_ms())
+            })
+            .await;
+        if let Err(e) = back {
+            tracing::warn!(%job, error = %e, "handing a job back failed");
+        }
     }
 
     /// Fails `job` with `reason`, if it is still running the attempt this node worked on (a
