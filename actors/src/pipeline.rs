@@ -385,6 +385,7 @@ impl Pipeline {
         let producer = &self.producer;
         let produced = producer.actors.start(
             job,
+            scd_transport::TraceContext::new(),
             prefix,
             spec.codec,
             producer.to_consumer.clone(),

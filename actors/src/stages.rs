@@ -9,7 +9,7 @@
 
 use ractor::{ActorRef, RpcReplyPort};
 use scd_models::GenerateParams;
-use scd_transport::{Connection, JobId};
+use scd_transport::{Connection, JobId, TraceContext};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -47,9 +47,11 @@ impl ProducerActors {
     /// Starts the producer side of `job`: its codes go out on `to_consumer`. Requests go to the
     /// transfer first, then back up the chain, so each stage's consumer is waiting before its
     /// producer starts.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         &self,
         job: JobId,
+        trace: TraceContext,
         prefix: Vec<u32>,
         codec: JobCodec,
         to_consumer: Connection,
@@ -63,6 +65,7 @@ impl ProducerActors {
                 SendJob {
                     job,
                     connection: to_consumer,
+                    trace,
                     frames: frames_rx,
                     cancel: cancel.clone(),
                 },

@@ -59,6 +59,8 @@ pub struct SendJob {
     pub job: JobId,
     /// The connection to the job's consumer node.
     pub connection: Connection,
+    /// The job's trace context, carried by the stream's Open frame.
+    pub trace: TraceContext,
     /// Frames from the encoder, in order; the stream finishes when this closes.
     pub frames: mpsc::Receiver<CodeFrame>,
     /// The job's cancellation.
@@ -107,6 +109,7 @@ async fn send_job(job: SendJob) -> Result<TransferReport, TransferError> {
     let SendJob {
         job,
         connection: conn,
+        trace,
         mut frames,
         cancel,
     } = job;
@@ -115,7 +118,7 @@ async fn send_job(job: SendJob) -> Result<TransferReport, TransferError> {
     // cancelled.
     let mut sender = tokio::select! {
         () = cancel.cancelled() => return Err(TransferError::Cancelled),
-        s = conn.open_job(job, TraceContext::new()) => s?,
+        s = conn.open_job(job, trace) => s?,
     };
     loop {
         let frame = tokio::select! {

@@ -80,7 +80,7 @@ async fn handle(work: &Work, client: &str, call: AdminRequest) {
     tracing::info!(client, ?job, "admin call");
     let result = match request {
         Control::Submit(r) => submit(work, r, &mut replies).await,
-        Control::Watch { job_id } => follow(work, job_id, &mut replies).await,
+        Control::Watch { job_id } => follow(work, job_id, &mut replies, Sent::default()).await,
         Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
         _ => Err(Refused::new(
             error_code::PROTOCOL,
@@ -152,7 +152,11 @@ async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Re
         work.id, tokens, r.expert, r.mode
     );
     send(replies, status(r.job_id, JobState::Queued, detail)).await?;
-    follow(work, r.job_id, replies).await
+    let sent = Sent {
+        state: Some(JobState::Queued),
+        ..Sent::default()
+    };
+    follow(work, r.job_id, replies, sent).await
 }
 
 async fn cancel(
@@ -253,7 +257,12 @@ impl Sent {
     }
 }
 
-async fn follow(work: &Work, job: JobId, replies: &mut AdminReplies) -> Result<(), Refused> {
+async fn follow(
+    work: &Work,
+    job: JobId,
+    replies: &mut AdminReplies,
+    mut sent: Sent,
+) -> Result<(), Refused> {
     // The follower's callback cannot wait; it hands the latest record over, and a skipped one
     // only means the next carries more.
     let (tx, mut rx) = mpsc::channel::<JobRecord>(8);
@@ -265,7 +274,6 @@ async fn follow(work: &Work, job: JobId, replies: &mut AdminReplies) -> Result<(
             })
             .await
     });
-    let mut sent = Sent::default();
     loop {
         tokio::select! {
             record = rx.recv() => match record {

@@ -283,7 +283,15 @@ impl Work {
             .producer()
             .ok_or(Refusal::Codec("this node has no producer role".into()))?;
         producer
-            .start(job.id, prefix, codec, connection, &self.queues, cancel)
+            .start(
+                job.id,
+                job.trace.clone(),
+                prefix,
+                codec,
+                connection,
+                &self.queues,
+                cancel,
+            )
             .map_err(|e| Refusal::Codec(e.to_string()))
     }
 
