@@ -38,6 +38,9 @@ pub enum ClientError {
     /// The job vanished (swept, or the store was wiped).
     #[error("job {0} is gone from the store")]
     Gone(JobId),
+    /// The client's own task failed.
+    #[error("following the job failed: {0}")]
+    Internal(String),
     /// The job did not finish in time.
     #[error("job {id} did not finish within {after:?}; it is {state}")]
     Timeout {

@@ -57,6 +57,30 @@ pub struct NodeConfig {
     /// `[codec]`: how this node's producer writes codes.
     #[serde(default)]
     pub codec: CodecConfig,
+    /// `[gateway]`: the OpenAI-compatible HTTP API's settings.
+    #[serde(default)]
+    pub gateway: GatewayConfig,
+}
+
+/// `[gateway]`: who may call the HTTP API and how its jobs reach the expert.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// `api_keys`: bearer tokens the API accepts (`Authorization: Bearer <key>`); empty: the
+    /// API is open to anyone who can reach `node.http_listen` (a warning says so at start).
+    pub api_keys: Vec<String>,
+    /// `default_mode`: the transfer mode of a request that names none (the `scd_mode` field of
+    /// a request picks another).
+    pub default_mode: scd_transport::Mode,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            api_keys: Vec::new(),
+            default_mode: scd_transport::Mode::Scd,
+        }
+    }
 }
 
 /// `[codec]`: how a producer writes the codes of `reuse` and `scd` jobs. A consumer reads

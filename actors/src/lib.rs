@@ -33,6 +33,7 @@
 //!   supervised actors of its roles, its share of the jobs from the records, and the admin
 //!   endpoint; drains on shutdown.
 //! - [`client`]: submitting a job (a record with its request) and waiting for its end.
+//! - [`follow`]: a job's record as a client shows it: states, new text, the final record.
 //! - `blocking`: bounded-channel waits for model threads that also end on cancellation.
 //! - [`config`]: the node's TOML file (`scd node --config`): identity, roles, models, experts and
 //!   translators, store, certificates, tracing, limits; parsed, checked against the roles, and
@@ -44,6 +45,7 @@ pub mod client;
 pub mod config;
 pub mod decoder;
 pub mod encoder;
+pub mod follow;
 pub mod job;
 pub mod node;
 pub mod pipeline;

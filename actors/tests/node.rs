@@ -6,95 +6,15 @@
 
 mod common;
 
-use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{model_path, models, prompt, reference, repo, MAX_TOKENS};
-use scd_actors::{ClientError, ClusterClient, JobCodec, Node, NodeConfig, Served};
+use common::{
+    config, config_with, models, prompt, reference, repo, request, Cluster, MAX_TOKENS, WAIT,
+};
+use scd_actors::{ClientError, JobCodec};
 use scd_models::codec::CodecOptions;
 use scd_models::translator::Translator;
-use scd_scheduler::{EmbeddedStore, JobRequest, JobState, Keys, MetaStore, Mode};
-use scd_transport::{ClusterCa, Role};
-use tokio_util::sync::CancellationToken;
-
-const WAIT: Duration = Duration::from_secs(300);
-
-fn config(id: &str, roles: &str, expert: bool) -> NodeConfig {
-    config_with(id, roles, expert, &repo().join("experts/mail/translator"))
-}
-
-fn config_with(id: &str, roles: &str, expert: bool, translator: &Path) -> NodeConfig {
-    let mail = repo().join("experts/mail");
-    let experts = if expert {
-        format!(
-            "[[experts]]\nname = \"mail\"\nadapter = \"{}\"\ntranslator = \"{}\"\n",
-            mail.display(),
-            translator.display()
-        )
-    } else {
-        String::new()
-    };
-    let text = format!(
-        "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n\n\
-         [models]\nbase = \"{}\"\n\n{experts}\n[store]\nkind = \"embedded\"\n\n\
-         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n",
-        model_path().display()
-    );
-    NodeConfig::parse(&text, &repo()).unwrap()
-}
-
-struct Cluster {
-    store: Arc<dyn MetaStore>,
-    ca: ClusterCa,
-    client: ClusterClient,
-}
-
-impl Cluster {
-    fn new() -> Self {
-        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
-        let client = ClusterClient::new(store.clone(), Keys::default());
-        Self {
-            store,
-            ca: ClusterCa::generate("test").unwrap(),
-            client,
-        }
-    }
-
-    async fn start(&self, config: &NodeConfig) -> Node {
-        let served = Arc::new(Served::load(config).unwrap());
-        let identity = self.ca.issue(&config.node.id, Role::Node).unwrap();
-        Node::start(
-            config,
-            &identity,
-            served,
-            self.store.clone(),
-            CancellationToken::new(),
-        )
-        .await
-        .unwrap()
-    }
-
-    /// The producer node (also the scheduler replica) and a consumer node serving mail.
-    async fn two_nodes(&self) -> (Node, Node) {
-        let producer = self
-            .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
-            .await;
-        let consumer = self.start(&config("mail-0", "\"consumer\"", true)).await;
-        (producer, consumer)
-    }
-}
-
-fn request(prompt: &[u32], max_tokens: usize) -> JobRequest {
-    JobRequest {
-        prompt: prompt.to_vec(),
-        max_tokens: max_tokens as u32,
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-        stop_tokens: Vec::new(),
-    }
-}
+use scd_scheduler::{JobState, Mode};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_reference() {
@@ -284,7 +204,7 @@ async fn a_consumer_with_another_translator_version_refuses_the_codes_with_the_r
         .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
         .await;
     let consumer = cluster
-        .start(&config_with("mail-0", "\"consumer\"", true, dir.path()))
+        .start(&config_with("mail-0", "\"consumer\"", true, dir.path(), ""))
         .await;
     let id = cluster
         .client

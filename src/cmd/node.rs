@@ -74,6 +74,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             id = node.id(),
             addr = node.local_addr(),
         );
+        if let Some(http) = node.http_addr() {
+            println!("node {} HTTP API: http://{http}/v1 (OpenAI-compatible)", node.id());
+        }
         shutdown_signal().await?;
         let grace = Duration::from_secs_f64(args.drain_timeout.max(0.0));
         eprintln!(

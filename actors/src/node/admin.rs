@@ -12,16 +12,15 @@
 
 use std::sync::Arc;
 
+use crate::client::ClientError;
+use crate::follow::{Following, Progress, Shown};
+use crate::node::work::{check_prompt, Work};
 use scd_models::Sampling;
 use scd_scheduler::jobs::JobError as RecordError;
 use scd_scheduler::{JobId, JobRecord, JobRequest, JobState};
 use scd_transport::{
     error_code, AdminError, AdminReplies, AdminRequest, Connection, Control, Prompt, SubmitRequest,
 };
-use tokio::sync::mpsc;
-
-use crate::client::ClientError;
-use crate::node::work::{check_prompt, Work};
 
 /// An admin call's failure: the error code and message the client gets.
 struct Refused {
@@ -80,7 +79,7 @@ async fn handle(work: &Work, client: &str, call: AdminRequest) {
     tracing::info!(client, ?job, "admin call");
     let result = match request {
         Control::Submit(r) => submit(work, r, &mut replies).await,
-        Control::Watch { job_id } => follow(work, job_id, &mut replies, Sent::default()).await,
+        Control::Watch { job_id } => follow(work, job_id, &mut replies, Shown::default()).await,
         Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
         _ => Err(Refused::new(
             error_code::PROTOCOL,
@@ -152,11 +151,7 @@ async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Re
         work.id, tokens, r.expert, r.mode
     );
     send(replies, status(r.job_id, JobState::Queued, detail)).await?;
-    let sent = Sent {
-        state: Some(JobState::Queued),
-        ..Sent::default()
-    };
-    follow(work, r.job_id, replies, sent).await
+    follow(work, r.job_id, replies, Shown::after(JobState::Queued)).await
 }
 
 async fn cancel(
@@ -210,90 +205,56 @@ fn summary(job: &JobRecord) -> String {
     .to_string()
 }
 
-/// What has been sent of a job so far.
-#[derive(Default)]
-struct Sent {
-    state: Option<JobState>,
-    tokens: usize,
-    text: String,
-}
-
-impl Sent {
-    /// The replies that bring the client from what it has to `job`.
-    fn replies(&mut self, work: &Work, job: &JobRecord) -> Vec<Control> {
-        let mut out = Vec::new();
-        if let Some(output) = &job.output {
-            if output.tokens.len() > self.tokens {
-                let text = work
-                    .served
-                    .tokenizer
-                    .decode(&output.tokens, true)
-                    .unwrap_or_default();
-                // Decoding a longer sequence can rewrite its tail (a multi-byte character
-                // completed); the client is sent what extends what it has.
-                let delta = text.strip_prefix(self.text.as_str()).unwrap_or(&text);
-                out.push(Control::Tokens {
-                    job_id: job.id,
-                    tokens: output.tokens[self.tokens..].to_vec(),
-                    text: delta.to_owned(),
-                });
-                self.tokens = output.tokens.len();
-                self.text = text;
+/// The admin replies of a followed job's steps: tokens, then statuses (a finished one carrying
+/// the record's summary).
+fn replies_of(job_id: JobId, steps: Vec<Progress>) -> Vec<Control> {
+    steps
+        .into_iter()
+        .map(|step| match step {
+            Progress::Text { tokens, text } => Control::Tokens {
+                job_id,
+                tokens,
+                text,
+            },
+            Progress::State(state, job) => {
+                let detail = if state.is_finished() {
+                    summary(&job)
+                } else {
+                    match (&job.producer, &job.consumer) {
+                        (Some(p), Some(c)) => format!("producer {p}, consumer {c}"),
+                        _ => String::new(),
+                    }
+                };
+                status(job.id, state, detail)
             }
-        }
-        if self.state != Some(job.state) {
-            self.state = Some(job.state);
-            let detail = if job.state.is_finished() {
-                summary(job)
-            } else {
-                match (&job.producer, &job.consumer) {
-                    (Some(p), Some(c)) => format!("producer {p}, consumer {c}"),
-                    _ => String::new(),
-                }
-            };
-            out.push(status(job.id, job.state, detail));
-        }
-        out
-    }
+        })
+        .collect()
 }
 
 async fn follow(
     work: &Work,
     job: JobId,
     replies: &mut AdminReplies,
-    mut sent: Sent,
+    mut shown: Shown,
 ) -> Result<(), Refused> {
-    // The follower's callback cannot wait; it hands the latest record over, and a skipped one
-    // only means the next carries more.
-    let (tx, mut rx) = mpsc::channel::<JobRecord>(8);
-    let client = work.client.clone();
-    let mut follower = tokio::spawn(async move {
-        client
-            .follow(job, |record| {
-                let _ = tx.try_send(record.clone());
-            })
-            .await
-    });
+    let tok = &work.served.tokenizer;
+    let mut following = Following::start(&work.client, job);
     loop {
         tokio::select! {
-            record = rx.recv() => match record {
+            record = following.next() => match record {
                 Some(record) => {
-                    for msg in sent.replies(work, &record) {
+                    for msg in replies_of(job, shown.steps(tok, &record)) {
                         send(replies, msg).await?;
                     }
                 }
                 None => break,
             },
-            () = replies.client_gone() => {
-                follower.abort();
-                return Ok(());
-            }
+            // The client went away: stop following; the job goes on.
+            () = replies.client_gone() => return Ok(()),
         }
     }
-    let last = (&mut follower)
-        .await
-        .map_err(|e| Refused::new(error_code::INTERNAL, e.to_string()))??;
-    for msg in sent.replies(work, &last) {
+    let last = following.finish().await?;
+    for msg in replies_of(job, shown.steps(tok, &last)) {
         send(replies, msg).await?;
     }
     Ok(())

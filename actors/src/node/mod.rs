@@ -19,6 +19,7 @@
 //!   certificate.
 
 mod admin;
+mod gateway;
 pub mod served;
 mod supervisor;
 mod work;
@@ -85,6 +86,14 @@ pub enum NodeError {
     /// An actor could not start.
     #[error("starting an actor: {0}")]
     Spawn(#[from] SpawnErr),
+    /// The HTTP API's address could not be bound.
+    #[error("binding the HTTP API on {addr}: {source}")]
+    HttpBind {
+        /// `node.http_listen`.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
 }
 
 /// What a drain did.
@@ -101,6 +110,7 @@ pub struct DrainReport {
 pub struct Node {
     id: String,
     addr: SocketAddr,
+    http_addr: Option<SocketAddr>,
     work: Arc<Work>,
     registration: Arc<Registration>,
     scheduler: Option<Scheduler>,
@@ -204,16 +214,38 @@ impl Node {
             draining: AtomicBool::new(false),
             cancel: cancel.clone(),
         });
-        let tasks = vec![
+        let mut http_addr = None;
+        let mut tasks = Vec::new();
+        if let (true, Some(listen)) = (config.has_role(NodeRole::Gateway), config.node.http_listen)
+        {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|source| NodeError::HttpBind {
+                    addr: listen,
+                    source,
+                })?;
+            http_addr = Some(listener.local_addr().map_err(NodeError::Address)?);
+            if config.gateway.api_keys.is_empty() {
+                tracing::warn!(node = id, %listen, "the HTTP API takes requests without an API key: set [gateway] api_keys to require one");
+            }
+            tasks.push(tokio::spawn(gateway::serve(
+                work.clone(),
+                listener,
+                config.gateway.api_keys.clone(),
+                config.gateway.default_mode,
+            )));
+        }
+        tasks.extend([
             tokio::spawn(accept_connections(work.clone())),
             tokio::spawn(take_streams(work.clone(), new_streams)),
             tokio::spawn(work::follow_jobs(work.clone())),
             tokio::spawn(report_load(registration.clone(), load_rx, cancel.clone())),
-        ];
+        ]);
         tracing::info!(node = id, %addr, producer = producer_role, consumer = consumer_role, "node started");
         Ok(Self {
             id,
             addr,
+            http_addr,
             work,
             registration,
             scheduler,
@@ -231,6 +263,11 @@ impl Node {
     /// Where its QUIC endpoint listens.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where its HTTP API listens (gateway role).
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
     }
 
     /// Jobs it works on now.

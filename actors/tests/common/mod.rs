@@ -1,13 +1,16 @@
 //! What the actors' tests share: the real base model and the shipped `mail` expert with its
 //! translator (loaded once per test binary), a chat prompt, greedy parameters, and the
-//! in-process reference a job through the actors must equal.
+//! in-process reference a job through the actors must equal; and a cluster of nodes on the
+//! embedded store.
 #![allow(dead_code)]
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use scd_actors::JobCodec;
+use std::time::Duration;
+
+use scd_actors::{ClusterClient, JobCodec, Node, NodeConfig, Served};
 use scd_models::codec::{self, CodecOptions};
 use scd_models::tokenizer::{ChatMessage, Tokenizer};
 use scd_models::translator::Translator;
@@ -15,7 +18,10 @@ use scd_models::{
     generate_with_cache, AdapterMode, Codec, GenerateParams, GgufFile, Input, Llama, LogitsWanted,
     LoraAdapter, Prefix, Sampling,
 };
+use scd_scheduler::{EmbeddedStore, JobRequest, Keys, MetaStore};
+use scd_transport::{ClusterCa, Role};
 use scd_transport::{CodeDType, Mode};
+use tokio_util::sync::CancellationToken;
 
 pub const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const MAX_TOKENS: usize = 16;
@@ -138,4 +144,99 @@ pub fn reference(m: &Models, codec: &dyn Codec, prompt: &[u32]) -> Vec<u32> {
     })
     .unwrap()
     .tokens
+}
+
+pub const WAIT: Duration = Duration::from_secs(300);
+
+/// A node config on the embedded store: `roles` as TOML list items, the mail expert if
+/// `expert`.
+pub fn config(id: &str, roles: &str, expert: bool) -> NodeConfig {
+    config_with(
+        id,
+        roles,
+        expert,
+        &repo().join("experts/mail/translator"),
+        "",
+    )
+}
+
+/// [`config`] with another mail translator and more TOML (`extra`: node keys, then sections).
+pub fn config_with(
+    id: &str,
+    roles: &str,
+    expert: bool,
+    translator: &Path,
+    extra: &str,
+) -> NodeConfig {
+    let mail = repo().join("experts/mail");
+    let experts = if expert {
+        format!(
+            "[[experts]]\nname = \"mail\"\nadapter = \"{}\"\ntranslator = \"{}\"\n",
+            mail.display(),
+            translator.display()
+        )
+    } else {
+        String::new()
+    };
+    let text = format!(
+        "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n{extra}\n\
+         [models]\nbase = \"{}\"\n\n{experts}\n[store]\nkind = \"embedded\"\n\n\
+         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n",
+        model_path().display()
+    );
+    NodeConfig::parse(&text, &repo()).unwrap()
+}
+
+/// Nodes on one embedded store, with certificates from one CA.
+pub struct Cluster {
+    pub store: Arc<dyn MetaStore>,
+    pub ca: ClusterCa,
+    pub client: ClusterClient,
+}
+
+impl Cluster {
+    pub fn new() -> Self {
+        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let client = ClusterClient::new(store.clone(), Keys::default());
+        Self {
+            store,
+            ca: ClusterCa::generate("test").unwrap(),
+            client,
+        }
+    }
+
+    pub async fn start(&self, config: &NodeConfig) -> Node {
+        let served = Arc::new(Served::load(config).unwrap());
+        let identity = self.ca.issue(&config.node.id, Role::Node).unwrap();
+        Node::start(
+            config,
+            &identity,
+            served,
+            self.store.clone(),
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// The producer node (also the scheduler replica) and a consumer node serving mail.
+    pub async fn two_nodes(&self) -> (Node, Node) {
+        let producer = self
+            .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+            .await;
+        let consumer = self.start(&config("mail-0", "\"consumer\"", true)).await;
+        (producer, consumer)
+    }
+}
+
+/// A greedy request without stop tokens.
+pub fn request(prompt: &[u32], max_tokens: usize) -> JobRequest {
+    JobRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: max_tokens as u32,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        stop_tokens: Vec::new(),
+    }
 }

@@ -1,0 +1,551 @@
+//! The gateway role: an OpenAI-compatible HTTP API on `node.http_listen`, each expert a model.
+//!
+//! - `GET /v1/models`: the experts live consumers serve now.
+//! - `POST /v1/chat/completions`: the messages through the model's chat template;
+//!   `POST /v1/completions`: the prompt as it is. Both stream with server-sent events when
+//!   `stream` is true. The transfer mode is the extension field `scd_mode` (default from
+//!   `[gateway] default_mode`).
+//!
+//! Every request becomes a job through the store, as `scd submit` does, and is answered from
+//! the job's record as it changes ([`crate::follow`]). Errors have OpenAI's shape
+//! (`{"error": {"message", "type", "param", "code"}}`) and status codes, so that OpenAI clients
+//! report them as they would OpenAI's own.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use scd_models::tokenizer::ChatMessage;
+use scd_models::Sampling;
+use scd_scheduler::{JobId, JobRecord, JobRequest, JobState, Mode, TraceContext};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::client::ClientError;
+use crate::follow::{Following, Progress, Shown};
+use crate::node::work::{check_prompt, Work};
+
+/// Longest a request body may be.
+const MAX_BODY: usize = 4 << 20;
+
+struct Gateway {
+    work: Arc<Work>,
+    api_keys: Vec<String>,
+    default_mode: Mode,
+}
+
+/// Serves the API on `listener` until the node stops.
+pub(crate) async fn serve(
+    work: Arc<Work>,
+    listener: TcpListener,
+    api_keys: Vec<String>,
+    default_mode: Mode,
+) {
+    let cancel = work.cancel.clone();
+    let gateway = Arc::new(Gateway {
+        work,
+        api_keys,
+        default_mode,
+    });
+    let app = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(gateway);
+    let stopped = async move { cancel.cancelled().await };
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(stopped)
+        .await
+    {
+        tracing::warn!(error = %e, "the HTTP API stopped");
+    }
+}
+
+/// An OpenAI-shaped error.
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: Option<&'static str>,
+    param: Option<&'static str>,
+    message: String,
+}
+
+impl ApiError {
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code: None,
+            param: None,
+            message: message.into(),
+        }
+    }
+
+    fn code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    fn param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
+    }
+
+    fn status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
+    fn server(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: None,
+            param: None,
+            message: message.into(),
+        }
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+impl From<ClientError> for ApiError {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::NoConsumer { .. } => ApiError::bad_request(e.to_string())
+                .status(StatusCode::NOT_FOUND)
+                .code("model_not_found")
+                .param("model"),
+            ClientError::PromptTooShort(_) => ApiError::bad_request(e.to_string()),
+            e => ApiError::server(e.to_string()),
+        }
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError::bad_request("no such endpoint: this server has GET /v1/models, POST /v1/chat/completions and POST /v1/completions")
+        .status(StatusCode::NOT_FOUND)
+}
+
+impl Gateway {
+    fn authorise(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        if self.api_keys.is_empty() {
+            return Ok(());
+        }
+        let given = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match given {
+            Some(key) if self.api_keys.iter().any(|k| k == key) => Ok(()),
+            _ => Err(ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                kind: "invalid_request_error",
+                code: Some("invalid_api_key"),
+                param: None,
+                message: "missing or wrong API key: send Authorization: Bearer <key> with a key from the node's [gateway] api_keys".into(),
+            }),
+        }
+    }
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn models(
+    State(g): State<Arc<Gateway>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    g.authorise(&headers)?;
+    let nodes = g.work.client.nodes().await?;
+    let mut experts: Vec<&str> = nodes
+        .values()
+        .flat_map(|n| n.consumer_models.iter().map(String::as_str))
+        .collect();
+    experts.sort_unstable();
+    experts.dedup();
+    let data: Vec<Value> = experts
+        .iter()
+        .map(|e| json!({"id": e, "object": "model", "created": 0, "owned_by": "scd"}))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+/// A message's content: a string, or the parts of a multi-part message (text parts only).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    content: Content,
+}
+
+/// What both endpoints take besides the prompt (other OpenAI fields are accepted and ignored).
+#[derive(Deserialize)]
+struct Settings {
+    model: String,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    /// Extension: the transfer mode.
+    #[serde(default)]
+    scd_mode: Option<Mode>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    settings: Settings,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: PromptField,
+    #[serde(flatten)]
+    settings: Settings,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!("the request body is not a valid request: {e}"))
+            .code("invalid_request_body")
+    })
+}
+
+/// Default new tokens when a request names none.
+const DEFAULT_MAX_TOKENS: u32 = 256;
+
+impl Gateway {
+    fn request(&self, text: &str, s: &Settings) -> Result<JobRequest, ApiError> {
+        let tok = &self.work.served.tokenizer;
+        let prompt = tok
+            .encode(text, false)
+            .map_err(|e| ApiError::bad_request(format!("tokenising the prompt: {e}")))?;
+        let temperature = s.temperature.unwrap_or(1.0);
+        let top_p = s.top_p.unwrap_or(1.0);
+        Sampling::from_params(temperature, top_p)
+            .map_err(|e| ApiError::bad_request(e.to_string()).param("temperature"))?;
+        let request = JobRequest {
+            prompt,
+            max_tokens: s
+                .max_completion_tokens
+                .or(s.max_tokens)
+                .unwrap_or(DEFAULT_MAX_TOKENS),
+            temperature,
+            top_p,
+            seed: s.seed.unwrap_or(0),
+            stop_tokens: tok.stop_ids().to_vec(),
+        };
+        check_prompt(&self.work.served, &request).map_err(|e| {
+            ApiError::bad_request(e.to_string())
+                .code("context_length_exceeded")
+                .param("messages")
+        })?;
+        Ok(request)
+    }
+
+    async fn submit(&self, s: &Settings, request: JobRequest) -> Result<JobId, ApiError> {
+        let id = JobId::random();
+        let mode = s.scd_mode.unwrap_or(self.default_mode);
+        self.work
+            .client
+            .submit_as(id, &s.model, mode, request, TraceContext::new())
+            .await?;
+        Ok(id)
+    }
+}
+
+async fn chat(
+    State(g): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    g.authorise(&headers)?;
+    let body: ChatBody = parse(&body)?;
+    if body.messages.is_empty() {
+        return Err(ApiError::bad_request("messages is empty").param("messages"));
+    }
+    let mut messages = Vec::with_capacity(body.messages.len());
+    for m in body.messages {
+        let text = match m.content {
+            Content::Text(t) => t,
+            Content::Parts(parts) => {
+                let mut text = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad_request(format!(
+                            "message parts of type {:?} are not supported: text only",
+                            p.kind
+                        ))
+                        .param("messages"));
+                    }
+                    text.push_str(p.text.as_deref().unwrap_or_default());
+                }
+                text
+            }
+        };
+        messages.push(ChatMessage::new(m.role, text));
+    }
+    let prompt = g
+        .work
+        .served
+        .tokenizer
+        .apply_chat_template(&messages, true)
+        .map_err(|e| ApiError::bad_request(format!("applying the chat template: {e}")))?;
+    let request = g.request(&prompt, &body.settings)?;
+    respond(g, body.settings, request, Kind::Chat).await
+}
+
+async fn completions(
+    State(g): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    g.authorise(&headers)?;
+    let body: CompletionBody = parse(&body)?;
+    let prompt = match body.prompt {
+        PromptField::One(p) => p,
+        PromptField::Many(mut v) if v.len() == 1 => v.remove(0),
+        PromptField::Many(_) => {
+            return Err(
+                ApiError::bad_request("one prompt per request: send a string").param("prompt"),
+            )
+        }
+    };
+    let request = g.request(&prompt, &body.settings)?;
+    respond(g, body.settings, request, Kind::Completion).await
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+fn finish_reason(job: &JobRecord) -> &'static str {
+    match job.output.as_ref().map(|o| o.stop.as_str()) {
+        Some("max_tokens") => "length",
+        _ => "stop",
+    }
+}
+
+fn failure(job: &JobRecord) -> ApiError {
+    ApiError::server(format!(
+        "job {} {}: {}",
+        job.id,
+        job.state,
+        job.error.as_deref().unwrap_or("no reason recorded")
+    ))
+}
+
+async fn respond(
+    g: Arc<Gateway>,
+    s: Settings,
+    request: JobRequest,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let prompt_tokens = request.prompt.len();
+    let id = g.submit(&s, request).await?;
+    let created = now_s();
+    let object_id = match kind {
+        Kind::Chat => format!("chatcmpl-{id}"),
+        Kind::Completion => format!("cmpl-{id}"),
+    };
+    if s.stream {
+        let events = stream(g, id, object_id, s.model, created, kind);
+        return Ok(Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let tok = &g.work.served.tokenizer;
+    let mut following = Following::start(&g.work.client, id);
+    while following.next().await.is_some() {}
+    let job = following.finish().await?;
+    if job.state != JobState::Done {
+        return Err(failure(&job));
+    }
+    let mut shown = Shown::default();
+    shown.steps(tok, &job);
+    let completion_tokens = job.output.as_ref().map_or(0, |o| o.tokens.len());
+    let choice = match kind {
+        Kind::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": shown.text()},
+            "finish_reason": finish_reason(&job),
+            "logprobs": null,
+        }),
+        Kind::Completion => json!({
+            "index": 0,
+            "text": shown.text(),
+            "finish_reason": finish_reason(&job),
+            "logprobs": null,
+        }),
+    };
+    let object = match kind {
+        Kind::Chat => "chat.completion",
+        Kind::Completion => "text_completion",
+    };
+    Ok(Json(json!({
+        "id": object_id,
+        "object": object,
+        "created": created,
+        "model": s.model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "scd": {"job": id, "mode": job.mode, "timings_ms": job.timings_ms, "payload_bytes": job.payload_bytes},
+    }))
+    .into_response())
+}
+
+/// The server-sent events of a streamed response: a chunk per new piece of text, a last chunk
+/// with the finish reason, then `[DONE]`; a failed job ends the stream with an error object.
+fn stream(
+    g: Arc<Gateway>,
+    id: JobId,
+    object_id: String,
+    model: String,
+    created: u64,
+    kind: Kind,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let (tx, rx) = mpsc::channel::<Event>(16);
+    tokio::spawn(async move {
+        let object = match kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        };
+        let chunk = |delta: Value, finish: Option<&str>| {
+            let choice = match kind {
+                Kind::Chat => {
+                    json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+                }
+                Kind::Completion => json!({
+                    "index": 0,
+                    "text": delta.get("content").cloned().unwrap_or(Value::String(String::new())),
+                    "finish_reason": finish,
+                    "logprobs": null,
+                }),
+            };
+            Event::default().data(
+                json!({"id": object_id, "object": object, "created": created, "model": model, "choices": [choice]})
+                    .to_string(),
+            )
+        };
+        if kind == Kind::Chat
+            && tx
+                .send(chunk(json!({"role": "assistant", "content": ""}), None))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        let tok = &g.work.served.tokenizer;
+        let mut shown = Shown::default();
+        let mut following = Following::start(&g.work.client, id);
+        let (job, steps) = loop {
+            let record = match following.next().await {
+                Some(r) => r,
+                None => match following.finish().await {
+                    Ok(r) => {
+                        let steps = shown.steps(tok, &r);
+                        break (r, steps);
+                    }
+                    Err(e) => {
+                        let err = ApiError::from(e);
+                        let _ = tx.send(Event::default().data(err.body().to_string())).await;
+                        return;
+                    }
+                },
+            };
+            for step in shown.steps(tok, &record) {
+                if let Progress::Text { text, .. } = step {
+                    if tx
+                        .send(chunk(json!({"content": text}), None))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        };
+        for step in steps {
+            if let Progress::Text { text, .. } = step {
+                let _ = tx.send(chunk(json!({"content": text}), None)).await;
+            }
+        }
+        if job.state == JobState::Done {
+            let _ = tx.send(chunk(json!({}), Some(finish_reason(&job)))).await;
+        } else {
+            let _ = tx
+                .send(Event::default().data(failure(&job).body().to_string()))
+                .await;
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    });
+    futures::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
+    )
+}
