@@ -130,6 +130,10 @@ pub struct NodeSettings {
     /// refused without it.
     #[serde(default)]
     pub http_listen: Option<SocketAddr>,
+    /// Where the Prometheus (OpenMetrics text) endpoint `/metrics` listens (TCP); none: no
+    /// endpoint.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// What a node does. One process may hold every role.

@@ -34,6 +34,7 @@
 //!   endpoint; drains on shutdown.
 //! - [`client`]: submitting a job (a record with its request) and waiting for its end.
 //! - [`follow`]: a job's record as a client shows it: states, new text, the final record.
+//! - [`metrics`]: the node's Prometheus metrics.
 //! - `blocking`: bounded-channel waits for model threads that also end on cancellation.
 //! - [`config`]: the node's TOML file (`scd node --config`): identity, roles, models, experts and
 //!   translators, store, certificates, tracing, limits; parsed, checked against the roles, and
@@ -47,6 +48,7 @@ pub mod decoder;
 pub mod encoder;
 pub mod follow;
 pub mod job;
+pub mod metrics;
 pub mod node;
 pub mod pipeline;
 pub mod producer;

@@ -102,3 +102,112 @@ async fn the_openai_client_streams_and_gets_openai_shaped_errors() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// A node's metrics as the official Prometheus client parses them: (name, labels, value).
+fn scrape(python: &std::path::Path, addr: std::net::SocketAddr) -> Vec<(String, Value, f64)> {
+    let out = Command::new(python)
+        .arg(repo().join("ops/metrics-scrape.py"))
+        .arg(format!("http://{addr}/metrics"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let samples: Vec<(String, Value, f64)> = serde_json::from_slice(&out.stdout).unwrap();
+    samples
+}
+
+fn value(samples: &[(String, Value, f64)], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples
+        .iter()
+        .find(|(n, l, _)| n == name && labels.iter().all(|(k, v)| l[*k] == *v))
+        .map(|(_, _, v)| *v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_node_serves_metrics_a_prometheus_parser_reads() {
+    let python = python();
+    let cluster = Cluster::new();
+    let with_metrics = "metrics_listen = \"127.0.0.1:0\"\n";
+    let mail = repo().join("experts/mail/translator");
+    let producer = cluster
+        .start(&config_with(
+            "prefill-0",
+            "\"producer\", \"scheduler\"",
+            true,
+            &mail,
+            with_metrics,
+        ))
+        .await;
+    let consumer = cluster
+        .start(&config_with(
+            "mail-0",
+            "\"consumer\"",
+            true,
+            &mail,
+            with_metrics,
+        ))
+        .await;
+    let m = common::models();
+    let prompt = common::prompt(m);
+    let id = cluster
+        .client
+        .submit(
+            "mail",
+            scd_scheduler::Mode::Raw,
+            common::request(&prompt, 4),
+        )
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, common::WAIT).await.unwrap();
+    assert_eq!(job.state, scd_scheduler::JobState::Done, "{:?}", job.error);
+    // The producer's last counts may land just after the consumer finished the record.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let (p, c) = {
+        let python = python.clone();
+        let (pa, ca) = (
+            producer.metrics_addr().unwrap(),
+            consumer.metrics_addr().unwrap(),
+        );
+        tokio::task::spawn_blocking(move || (scrape(&python, pa), scrape(&python, ca)))
+            .await
+            .unwrap()
+    };
+    let done = [("side", "producer"), ("outcome", "done")];
+    assert_eq!(value(&p, "scd_jobs_total", &done), Some(1.0));
+    let done = [("side", "consumer"), ("outcome", "done")];
+    assert_eq!(value(&c, "scd_jobs_total", &done), Some(1.0));
+    let sent = value(&p, "scd_code_bytes_sent_total", &[]).unwrap();
+    let received = value(&c, "scd_code_bytes_received_total", &[]).unwrap();
+    assert!(sent >= received && received > 0.0, "{sent} {received}");
+    assert_eq!(sent, job.payload_bytes as f64);
+    let raw_mail = [("mode", "raw"), ("expert", "mail")];
+    assert_eq!(value(&c, "scd_ttft_seconds_count", &raw_mail), Some(1.0));
+    assert_eq!(
+        value(&p, "scd_stage_seconds_count", &[("stage", "prefill")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&c, "scd_stage_seconds_count", &[("stage", "rebuild")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&c, "scd_cluster_jobs", &[("state", "done")]),
+        Some(1.0)
+    );
+    assert_eq!(value(&c, "scd_actor_restarts", &[]), Some(0.0));
+    let version = m.translator.0.hash().to_string();
+    assert_eq!(
+        value(
+            &c,
+            "scd_translator",
+            &[("expert", "mail"), ("version", &version)]
+        ),
+        Some(1.0)
+    );
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

@@ -45,6 +45,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{NodeConfig, NodeRole};
+use crate::metrics::{NodeMetrics, StateLabels, TranslatorLabels};
 use crate::pipeline::PipelineOptions;
 use crate::transfer::TransferInMsg;
 pub use served::{ServeError, Served, ServedExpert};
@@ -111,6 +112,7 @@ pub struct Node {
     id: String,
     addr: SocketAddr,
     http_addr: Option<SocketAddr>,
+    metrics_addr: Option<SocketAddr>,
     work: Arc<Work>,
     registration: Arc<Registration>,
     scheduler: Option<Scheduler>,
@@ -186,12 +188,21 @@ impl Node {
             None
         };
 
+        let metrics = Arc::new(NodeMetrics::new());
+        for (name, expert) in &served.experts {
+            let labels = TranslatorLabels {
+                expert: name.clone(),
+                version: expert.translator.0.hash().to_string(),
+            };
+            metrics.translators.get_or_create(&labels).set(1);
+        }
         let (load, load_rx) = watch::channel(0);
         let work = Arc::new(Work {
             id: id.clone(),
             store: store.clone(),
             jobs: JobStore::new(store.clone(), keys.clone()),
             client: crate::client::ClusterClient::new(store.clone(), keys.clone()),
+            metrics: metrics.clone(),
             admin: config.has_role(NodeRole::Admin),
             keys,
             served,
@@ -235,6 +246,21 @@ impl Node {
                 config.gateway.default_mode,
             )));
         }
+        let mut metrics_addr = None;
+        if let Some(listen) = config.node.metrics_listen {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|source| NodeError::HttpBind {
+                    addr: listen,
+                    source,
+                })?;
+            metrics_addr = Some(listener.local_addr().map_err(NodeError::Address)?);
+            tasks.push(tokio::spawn(serve_metrics(
+                work.clone(),
+                listener,
+                restarts.clone(),
+            )));
+        }
         tasks.extend([
             tokio::spawn(accept_connections(work.clone())),
             tokio::spawn(take_streams(work.clone(), new_streams)),
@@ -246,6 +272,7 @@ impl Node {
             id,
             addr,
             http_addr,
+            metrics_addr,
             work,
             registration,
             scheduler,
@@ -268,6 +295,11 @@ impl Node {
     /// Where its HTTP API listens (gateway role).
     pub fn http_addr(&self) -> Option<SocketAddr> {
         self.http_addr
+    }
+
+    /// Where its metrics endpoint listens (`node.metrics_listen`).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     /// Jobs it works on now.
@@ -458,6 +490,53 @@ async fn take_streams(work: Arc<Work>, mut streams: mpsc::Receiver<scd_transport
         }
         let work = work.clone();
         tokio::spawn(async move { work.on_stream(receiver).await });
+    }
+}
+
+/// Serves `/metrics` until the node stops; each scrape counts the cluster's jobs by state
+/// first.
+async fn serve_metrics(
+    work: Arc<Work>,
+    listener: tokio::net::TcpListener,
+    restarts: Arc<AtomicU64>,
+) {
+    use axum::http::header::CONTENT_TYPE;
+    let cancel = work.cancel.clone();
+    let scrape = move || {
+        let work = work.clone();
+        let restarts = restarts.clone();
+        async move {
+            let m = &work.metrics;
+            m.set_restarts(restarts.load(Ordering::SeqCst));
+            match work.jobs.list().await {
+                Ok(jobs) => {
+                    m.cluster_jobs.clear();
+                    for state in scd_scheduler::JobState::ALL {
+                        let n = jobs.iter().filter(|(j, _)| j.state == state).count();
+                        let labels = StateLabels {
+                            state: state.to_string(),
+                        };
+                        m.cluster_jobs.get_or_create(&labels).set(n as i64);
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "counting the cluster's jobs failed"),
+            }
+            (
+                [(
+                    CONTENT_TYPE,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )],
+                m.render(),
+            )
+        }
+    };
+    let app = axum::Router::new().route("/metrics", axum::routing::get(scrape));
+    let stopped = async move { cancel.cancelled().await };
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(stopped)
+        .await
+    {
+        tracing::warn!(error = %e, "the metrics endpoint stopped");
     }
 }
 

@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::decoder::DecoderMsg;
 use crate::job::JobCodec;
+use crate::metrics::{JobKindLabels, NodeMetrics, SideLabels};
 use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
 use crate::pipeline::{JobError, PipelineOptions};
@@ -62,6 +63,8 @@ pub(crate) struct Work {
     pub client: crate::client::ClusterClient,
     /// Whether this node serves admin clients.
     pub admin: bool,
+    /// The node's metrics.
+    pub metrics: Arc<NodeMetrics>,
     /// This node's load as it changes; the node's reporter writes it to its registration.
     pub load: watch::Sender<usize>,
     /// Connections to consumer nodes, by node id.
@@ -85,6 +88,21 @@ const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(250
 pub(crate) enum Side {
     Producer,
     Consumer,
+}
+
+impl Side {
+    fn labels(self) -> SideLabels {
+        SideLabels {
+            side: self.name().into(),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Side::Producer => "producer",
+            Side::Consumer => "consumer",
+        }
+    }
 }
 
 /// Why a job's half could not start on this node.
@@ -123,6 +141,7 @@ impl Work {
         }
         let token = self.cancel.child_token();
         active.insert((job, attempt, side), token.clone());
+        self.metrics.active.get_or_create(&side.labels()).inc();
         let load = active.len();
         drop(active);
         self.report_load(load);
@@ -131,7 +150,9 @@ impl Work {
 
     fn end(&self, job: JobId, attempt: u32, side: Side) {
         let mut active = self.active.lock().unwrap_or_else(|p| p.into_inner());
-        active.remove(&(job, attempt, side));
+        if active.remove(&(job, attempt, side)).is_some() {
+            self.metrics.active.get_or_create(&side.labels()).dec();
+        }
         let load = active.len();
         drop(active);
         self.report_load(load);
@@ -216,8 +237,13 @@ impl Work {
         let outcome = match self.start_producer(&job, &cancel).await {
             Ok(replies) => replies.settle(&cancel).await.map_err(cause),
             Err(refusal) => {
-                self.fail(id, attempt, &format!("producer {me}: {refusal}"))
-                    .await;
+                self.fail(
+                    id,
+                    attempt,
+                    Side::Producer,
+                    &format!("producer {me}: {refusal}"),
+                )
+                .await;
                 return;
             }
         };
@@ -231,6 +257,18 @@ impl Work {
                 let transfer = ms(Some(done.sent.span));
                 let bytes = done.sent.wire_bytes;
                 let total = started.elapsed().as_secs_f64() * 1e3;
+                let m = &self.metrics;
+                for (stage, v) in [
+                    ("prefill", prefill),
+                    ("encode", encode),
+                    ("transfer", transfer),
+                ] {
+                    if let Some(v) = v {
+                        m.stage_ms(stage, v);
+                    }
+                }
+                m.bytes_sent.inc_by(bytes);
+                m.finished("producer", "done");
                 let written = self
                     .jobs
                     .update(id, |j| {
@@ -259,10 +297,13 @@ impl Work {
                 tracing::debug!(job = %id, error = %e, "producer side stopped");
             }
             Err(e @ JobError::ActorGone(_)) => {
-                self.hand_back(id, attempt, &format!("producer {me}: {e}"))
+                self.hand_back(id, attempt, Side::Producer, &format!("producer {me}: {e}"))
                     .await
             }
-            Err(e) => self.fail(id, attempt, &format!("producer {me}: {e}")).await,
+            Err(e) => {
+                self.fail(id, attempt, Side::Producer, &format!("producer {me}: {e}"))
+                    .await
+            }
         }
     }
 
@@ -380,8 +421,13 @@ impl Work {
             Ok(s) => s,
             Err(refusal) => {
                 receiver.cancel(&refusal.to_string()).await;
-                self.fail(id, attempt, &format!("consumer {me}: {refusal}"))
-                    .await;
+                self.fail(
+                    id,
+                    attempt,
+                    Side::Consumer,
+                    &format!("consumer {me}: {refusal}"),
+                )
+                .await;
                 return;
             }
         };
@@ -393,7 +439,7 @@ impl Work {
         let transfer_in = read(&self.actors).transfer_in.clone();
         if transfer_in.is_none_or(|t| t.send_message(attach).is_err()) {
             let reason = format!("consumer {me}: its transfer actor is gone");
-            self.fail(id, attempt, &reason).await;
+            self.fail(id, attempt, Side::Consumer, &reason).await;
             return;
         }
         let decode = ConsumerJob {
@@ -407,7 +453,8 @@ impl Work {
             match stages::start_decode(&decoder, decode, &self.queues, &cancel) {
                 Ok(d) => d,
                 Err(e) => {
-                    self.fail(id, attempt, &format!("consumer {me}: {e}")).await;
+                    self.fail(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
+                        .await;
                     return;
                 }
             };
@@ -458,6 +505,14 @@ impl Work {
                 let first_token = report.first_token.map(ms);
                 let decode_total = started.elapsed().as_secs_f64() * 1e3;
                 let since_first_token = report.first_token.map(|t| t.elapsed());
+                let m = &self.metrics;
+                m.stage_ms("rebuild", rebuild.as_secs_f64() * 1e3);
+                if let Some(t) = first_token {
+                    m.stage_ms("first_token", t);
+                }
+                let received: usize = report.arrivals.iter().map(|a| a.bytes).sum();
+                m.bytes_received.inc_by(received as u64);
+                let mut ttft_ms = None;
                 let output = JobResult {
                     tokens,
                     stop: stop_name(&report.stop),
@@ -484,8 +539,9 @@ impl Work {
                         // Submission to first token, on the store's clock: the consumer's own
                         // first-token time placed on the wall clock.
                         if let Some(since) = since_first_token {
-                            let ttft = total - since.as_secs_f64() * 1e3;
-                            j.timings_ms.insert("ttft".into(), ttft.max(0.0));
+                            let ttft = (total - since.as_secs_f64() * 1e3).max(0.0);
+                            j.timings_ms.insert("ttft".into(), ttft);
+                            ttft_ms = Some(ttft);
                         }
                         j.output = Some(output.clone());
                         Ok(())
@@ -494,15 +550,26 @@ impl Work {
                 if let Err(e) = done {
                     tracing::warn!(job = %id, error = %e, "recording a finished job failed");
                 }
+                if let Some(t) = ttft_ms {
+                    let kind = JobKindLabels {
+                        mode: job.mode.to_string(),
+                        expert: job.expert.clone(),
+                    };
+                    m.ttft.get_or_create(&kind).observe(t / 1e3);
+                }
+                m.finished("consumer", "done");
             }
             Err(e @ JobError::ActorGone(_)) => {
-                self.hand_back(id, attempt, &format!("consumer {me}: {e}"))
+                self.hand_back(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
                     .await
             }
             Err(e) if cancel.is_cancelled() && e.is_knock_on() => {
                 tracing::debug!(job = %id, error = %e, "consumer side stopped");
             }
-            Err(e) => self.fail(id, attempt, &format!("consumer {me}: {e}")).await,
+            Err(e) => {
+                self.fail(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
+                    .await
+            }
         }
     }
 
@@ -572,8 +639,9 @@ impl Work {
 
     /// Sends `job` back to the queue (its attempt was lost to a failed actor, not to the job
     /// itself), if it is still running the attempt this node worked on.
-    async fn hand_back(&self, job: JobId, attempt: u32, reason: &str) {
+    async fn hand_back(&self, job: JobId, attempt: u32, side: Side, reason: &str) {
         tracing::warn!(%job, reason, "job handed back to the queue");
+        self.metrics.finished(side.name(), "handed_back");
         let back = self
             .jobs
             .update(job, |j| {
@@ -590,8 +658,9 @@ impl Work {
 
     /// Fails `job` with `reason`, if it is still running the attempt this node worked on (a
     /// job handed back meanwhile is someone else's now).
-    async fn fail(&self, job: JobId, attempt: u32, reason: &str) {
+    async fn fail(&self, job: JobId, attempt: u32, side: Side, reason: &str) {
         tracing::warn!(%job, reason, "job failed");
+        self.metrics.finished(side.name(), "failed");
         let failed = self
             .jobs
             .update(job, |j| {

@@ -1,0 +1,210 @@
+//! A node's metrics, in Prometheus' OpenMetrics text format on `node.metrics_listen`
+//! (`/metrics`): the jobs this node finished per side and outcome, the jobs it works on, time
+//! to first token per mode and expert, stage latencies, code bytes sent and received, actor
+//! restarts, the translator versions it serves, and the cluster's jobs by state as the store
+//! has them when scraped.
+//!
+//! The types and the encoding are those of `prometheus-client`, the official Rust client; this
+//! file only names the metrics and records into them.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// The label of a job's half.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SideLabels {
+    /// `producer` or `consumer`.
+    pub side: String,
+}
+
+/// Labels of a finished job half.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `producer` or `consumer`.
+    pub side: String,
+    /// `done`, `failed` or `handed_back`.
+    pub outcome: String,
+}
+
+/// Labels of a job's kind.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobKindLabels {
+    /// The transfer mode.
+    pub mode: String,
+    /// The expert.
+    pub expert: String,
+}
+
+/// Labels of a stage.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// `prefill`, `encode`, `transfer`, `rebuild` or `first_token`.
+    pub stage: String,
+}
+
+/// Labels of a translator version.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TranslatorLabels {
+    /// The expert.
+    pub expert: String,
+    /// The translator's content hash.
+    pub version: String,
+}
+
+/// Labels of a job state.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    /// The state.
+    pub state: String,
+}
+
+/// Seconds from 5 ms to about 80 s.
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 15))
+}
+
+/// A node's metrics.
+pub struct NodeMetrics {
+    registry: Registry,
+    /// Job halves finished here, by side and outcome.
+    pub jobs: Family<OutcomeLabels, Counter>,
+    /// Job halves running here.
+    pub active: Family<SideLabels, Gauge>,
+    /// Submission to first token, per mode and expert (consumer side).
+    pub ttft: Family<JobKindLabels, Histogram, fn() -> Histogram>,
+    /// Stage latencies.
+    pub stages: Family<StageLabels, Histogram, fn() -> Histogram>,
+    /// Code bytes sent (producer side, frame headers included).
+    pub bytes_sent: Counter,
+    /// Code bytes received (consumer side, payload).
+    pub bytes_received: Counter,
+    /// Translator versions served.
+    pub translators: Family<TranslatorLabels, Gauge>,
+    /// Jobs in the cluster by state, when last scraped.
+    pub cluster_jobs: Family<StateLabels, Gauge>,
+    restarts: Gauge<u64, AtomicU64>,
+}
+
+impl std::fmt::Debug for NodeMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeMetrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NodeMetrics {
+    /// The metrics, registered under the `scd` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("scd");
+        let jobs = Family::<OutcomeLabels, Counter>::default();
+        registry.register("jobs", "Job halves this node finished", jobs.clone());
+        let active = Family::<SideLabels, Gauge>::default();
+        registry.register(
+            "jobs_active",
+            "Job halves this node works on",
+            active.clone(),
+        );
+        let ttft = Family::<JobKindLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            latency as fn() -> Histogram,
+        );
+        registry.register(
+            "ttft_seconds",
+            "Submission to first token of the jobs this node decoded",
+            ttft.clone(),
+        );
+        let stages = Family::<StageLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            latency as fn() -> Histogram,
+        );
+        registry.register(
+            "stage_seconds",
+            "How long each stage of a job took on this node",
+            stages.clone(),
+        );
+        let bytes_sent = Counter::default();
+        registry.register(
+            "code_bytes_sent",
+            "Bytes of code frames sent to consumer nodes",
+            bytes_sent.clone(),
+        );
+        let bytes_received = Counter::default();
+        registry.register(
+            "code_bytes_received",
+            "Bytes of codes received from producer nodes",
+            bytes_received.clone(),
+        );
+        let translators = Family::<TranslatorLabels, Gauge>::default();
+        registry.register(
+            "translator",
+            "Translator versions this node serves (value 1)",
+            translators.clone(),
+        );
+        let cluster_jobs = Family::<StateLabels, Gauge>::default();
+        registry.register(
+            "cluster_jobs",
+            "Job records in the cluster's store by state, when scraped",
+            cluster_jobs.clone(),
+        );
+        let restarts = Gauge::<u64, AtomicU64>::default();
+        registry.register(
+            "actor_restarts",
+            "Actors the node's supervisor started again",
+            restarts.clone(),
+        );
+        Self {
+            registry,
+            jobs,
+            active,
+            ttft,
+            stages,
+            bytes_sent,
+            bytes_received,
+            translators,
+            cluster_jobs,
+            restarts,
+        }
+    }
+
+    /// Counts a finished job half.
+    pub fn finished(&self, side: &str, outcome: &str) {
+        self.jobs
+            .get_or_create(&OutcomeLabels {
+                side: side.into(),
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+
+    /// Records a stage's duration in milliseconds.
+    pub fn stage_ms(&self, stage: &str, ms: f64) {
+        self.stages
+            .get_or_create(&StageLabels {
+                stage: stage.into(),
+            })
+            .observe(ms / 1e3);
+    }
+
+    /// Sets the restart count.
+    pub fn set_restarts(&self, n: u64) {
+        self.restarts.set(n);
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
