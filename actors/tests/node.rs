@@ -58,7 +58,24 @@ async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_refere
         }
         if mode != Mode::Oracle {
             assert!(job.timings_ms.contains_key("prefill"), "{mode}");
-            assert!(job.payload_bytes > 0, "{mode}");
+            // Every layer's codes, fewer bytes than went on the wire (frame headers).
+            let layers = m.base.config().num_layers;
+            assert_eq!(job.layer_bytes.len(), layers, "{mode}");
+            let codes: u64 = job.layer_bytes.iter().sum();
+            assert!(codes > 0 && codes < job.payload_bytes, "{mode}");
+            // Pipelined across the nodes: the first layer's codes reached the consumer before
+            // the producer's prefill ended.
+            let prefill = job.stages["prefill"];
+            let arrivals = job.stages["arrivals"];
+            assert!(
+                arrivals.start_ms < prefill.end_ms,
+                "{mode}: first frame at {}, prefill ended at {}",
+                arrivals.start_ms,
+                prefill.end_ms
+            );
+        }
+        for stage in ["rebuild", "decode"] {
+            assert!(job.stages.contains_key(stage), "{mode}: no {stage} span");
         }
         eprintln!(
             "{mode}: {} payload bytes, timings {:?}",

@@ -28,6 +28,15 @@ pub struct StateEntry {
     pub producer: Option<String>,
 }
 
+/// When a stage of a job ran (milliseconds since the Unix epoch).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StageSpan {
+    /// Start.
+    pub start_ms: f64,
+    /// End.
+    pub end_ms: f64,
+}
+
 /// A job's durable record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobRecord {
@@ -66,6 +75,15 @@ pub struct JobRecord {
     /// Stage timings in milliseconds (prefill, encode, transfer, rebuild, first_token, total).
     #[serde(default)]
     pub timings_ms: BTreeMap<String, f64>,
+    /// When each stage ran, on the wall clock of the node that ran it (milliseconds since the
+    /// Unix epoch): `prefill`, `encode`, `transfer` from the producer; `arrivals` (first to
+    /// last code frame), `rebuild`, `decode` from the consumer. Nodes' clocks agree only as well
+    /// as they are synchronised.
+    #[serde(default)]
+    pub stages: BTreeMap<String, StageSpan>,
+    /// Code bytes per layer, as the producer's encoder made them (payload, no frame headers).
+    #[serde(default)]
+    pub layer_bytes: Vec<u64>,
     /// Bytes of codes sent.
     #[serde(default)]
     pub payload_bytes: u64,
@@ -154,6 +172,8 @@ impl JobRecord {
                 producer: None,
             }],
             timings_ms: BTreeMap::new(),
+            stages: BTreeMap::new(),
+            layer_bytes: Vec::new(),
             payload_bytes: 0,
             request: None,
             output: None,

@@ -45,7 +45,7 @@ pub use assign::{
 };
 #[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError};
-pub use jobs::{JobError, JobRecord, JobStore};
+pub use jobs::{JobError, JobRecord, JobStore, StageSpan};
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 pub use membership::{

@@ -235,8 +235,17 @@ fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
     };
     println!();
     println!(
-        "{:<11} {:>10} {:>7} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  same tokens as the oracle",
-        "mode", "wire B", "vs raw", "prefill", "encode", "transfer", "rebuild", "TTFT", "total"
+        "{:<11} {:>10} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  same tokens as the oracle",
+        "mode",
+        "wire B",
+        "vs raw",
+        "prefill",
+        "1st code",
+        "encode",
+        "transfer",
+        "rebuild",
+        "TTFT",
+        "total"
     );
     for (mode, job) in done {
         // The oracle sends no codes (its job stream carries only the opening frame).
@@ -259,12 +268,19 @@ fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
         } else {
             format!("first {same} of {}", oracle.len())
         };
+        // When the first layer's codes reached the expert, counted from the prefill's start:
+        // well before the prefill ends, because layers stream as they are done.
+        let first_code = match (job.stages.get("prefill"), job.stages.get("arrivals")) {
+            (Some(p), Some(a)) => format!("{:.0}", a.start_ms - p.start_ms),
+            _ => "-".to_owned(),
+        };
         println!(
-            "{:<11} {:>10} {:>7} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  {agreement}",
+            "{:<11} {:>10} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  {agreement}",
             mode.to_string(),
             bytes,
             share,
             ms(job, "prefill"),
+            first_code,
             ms(job, "encode"),
             ms(job, "transfer"),
             ms(job, "rebuild"),
@@ -272,7 +288,7 @@ fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
             ms(job, "total"),
         );
     }
-    println!("(times in ms; prefill, encode and transfer overlap layer by layer; TTFT is submission to first token, scheduling included)");
+    println!("(times in ms; prefill, encode and transfer overlap layer by layer: \"1st code\" is when the first layer's codes reached the expert, after the prefill began; TTFT is submission to first token, scheduling included)");
     for (mode, job) in done {
         let text = tok
             .decode(&tokens(job), true)

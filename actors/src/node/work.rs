@@ -27,7 +27,7 @@ use scd_models::codec::CodecOptions;
 use scd_models::{GenerateParams, Sampling, StopReason};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
-    JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore,
+    JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore, StageSpan,
 };
 use scd_transport::{Connection, Endpoint, JobId, JobReceiver};
 use tokio::sync::{mpsc, watch, Mutex};
@@ -269,9 +269,27 @@ impl Work {
                 }
                 m.bytes_sent.inc_by(bytes);
                 m.finished("producer", "done");
+                let spans: Vec<(&str, StageSpan)> = [
+                    ("prefill", done.prefill),
+                    ("encode", done.encoded.span),
+                    ("transfer", Some(done.sent.span)),
+                ]
+                .into_iter()
+                .filter_map(|(k, s)| s.map(|s| (k, wall(s.start, s.end))))
+                .collect();
+                let layer_bytes: Vec<u64> = done
+                    .encoded
+                    .layer_bytes
+                    .iter()
+                    .map(|l| l.bytes as u64)
+                    .collect();
                 let written = self
                     .jobs
                     .update(id, |j| {
+                        for (k, span) in &spans {
+                            j.stages.insert((*k).into(), *span);
+                        }
+                        j.layer_bytes = layer_bytes.clone();
                         for (k, v) in [
                             ("prefill", prefill),
                             ("encode", encode),
@@ -511,6 +529,14 @@ impl Work {
                     m.stage_ms("first_token", t);
                 }
                 let received: usize = report.arrivals.iter().map(|a| a.bytes).sum();
+                let mut spans = vec![("rebuild", wall(report.rebuild.start, report.rebuild.end))];
+                if let (Some(first), Some(last)) = (report.arrivals.first(), report.arrivals.last())
+                {
+                    spans.push(("arrivals", wall(first.at, last.at)));
+                }
+                if let Some(first) = report.first_token {
+                    spans.push(("decode", wall(first, Instant::now())));
+                }
                 m.bytes_received.inc_by(received as u64);
                 let mut ttft_ms = None;
                 let output = JobResult {
@@ -544,6 +570,9 @@ impl Work {
                             ttft_ms = Some(ttft);
                         }
                         j.output = Some(output.clone());
+                        for (k, span) in &spans {
+                            j.stages.insert((*k).into(), *span);
+                        }
                         Ok(())
                     })
                     .await;
@@ -697,6 +726,18 @@ pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), 
         return Err(Refusal::BadToken(bad));
     }
     Ok(())
+}
+
+/// A span of this process's monotonic clock placed on the wall clock, for the record.
+fn wall(start: Instant, end: Instant) -> StageSpan {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3);
+    let at = |t: Instant| now - Instant::now().saturating_duration_since(t).as_secs_f64() * 1e3;
+    StageSpan {
+        start_ms: at(start),
+        end_ms: at(end),
+    }
 }
 
 /// The record's name of a stop reason.
