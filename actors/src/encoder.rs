@@ -128,6 +128,7 @@ fn encode(rt: &Handle, job: EncodeJob) -> Result<EncodeReport, EncoderError> {
         report.layer_bytes.push(LayerBytes {
             layer: capture.layer as u16,
             bytes: codes.iter().map(|c| c.bytes.len()).sum(),
+            encoded: Instant::now(),
         });
         for code in codes.drain(..) {
             let mut frame = CodeFrame::new(job, code);

@@ -35,6 +35,8 @@
 //! - [`client`]: submitting a job (a record with its request) and waiting for its end.
 //! - [`follow`]: a job's record as a client shows it: states, new text, the final record.
 //! - [`metrics`]: the node's Prometheus metrics.
+//! - [`telemetry`]: job traces: the root span at submission, each node's half and its stages,
+//!   exported over OTLP.
 //! - `blocking`: bounded-channel waits for model threads that also end on cancellation.
 //! - [`config`]: the node's TOML file (`scd node --config`): identity, roles, models, experts and
 //!   translators, store, certificates, tracing, limits; parsed, checked against the roles, and
@@ -53,6 +55,7 @@ pub mod node;
 pub mod pipeline;
 pub mod producer;
 mod stages;
+pub mod telemetry;
 pub mod timeline;
 pub mod transfer;
 

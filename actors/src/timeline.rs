@@ -36,6 +36,8 @@ pub struct LayerBytes {
     pub layer: u16,
     /// Bytes of all its codes (payload, not frame headers).
     pub bytes: usize,
+    /// When its codes were made.
+    pub encoded: Instant,
 }
 
 /// Every stage of one job. A stage a mode does not run (the oracle has no producer pass) is

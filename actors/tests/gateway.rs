@@ -5,27 +5,13 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{config, config_with, repo, Cluster};
+use common::{config, config_with, python, repo, Cluster};
 use serde_json::Value;
 
 const KEY: &str = "test-key-1";
-
-/// The Python with `openai` installed: `$SCD_OPENAI_PYTHON`, else the venv `ops/setup.sh` makes.
-fn python() -> PathBuf {
-    let path = std::env::var_os("SCD_OPENAI_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".cache/openai-venv/bin/python"));
-    assert!(
-        path.exists(),
-        "{} is missing: run `make setup` (ops/setup.sh installs the openai client there) or set SCD_OPENAI_PYTHON",
-        path.display()
-    );
-    path
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_openai_client_streams_and_gets_openai_shaped_errors() {

@@ -157,6 +157,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 &identity,
                 served.clone(),
                 store.clone(),
+                None,
                 CancellationToken::new(),
             )
             .await

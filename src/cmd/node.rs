@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use scd_actors::config::StoreConfig;
+use scd_actors::telemetry::Telemetry;
 use scd_actors::{Node, NodeConfig, Served};
 use scd_scheduler::{EmbeddedStore, EtcdStore, MetaStore};
 use tokio_util::sync::CancellationToken;
@@ -45,6 +46,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let config = NodeConfig::load(&args.config)
         .with_context(|| format!("reading the node config {}", args.config.display()))?;
     let identity = config.identity()?;
+    // Spans go to the config's OTLP endpoint, else to $OTEL_EXPORTER_OTLP_ENDPOINT. Made before
+    // the runtime: the exporter's blocking HTTP client brings its own.
+    let endpoint = config
+        .tracing
+        .otlp_endpoint
+        .clone()
+        .or_else(|| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok());
+    let telemetry = match endpoint {
+        Some(e) => {
+            let t = Telemetry::otlp(&e, config.service_name())?;
+            eprintln!(
+                "node {}: exporting job traces to {e} (OTLP/HTTP)",
+                config.node.id
+            );
+            Some(t)
+        }
+        None => None,
+    };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let store = open_store(&config.store).await?;
@@ -62,7 +81,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             started.elapsed().as_secs_f64()
         );
         let cancel = CancellationToken::new();
-        let node = Node::start(&config, &identity, Arc::new(served), store, cancel.clone())
+        let node = Node::start(
+            &config,
+            &identity,
+            Arc::new(served),
+            store,
+            telemetry,
+            cancel.clone(),
+        )
             .await
             .with_context(|| format!("starting node {}", config.node.id))?;
         let roles: Vec<&str> = config.node.roles.iter().map(|r| r.as_str()).collect();

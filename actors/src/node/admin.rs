@@ -136,9 +136,13 @@ fn request_of(work: &Work, r: &SubmitRequest) -> Result<JobRequest, Refused> {
 async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Result<(), Refused> {
     let request = request_of(work, &r)?;
     let tokens = request.prompt.len();
+    let trace = match &work.telemetry {
+        Some(t) => t.start_job(&r.trace, r.job_id, &r.expert, r.mode),
+        None => r.trace.clone(),
+    };
     let submitted = work
         .client
-        .submit_as(r.job_id, &r.expert, r.mode, request, r.trace.clone())
+        .submit_as(r.job_id, &r.expert, r.mode, request, trace)
         .await;
     match submitted {
         Ok(()) => {}

@@ -305,9 +305,13 @@ impl Gateway {
     async fn submit(&self, s: &Settings, request: JobRequest) -> Result<JobId, ApiError> {
         let id = JobId::random();
         let mode = s.scd_mode.unwrap_or(self.default_mode);
+        let trace = match &self.work.telemetry {
+            Some(t) => t.start_job(&TraceContext::new(), id, &s.model, mode),
+            None => TraceContext::new(),
+        };
         self.work
             .client
-            .submit_as(id, &s.model, mode, request, TraceContext::new())
+            .submit_as(id, &s.model, mode, request, trace)
             .await?;
         Ok(id)
     }

@@ -47,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{NodeConfig, NodeRole};
 use crate::metrics::{NodeMetrics, StateLabels, TranslatorLabels};
 use crate::pipeline::PipelineOptions;
+use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
 pub use served::{ServeError, Served, ServedExpert};
 use supervisor::{ActorTable, Actors, SupervisorArgs, SupervisorMsg};
@@ -124,13 +125,14 @@ pub struct Node {
 impl Node {
     /// Starts a node: `config` says what it is, `identity` is its certificate (issued to
     /// `config.node.id` by the cluster CA), `served` the models it loaded
-    /// ([`Served::load`]), `store` the cluster state. Cancelling `cancel` stops its work at
+    /// ([`Served::load`]), `store` the cluster state, `telemetry` where its job spans go. Cancelling `cancel` stops its work at
     /// once (use [`Node::shutdown`] to drain first).
     pub async fn start(
         config: &NodeConfig,
         identity: &Identity,
         served: Arc<Served>,
         store: Arc<dyn MetaStore>,
+        telemetry: Option<Telemetry>,
         cancel: CancellationToken,
     ) -> Result<Self, NodeError> {
         let cancel = cancel.child_token();
@@ -203,6 +205,7 @@ impl Node {
             jobs: JobStore::new(store.clone(), keys.clone()),
             client: crate::client::ClusterClient::new(store.clone(), keys.clone()),
             metrics: metrics.clone(),
+            telemetry,
             admin: config.has_role(NodeRole::Admin),
             keys,
             served,
@@ -399,6 +402,10 @@ impl Node {
         }
         self.work.endpoint.close();
         self.work.endpoint.wait_idle().await;
+        if let Some(t) = self.work.telemetry.clone() {
+            // The batch exporter's last send may wait on the network: off the runtime.
+            let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
+        }
     }
 }
 

@@ -40,7 +40,9 @@ use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
 use crate::pipeline::{JobError, PipelineOptions};
 use crate::stages::{self, cause, ConsumerJob};
+use crate::telemetry::{StageRecord, Telemetry};
 use crate::transfer::TransferInMsg;
+use opentelemetry::KeyValue;
 
 /// Everything a node's job handling uses.
 pub(crate) struct Work {
@@ -65,6 +67,8 @@ pub(crate) struct Work {
     pub admin: bool,
     /// The node's metrics.
     pub metrics: Arc<NodeMetrics>,
+    /// The node's tracer, when spans are exported.
+    pub telemetry: Option<Telemetry>,
     /// This node's load as it changes; the node's reporter writes it to its registration.
     pub load: watch::Sender<usize>,
     /// Connections to consumer nodes, by node id.
@@ -257,18 +261,6 @@ impl Work {
                 let transfer = ms(Some(done.sent.span));
                 let bytes = done.sent.wire_bytes;
                 let total = started.elapsed().as_secs_f64() * 1e3;
-                let m = &self.metrics;
-                for (stage, v) in [
-                    ("prefill", prefill),
-                    ("encode", encode),
-                    ("transfer", transfer),
-                ] {
-                    if let Some(v) = v {
-                        m.stage_ms(stage, v);
-                    }
-                }
-                m.bytes_sent.inc_by(bytes);
-                m.finished("producer", "done");
                 let spans: Vec<(&str, StageSpan)> = [
                     ("prefill", done.prefill),
                     ("encode", done.encoded.span),
@@ -283,6 +275,54 @@ impl Work {
                     .iter()
                     .map(|l| l.bytes as u64)
                     .collect();
+                let m = &self.metrics;
+                for (stage, v) in [
+                    ("prefill", prefill),
+                    ("encode", encode),
+                    ("transfer", transfer),
+                ] {
+                    if let Some(v) = v {
+                        m.stage_ms(stage, v);
+                    }
+                }
+                m.bytes_sent.inc_by(bytes);
+                m.finished("producer", "done");
+                if let Some(t) = &self.telemetry {
+                    let layers = done
+                        .encoded
+                        .layer_bytes
+                        .iter()
+                        .map(|l| {
+                            let attrs = vec![
+                                KeyValue::new("scd.layer", i64::from(l.layer)),
+                                KeyValue::new("scd.bytes", l.bytes as i64),
+                            ];
+                            ("layer encoded", wall(l.encoded, l.encoded).start_ms, attrs)
+                        })
+                        .collect();
+                    let mut layers = Some(layers);
+                    let stages = spans
+                        .iter()
+                        .map(|(name, span)| StageRecord {
+                            name,
+                            span: *span,
+                            events: match *name {
+                                "encode" => layers.take().unwrap_or_default(),
+                                _ => Vec::new(),
+                            },
+                        })
+                        .collect();
+                    let attrs = vec![
+                        KeyValue::new("scd.job", id.to_string()),
+                        KeyValue::new("scd.node", me.clone()),
+                        KeyValue::new("scd.expert", job.expert.clone()),
+                        KeyValue::new("scd.mode", job.mode.to_string()),
+                        KeyValue::new("scd.wire_bytes", bytes as i64),
+                        KeyValue::new("scd.translator", translator_name(&job, &self.served)),
+                    ];
+                    let whole = wall(started, Instant::now());
+                    t.record_half(&job.trace, "producer", whole, attrs, stages, None);
+                }
                 let written = self
                     .jobs
                     .update(id, |j| {
@@ -587,6 +627,41 @@ impl Work {
                     m.ttft.get_or_create(&kind).observe(t / 1e3);
                 }
                 m.finished("consumer", "done");
+                if let Some(t) = &self.telemetry {
+                    let events = report
+                        .arrivals
+                        .iter()
+                        .map(|a| {
+                            let attrs = vec![
+                                KeyValue::new("scd.layer", i64::from(a.layer)),
+                                KeyValue::new("scd.bytes", a.bytes as i64),
+                            ];
+                            ("layer arrived", wall(a.at, a.at).start_ms, attrs)
+                        })
+                        .collect::<Vec<_>>();
+                    let stages = spans
+                        .iter()
+                        .map(|(name, span)| StageRecord {
+                            name,
+                            span: *span,
+                            events: if *name == "arrivals" {
+                                events.clone()
+                            } else {
+                                Vec::new()
+                            },
+                        })
+                        .collect();
+                    let attrs = vec![
+                        KeyValue::new("scd.job", id.to_string()),
+                        KeyValue::new("scd.node", me.clone()),
+                        KeyValue::new("scd.expert", job.expert.clone()),
+                        KeyValue::new("scd.mode", job.mode.to_string()),
+                        KeyValue::new("scd.tokens", output.tokens.len() as i64),
+                        KeyValue::new("scd.translator", translator_name(&job, &self.served)),
+                    ];
+                    let whole = wall(started, Instant::now());
+                    t.record_half(&job.trace, "consumer", whole, attrs, stages, None);
+                }
             }
             Err(e @ JobError::ActorGone(_)) => {
                 self.hand_back(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
@@ -726,6 +801,17 @@ pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), 
         return Err(Refusal::BadToken(bad));
     }
     Ok(())
+}
+
+/// The translator version a job's codes are made with, for traces (`none` for modes without).
+fn translator_name(job: &JobRecord, served: &Served) -> String {
+    match job.mode {
+        scd_scheduler::Mode::Reuse | scd_scheduler::Mode::Scd => served
+            .experts
+            .get(&job.expert)
+            .map_or_else(|| "none".into(), |e| e.translator.0.hash().to_string()),
+        _ => "none".into(),
+    }
 }
 
 /// A span of this process's monotonic clock placed on the wall clock, for the record.

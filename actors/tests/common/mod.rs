@@ -206,6 +206,15 @@ impl Cluster {
     }
 
     pub async fn start(&self, config: &NodeConfig) -> Node {
+        self.start_traced(config, None).await
+    }
+
+    /// [`Cluster::start`] with the node's spans going to `telemetry`.
+    pub async fn start_traced(
+        &self,
+        config: &NodeConfig,
+        telemetry: Option<scd_actors::telemetry::Telemetry>,
+    ) -> Node {
         let served = Arc::new(Served::load(config).unwrap());
         let identity = self.ca.issue(&config.node.id, Role::Node).unwrap();
         Node::start(
@@ -213,6 +222,7 @@ impl Cluster {
             &identity,
             served,
             self.store.clone(),
+            telemetry,
             CancellationToken::new(),
         )
         .await
@@ -239,4 +249,17 @@ pub fn request(prompt: &[u32], max_tokens: usize) -> JobRequest {
         seed: 0,
         stop_tokens: Vec::new(),
     }
+}
+
+/// The Python with `openai`, `prometheus_client` and `opentelemetry-proto` installed: `$SCD_OPENAI_PYTHON`, else the venv `ops/setup.sh` makes.
+pub fn python() -> PathBuf {
+    let path = std::env::var_os("SCD_OPENAI_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".cache/openai-venv/bin/python"));
+    assert!(
+        path.exists(),
+        "{} is missing: run `make setup` (ops/setup.sh installs the openai client there) or set SCD_OPENAI_PYTHON",
+        path.display()
+    );
+    path
 }

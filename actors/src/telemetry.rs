@@ -1,0 +1,221 @@
+//! Job traces (OpenTelemetry): one trace per job across the nodes that work on it.
+//!
+//! The node that takes a submission starts the job's root span and stores its W3C context
+//! (`traceparent`) in the job record's [`TraceContext`]; it also rides every code frame. Each
+//! node that works on the job records its half as a span under that root when the half ends,
+//! with a child span per stage (prefill, encode, transfer; arrivals, rebuild, decode) at the
+//! times the stages ran and an event per layer (its code bytes; on the consumer, when its
+//! codes arrived). Recording spans after the fact, from the stage timeline the node measures
+//! anyway, keeps tracing out of the model threads' way.
+//!
+//! Export is OTLP over HTTP/protobuf from the SDK's batch processor, on its own thread: a job
+//! never waits on the collector, and a collector that is down costs dropped spans (the queue is
+//! bounded), not memory.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::{Span, SpanKind, Status, TraceContextExt, Tracer, TracerProvider};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter};
+use opentelemetry_sdk::Resource;
+use scd_scheduler::{JobId, Mode, StageSpan, TraceContext};
+
+/// Why tracing could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    /// The exporter could not be built.
+    #[error("setting up the OTLP exporter for {endpoint}: {reason}")]
+    Exporter {
+        /// The endpoint.
+        endpoint: String,
+        /// Why.
+        reason: String,
+    },
+    /// The endpoint is OTLP over gRPC, which this build does not export to.
+    #[error("{0} looks like OTLP/gRPC (port 4317); scd exports OTLP over HTTP: use the collector's HTTP port, e.g. http://127.0.0.1:4318")]
+    Grpc(String),
+}
+
+/// A node's tracer.
+#[derive(Clone, Debug)]
+pub struct Telemetry {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+}
+
+/// One stage of a job's half, as a span.
+pub struct StageRecord {
+    /// The span's name.
+    pub name: &'static str,
+    /// When it ran.
+    pub span: StageSpan,
+    /// Events inside it: name, when (ms since the epoch), attributes.
+    pub events: Vec<(&'static str, f64, Vec<KeyValue>)>,
+}
+
+fn at(ms: f64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs_f64(ms.max(0.0) / 1e3)
+}
+
+struct Entries<'a>(&'a mut HashMap<String, String>);
+
+impl Injector for Entries<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.insert(key.to_owned(), value);
+    }
+}
+
+struct Reader<'a>(&'a TraceContext);
+
+impl Extractor for Reader<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key)
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().collect()
+    }
+}
+
+/// The OpenTelemetry context a job's trace context names (empty when it names none).
+pub fn context_of(trace: &TraceContext) -> Context {
+    TraceContextPropagator::new().extract(&Reader(trace))
+}
+
+/// The trace context of `cx`, for the job record and the frames.
+pub fn trace_of(cx: &Context) -> TraceContext {
+    let mut entries = HashMap::new();
+    TraceContextPropagator::new().inject_context(cx, &mut Entries(&mut entries));
+    let mut trace = TraceContext::new();
+    for (k, v) in entries {
+        // The propagator writes W3C headers, which are within the context's limits.
+        let _ = trace.insert(k, v);
+    }
+    trace
+}
+
+impl Telemetry {
+    /// Spans exported over OTLP/HTTP to `endpoint` (a collector's base URL such as
+    /// `http://127.0.0.1:4318`, or its full `/v1/traces` URL), as `service`.
+    pub fn otlp(endpoint: &str, service: &str) -> Result<Self, TelemetryError> {
+        use opentelemetry_otlp::WithExportConfig;
+        if endpoint.trim_end_matches('/').ends_with(":4317") {
+            return Err(TelemetryError::Grpc(endpoint.to_owned()));
+        }
+        let url = if endpoint.ends_with("/v1/traces") {
+            endpoint.to_owned()
+        } else {
+            format!("{}/v1/traces", endpoint.trim_end_matches('/'))
+        };
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_endpoint(url)
+            .build()
+            .map_err(|e| TelemetryError::Exporter {
+                endpoint: endpoint.to_owned(),
+                reason: e.to_string(),
+            })?;
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(
+                Resource::builder()
+                    .with_service_name(service.to_owned())
+                    .build(),
+            )
+            .build();
+        Ok(Self::of(provider))
+    }
+
+    /// Spans handed to `exporter` as each ends (the tests' in-memory exporter).
+    pub fn with_exporter(exporter: impl SpanExporter + 'static, service: &str) -> Self {
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter)
+            .with_resource(
+                Resource::builder()
+                    .with_service_name(service.to_owned())
+                    .build(),
+            )
+            .build();
+        Self::of(provider)
+    }
+
+    fn of(provider: SdkTracerProvider) -> Self {
+        let tracer = provider.tracer("scd");
+        Self { provider, tracer }
+    }
+
+    /// Sends what is queued.
+    pub fn flush(&self) {
+        let _ = self.provider.force_flush();
+    }
+
+    /// Sends what is queued and stops exporting.
+    pub fn shutdown(&self) {
+        let _ = self.provider.shutdown();
+    }
+
+    /// Starts and ends a job's root span (`job`, a child of `parent` when it names a trace);
+    /// the trace context to store with the job.
+    pub fn start_job(
+        &self,
+        parent: &TraceContext,
+        job: JobId,
+        expert: &str,
+        mode: Mode,
+    ) -> TraceContext {
+        let parent = context_of(parent);
+        let mut span = self
+            .tracer
+            .span_builder("job")
+            .with_kind(SpanKind::Server)
+            .with_attributes([
+                KeyValue::new("scd.job", job.to_string()),
+                KeyValue::new("scd.expert", expert.to_owned()),
+                KeyValue::new("scd.mode", mode.to_string()),
+            ])
+            .start_with_context(&self.tracer, &parent);
+        let cx = Context::current().with_remote_span_context(span.span_context().clone());
+        span.end();
+        trace_of(&cx)
+    }
+
+    /// Records a node's half of a job (`name`: `producer` or `consumer`) under the job's trace,
+    /// with a child span per stage.
+    pub fn record_half(
+        &self,
+        trace: &TraceContext,
+        name: &'static str,
+        whole: StageSpan,
+        attributes: Vec<KeyValue>,
+        stages: Vec<StageRecord>,
+        error: Option<&str>,
+    ) {
+        let parent = context_of(trace);
+        let mut half = self
+            .tracer
+            .span_builder(name)
+            .with_kind(SpanKind::Internal)
+            .with_start_time(at(whole.start_ms))
+            .with_attributes(attributes)
+            .start_with_context(&self.tracer, &parent);
+        let cx = parent.with_remote_span_context(half.span_context().clone());
+        for stage in stages {
+            let mut span = self
+                .tracer
+                .span_builder(stage.name)
+                .with_start_time(at(stage.span.start_ms))
+                .start_with_context(&self.tracer, &cx);
+            for (event, ms, attrs) in stage.events {
+                span.add_event_with_timestamp(event, at(ms), attrs);
+            }
+            span.end_with_timestamp(at(stage.span.end_ms));
+        }
+        if let Some(e) = error {
+            half.set_status(Status::error(e.to_owned()));
+        }
+        half.end_with_timestamp(at(whole.end_ms));
+    }
+}
