@@ -42,6 +42,14 @@ enum Command {
     Submit(cmd::admin::SubmitArgs),
     /// Follow or cancel a cluster's jobs.
     Jobs(cmd::admin::JobsArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(
+        after_help = "Example:\n  scd completions bash > ~/.local/share/bash-completion/completions/scd"
+    )]
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
@@ -65,6 +73,17 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         // These choose their own exit codes (cluster unreachable, job failed, refused).
         Command::Submit(args) => return cmd::admin::submit(args),
         Command::Jobs(args) => return cmd::admin::jobs(args),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            use std::io::Write;
+            // Into a buffer first: the generator panics on a write error (a closed pipe).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "scd", &mut script);
+            match std::io::stdout().write_all(&script) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+                _ => Ok(()),
+            }
+        }
     };
     done.map(|()| std::process::ExitCode::SUCCESS)
 }

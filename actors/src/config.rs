@@ -134,6 +134,10 @@ pub struct NodeSettings {
     /// endpoint.
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
+    /// The `host:port` other nodes reach this one at, when it differs from `listen` (a node
+    /// listening on `0.0.0.0` in a container is reached by its service name); default: `listen`.
+    #[serde(default)]
+    pub advertise: Option<String>,
 }
 
 /// What a node does. One process may hold every role.
@@ -533,6 +537,17 @@ impl NodeConfig {
                 "node.roles",
                 "list at least one of producer, consumer, scheduler, admin, gateway",
             ));
+        }
+        if let Some(a) = &self.node.advertise {
+            let ok = a
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !ok {
+                return Err(invalid(
+                    "node.advertise",
+                    format!("{a:?} is not host:port, e.g. \"producer:7101\""),
+                ));
+            }
         }
         match (self.has_role(NodeRole::Gateway), self.node.http_listen) {
             (true, None) => {
@@ -1197,5 +1212,28 @@ frames_in_flight = 16
         let ids: HashSet<_> = seen.iter().map(|c| c.node.id.as_str()).collect();
         let ports: HashSet<_> = seen.iter().map(|c| c.node.listen).collect();
         assert_eq!((ids.len(), ports.len()), (4, 4));
+    }
+
+    #[test]
+    fn the_compose_configs_parse_and_advertise_their_service_names() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster-config/compose");
+        for id in ["producer", "consumer-a", "consumer-b"] {
+            let path = dir.join(format!("{id}.toml"));
+            let text = fs::read_to_string(&path).unwrap();
+            let config = NodeConfig::parse(&text, &dir).unwrap_or_else(|e| panic!("{id}: {e}"));
+            assert_eq!(config.node.id, id);
+            assert_eq!(
+                config.node.advertise.as_deref(),
+                Some(format!("{id}:7101").as_str())
+            );
+            assert!(matches!(config.store, StoreConfig::Etcd { .. }));
+            assert_eq!(
+                config.tracing.otlp_endpoint.as_deref(),
+                Some("http://jaeger:4318")
+            );
+        }
+        let bad = VALID.replace("roles = [", "advertise = \"no-port\"\nroles = [");
+        let err = NodeConfig::parse(&bad, Path::new(".")).unwrap_err();
+        assert!(err.to_string().contains("node.advertise"), "{err}");
     }
 }

@@ -167,7 +167,11 @@ impl Node {
 
         let mut info = NodeInfo::new(
             id.clone(),
-            advertised(config.node.listen, addr),
+            config
+                .node
+                .advertise
+                .clone()
+                .unwrap_or_else(|| advertised(config.node.listen, addr)),
             u32::try_from(config.limits.concurrent_jobs.get()).unwrap_or(u32::MAX),
         );
         if producer_role {
