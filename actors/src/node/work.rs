@@ -240,6 +240,13 @@ impl Work {
         let started = Instant::now();
         let outcome = match self.start_producer(&job, &cancel).await {
             Ok(replies) => replies.settle(&cancel).await.map_err(cause),
+            // The consumer is gone or unreachable: not the job's fault; another attempt goes
+            // to another consumer.
+            Err(refusal @ (Refusal::ConsumerGone(_) | Refusal::Connect { .. })) => {
+                let reason = format!("producer {me}: {refusal}");
+                self.hand_back(id, attempt, Side::Producer, &reason).await;
+                return;
+            }
             Err(refusal) => {
                 self.fail(
                     id,
@@ -400,12 +407,16 @@ impl Work {
         if let Some(c) = links.get(node).filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
-        let info = self
-            .nodes
-            .snapshot()
-            .get(node)
-            .cloned()
-            .ok_or_else(|| Refusal::ConsumerGone(node.to_owned()))?;
+        // The node view follows a watch; a node that joined a moment ago may be known to the
+        // scheduler that assigned the job before it reaches this view: ask the store then.
+        let known = self.nodes.snapshot().get(node).cloned();
+        let info = match known {
+            Some(info) => info,
+            None => self
+                .read_node(node)
+                .await
+                .ok_or_else(|| Refusal::ConsumerGone(node.to_owned()))?,
+        };
         let connect_err = |error: String| Refusal::Connect {
             node: node.to_owned(),
             error,
@@ -422,6 +433,13 @@ impl Work {
             .map_err(|e| connect_err(e.to_string()))?;
         links.insert(node.to_owned(), connection.clone());
         Ok(connection)
+    }
+
+    /// A node's registration as the store has it now.
+    async fn read_node(&self, node: &str) -> Option<scd_scheduler::NodeInfo> {
+        let key = self.keys.node(node).ok()?;
+        let kv = self.store.get(&key).await.ok()??;
+        scd_scheduler::codec::decode(&kv.key, &kv.value).ok()
     }
 
     /// A job stream nobody expected: the consumer half of a job, if the record says so.
