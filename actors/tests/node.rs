@@ -165,7 +165,7 @@ async fn a_draining_node_leaves_at_once_and_its_job_finishes_elsewhere() {
     // A long job; drain the consumer while it decodes.
     let id = cluster
         .client
-        .submit("mail", Mode::Raw, request(&prompt, 400))
+        .submit("mail", Mode::Raw, request(&prompt, 160))
         .await
         .unwrap();
     let mut waited = 0;
@@ -199,7 +199,7 @@ async fn a_draining_node_leaves_at_once_and_its_job_finishes_elsewhere() {
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     assert_eq!(job.consumer.as_deref(), Some("mail-1"));
     assert_eq!(job.attempts, 2);
-    assert_eq!(job.output.map(|o| o.tokens.len()), Some(400));
+    assert_eq!(job.output.map(|o| o.tokens.len()), Some(160));
     other.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
@@ -260,7 +260,7 @@ async fn a_killed_actor_is_started_again_and_its_job_runs_to_the_end() {
     // again on the decoder the supervisor started in its place.
     let id = cluster
         .client
-        .submit("mail", Mode::Raw, request(&prompt, 120))
+        .submit("mail", Mode::Raw, request(&prompt, 64))
         .await
         .unwrap();
     let mut waited = 0;
@@ -283,7 +283,7 @@ async fn a_killed_actor_is_started_again_and_its_job_runs_to_the_end() {
     );
     assert_eq!(consumer.restarts(), 1);
     let tokens = job.output.unwrap().tokens;
-    assert_eq!(tokens.len(), 120);
+    assert_eq!(tokens.len(), 64);
 
     // The producer's encoder, killed between jobs, is back for the next one; the same request
     // gives the same tokens.
@@ -296,7 +296,7 @@ async fn a_killed_actor_is_started_again_and_its_job_runs_to_the_end() {
     }
     let id = cluster
         .client
-        .submit("mail", Mode::Raw, request(&prompt, 120))
+        .submit("mail", Mode::Raw, request(&prompt, 64))
         .await
         .unwrap();
     let job = cluster.client.wait(id, WAIT).await.unwrap();

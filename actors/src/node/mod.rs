@@ -342,6 +342,22 @@ impl Node {
         if let Err(e) = stop_serving.await {
             tracing::warn!(node = self.id, error = %e, "advertising the drain failed");
         }
+        // The scheduler places work from its watch of the nodes: a job handed back before that
+        // view shows this node serving nothing could come straight back here. This node's own
+        // view follows the same watch; wait (briefly) until it shows the change.
+        let mut view = work.nodes.subscribe();
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            loop {
+                let drained = view
+                    .borrow_and_update()
+                    .get(&self.id)
+                    .is_none_or(|n| n.capacity == 0 && n.consumer_models.is_empty());
+                if drained || view.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
         let deadline = tokio::time::Instant::now() + grace;
         while work.load() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
