@@ -1,7 +1,7 @@
 //! End-to-end: three `scd node` processes (a producer that is also a scheduler replica, a
 //! consumer of the mail expert, a consumer of the sotu expert that is a second scheduler
 //! replica) on a real etcd, with certificates from `scd cert`. Jobs submitted as records in etcd
-//! run across the processes in several modes, and each result is what `scd generate --transfer`
+//! run across the processes in every mode, and each result is what `scd generate --transfer`
 //! produces in one process for the same prompt; a bad job fails with its reason; SIGTERM drains a
 //! node, which leaves the cluster at once (its lease revoked, not left to expire).
 
@@ -231,6 +231,9 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
     for (expert, consumer, mode) in [
         ("mail", "consumer-a", Mode::Scd),
         ("mail", "consumer-a", Mode::Raw),
+        ("mail", "consumer-a", Mode::Q4),
+        ("mail", "consumer-a", Mode::DroidSpeak),
+        ("mail", "consumer-a", Mode::Reuse),
         ("mail", "consumer-a", Mode::Oracle),
         ("sotu", "consumer-b", Mode::Scd),
     ] {
