@@ -40,8 +40,14 @@ enum Command {
     Demo(cmd::demo::Args),
     /// Submit a job to a cluster and stream the expert's reply.
     Submit(cmd::admin::SubmitArgs),
-    /// Follow or cancel a cluster's jobs.
+    /// List, show, follow or cancel a cluster's jobs.
     Jobs(cmd::admin::JobsArgs),
+    /// The cluster's live nodes: address, load, what each produces and decodes.
+    #[command(after_help = "Example:\n  scd nodes --node producer@127.0.0.1:7101")]
+    Nodes(cmd::admin::ListArgs),
+    /// The producers the scheduler assigned to each expert.
+    #[command(after_help = "Example:\n  scd pools --node producer@127.0.0.1:7101")]
+    Pools(cmd::admin::ListArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(
         after_help = "Example:\n  scd completions bash > ~/.local/share/bash-completion/completions/scd"
@@ -73,6 +79,8 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         // These choose their own exit codes (cluster unreachable, job failed, refused).
         Command::Submit(args) => return cmd::admin::submit(args),
         Command::Jobs(args) => return cmd::admin::jobs(args),
+        Command::Nodes(args) => return cmd::admin::nodes(args),
+        Command::Pools(args) => return cmd::admin::pools(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             use std::io::Write;

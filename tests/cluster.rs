@@ -336,6 +336,53 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         summary["text"].as_str().unwrap().trim_end(),
         want_mail_scd.trim_end()
     );
+    // The operator's views: nodes, pools, jobs, one job's record.
+    let admin_json = |args: &[&str]| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+            .args(args)
+            .args(["--node", &admin, "--name", "ops", "--pki-dir"])
+            .arg(pki)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let listed = admin_json(&["nodes", "--json"]);
+    let mut ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["id"].as_str().unwrap())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["consumer-a", "consumer-b", "producer"]);
+    let pools = admin_json(&["pools", "--json"]);
+    assert_eq!(
+        pools,
+        serde_json::json!({"mail": ["producer"], "sotu": ["producer"]})
+    );
+    let jobs = admin_json(&["jobs", "list", "--json"]);
+    let listed = jobs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|j| j["job"] == job.as_str())
+        .expect("the job is listed");
+    assert_eq!(listed["state"], "done");
+    let record = admin_json(&["jobs", "show", &job]);
+    assert_eq!(record["state"], "done");
+    assert!(record["request"]["prompt"]
+        .as_array()
+        .is_some_and(|p| !p.is_empty()));
+    assert!(
+        record["stages"]["prefill"]["end_ms"].is_number(),
+        "{record}"
+    );
+
     // An expert nobody serves: refused with what to do, exit code 5.
     let out = submit(&["--expert", "nope"]);
     assert_eq!(out.status.code(), Some(5));

@@ -89,9 +89,36 @@ pub struct JobsArgs {
     pub command: JobsCommand,
 }
 
+/// Arguments of `scd nodes` and `scd pools`.
+#[derive(clap::Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Print the JSON the node answered with.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `scd jobs` subcommands.
 #[derive(clap::Subcommand)]
 pub enum JobsCommand {
+    /// The cluster's jobs, newest first.
+    #[command(after_help = "Example:\n  scd jobs list --node producer@127.0.0.1:7101")]
+    List {
+        #[command(flatten)]
+        target: Target,
+        /// Print the JSON the node answered with.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One job's whole record: request, states with times, stage timeline, output.
+    #[command(after_help = "Example:\n  scd jobs show --node producer@127.0.0.1:7101 3f2a...")]
+    Show {
+        #[command(flatten)]
+        target: Target,
+        /// The job id.
+        job: JobId,
+    },
     /// Follow a job to its end, printing its text as it comes.
     #[command(after_help = "Example:\n  scd jobs watch --node producer@127.0.0.1:7101 3f2a...")]
     Watch {
@@ -235,10 +262,138 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     }))
 }
 
+/// Asks a node for `topic` (`nodes`, `pools`, `jobs`, `job/<id>`); the JSON it answers.
+async fn inspect(target: &Target, topic: String) -> Result<serde_json::Value, Failure> {
+    let (endpoint, conn) = connect(target).await?;
+    let answer = async {
+        let mut call = conn
+            .call_admin(Control::Inspect { topic })
+            .await
+            .context("sending the request")
+            .map_err(|e| fail(UNREACHABLE, e))?;
+        match call.next().await {
+            Ok(Some(Control::Report { body })) => serde_json::from_str(&body)
+                .context("reading the node's answer")
+                .map_err(|e| fail(UNREACHABLE, e)),
+            Ok(Some(Control::Error { code, message, .. })) => {
+                let exit = if code == error_code::INTERNAL {
+                    UNREACHABLE
+                } else {
+                    REFUSED
+                };
+                Err(fail(exit, anyhow::anyhow!("{message}")))
+            }
+            Ok(other) => Err(fail(
+                UNREACHABLE,
+                anyhow::anyhow!("unexpected answer from the node: {other:?}"),
+            )),
+            Err(e) => Err(fail(UNREACHABLE, anyhow::Error::new(e))),
+        }
+    }
+    .await;
+    conn.close("done");
+    endpoint.wait_idle().await;
+    answer
+}
+
+fn print_json(v: &serde_json::Value) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+}
+
+/// `scd nodes`: the live nodes, what they serve and their load.
+pub fn nodes(args: ListArgs) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    exit(runtime.block_on(async {
+        let v = inspect(&args.target, "nodes".into()).await?;
+        if args.json {
+            print_json(&v);
+            return Ok(());
+        }
+        println!(
+            "{:<16} {:<22} {:>9} {:<34} experts",
+            "node", "address", "load", "produces"
+        );
+        for n in v.as_array().into_iter().flatten() {
+            let list = |k: &str| {
+                n[k].as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|x| x.as_str())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    })
+                    .unwrap_or_default()
+            };
+            println!(
+                "{:<16} {:<22} {:>4}/{:<4} {:<34} {}",
+                n["id"].as_str().unwrap_or("?"),
+                n["addr"].as_str().unwrap_or("?"),
+                n["load"],
+                n["capacity"],
+                list("producer_models"),
+                list("consumer_models")
+            );
+        }
+        Ok(())
+    }))
+}
+
+/// `scd pools`: the producers the scheduler assigned to each expert.
+pub fn pools(args: ListArgs) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    exit(runtime.block_on(async {
+        let v = inspect(&args.target, "pools".into()).await?;
+        if args.json {
+            print_json(&v);
+            return Ok(());
+        }
+        println!("{:<16} producers", "expert");
+        for (expert, producers) in v.as_object().into_iter().flatten() {
+            let p: Vec<&str> = producers
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|x| x.as_str())
+                .collect();
+            println!("{expert:<16} {}", p.join(", "));
+        }
+        Ok(())
+    }))
+}
+
 pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     exit(runtime.block_on(async {
         let (target, request, json) = match args.command {
+            JobsCommand::List { target, json } => {
+                let v = inspect(&target, "jobs".into()).await?;
+                if json {
+                    print_json(&v);
+                    return Ok(());
+                }
+                println!(
+                    "{:<32} {:<12} {:<10} {:<11} {:>9}  error",
+                    "job", "state", "expert", "mode", "total ms"
+                );
+                for j in v.as_array().into_iter().flatten() {
+                    println!(
+                        "{:<32} {:<12} {:<10} {:<11} {:>9}  {}",
+                        j["job"].as_str().unwrap_or("?"),
+                        j["state"].as_str().unwrap_or("?"),
+                        j["expert"].as_str().unwrap_or("?"),
+                        j["mode"].as_str().unwrap_or("?"),
+                        j["timings_ms"]["total"]
+                            .as_f64()
+                            .map_or("-".into(), |t| format!("{t:.0}")),
+                        j["error"].as_str().unwrap_or("")
+                    );
+                }
+                return Ok(());
+            }
+            JobsCommand::Show { target, job } => {
+                print_json(&inspect(&target, format!("job/{job}")).await?);
+                return Ok(());
+            }
             JobsCommand::Watch { target, job, json } => {
                 (target, Control::Watch { job_id: job }, json)
             }

@@ -77,7 +77,9 @@ impl<'a> FrameFacts<'a> {
             },
             ArchivedMessage::Control(c) => Self {
                 job_id: match c {
-                    ArchivedControl::Hello { .. } => None,
+                    ArchivedControl::Hello { .. }
+                    | ArchivedControl::Inspect { .. }
+                    | ArchivedControl::Report { .. } => None,
                     ArchivedControl::Open { job_id, .. }
                     | ArchivedControl::JobStatus { job_id, .. }
                     | ArchivedControl::Cancel { job_id, .. }

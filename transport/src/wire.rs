@@ -167,6 +167,16 @@ mod control {
             /// The job.
             job_id: JobId,
         },
+        /// Admin: read the cluster's state: `nodes`, `pools`, `jobs` or `job/<id>`.
+        Inspect {
+            /// What to read.
+            topic: String,
+        },
+        /// Admin reply to `Inspect`: the state as JSON.
+        Report {
+            /// The JSON text.
+            body: String,
+        },
         /// Admin reply: tokens the expert generated since the last `Tokens` of this job.
         Tokens {
             /// The job.
@@ -184,7 +194,7 @@ impl Control {
     /// The job a control message is about, if any.
     pub fn job_id(&self) -> Option<JobId> {
         match self {
-            Control::Hello { .. } => None,
+            Control::Hello { .. } | Control::Inspect { .. } | Control::Report { .. } => None,
             Control::PrefillRequest(r) => Some(r.job_id),
             Control::Submit(r) => Some(r.job_id),
             Control::Open { job_id, .. }

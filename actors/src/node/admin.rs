@@ -81,9 +81,10 @@ async fn handle(work: &Work, client: &str, call: AdminRequest) {
         Control::Submit(r) => submit(work, r, &mut replies).await,
         Control::Watch { job_id } => follow(work, job_id, &mut replies, Shown::default()).await,
         Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
+        Control::Inspect { topic } => inspect(work, &topic, &mut replies).await,
         _ => Err(Refused::new(
             error_code::PROTOCOL,
-            "not an admin request: send Submit, Watch or Cancel",
+            "not an admin request: send Submit, Watch, Cancel or Inspect",
         )),
     };
     if let Err(refused) = result {
@@ -174,6 +175,65 @@ async fn cancel(
     send(replies, status(job, record.state, summary(&record))).await
 }
 
+/// Most jobs an `Inspect` of `jobs` lists (the newest first).
+const MAX_LISTED_JOBS: usize = 200;
+
+/// Reads the cluster's state for an operator: `nodes`, `pools`, `jobs` (newest first, with
+/// their summaries) or `job/<id>` (the whole record), as JSON.
+async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result<(), Refused> {
+    let internal = |e: String| Refused::new(error_code::INTERNAL, e);
+    let body = match topic {
+        "nodes" => {
+            let nodes = work.client.nodes().await?;
+            serde_json::to_value(nodes.values().collect::<Vec<_>>())
+                .map_err(|e| internal(e.to_string()))?
+        }
+        "pools" => {
+            let pools = scd_scheduler::service::read_pools(work.store.as_ref(), &work.keys)
+                .await
+                .map_err(|e| internal(e.to_string()))?;
+            serde_json::to_value(pools).map_err(|e| internal(e.to_string()))?
+        }
+        "jobs" => {
+            let mut jobs: Vec<JobRecord> = work
+                .jobs
+                .list()
+                .await
+                .map_err(|e| internal(e.to_string()))?
+                .into_iter()
+                .map(|(j, _)| j)
+                .collect();
+            jobs.sort_by_key(|j| std::cmp::Reverse(j.created_at_ms));
+            jobs.truncate(MAX_LISTED_JOBS);
+            let list: Vec<serde_json::Value> = jobs
+                .iter()
+                .map(|j| serde_json::from_str(&summary(j)).unwrap_or_default())
+                .collect();
+            serde_json::Value::Array(list)
+        }
+        t => match t.strip_prefix("job/").map(str::parse::<JobId>) {
+            Some(Ok(id)) => {
+                let job = work.client.get(id).await?;
+                serde_json::to_value(job).map_err(|e| internal(e.to_string()))?
+            }
+            _ => {
+                return Err(Refused::new(
+                    error_code::PROTOCOL,
+                    format!("unknown topic {t:?}: nodes, pools, jobs or job/<id>"),
+                ))
+            }
+        },
+    };
+    let body = body.to_string();
+    if body.len() > (60 << 10) {
+        return Err(Refused::new(
+            error_code::REFUSED,
+            format!("the answer is {} bytes, over one admin frame", body.len()),
+        ));
+    }
+    send(replies, Control::Report { body }).await
+}
+
 fn status(job_id: JobId, state: JobState, detail: String) -> Control {
     Control::JobStatus {
         job_id,
@@ -194,6 +254,7 @@ fn summary(job: &JobRecord) -> String {
     serde_json::json!({
         "job": job.id,
         "state": job.state,
+        "created_ms": job.created_at_ms,
         "expert": job.expert,
         "mode": job.mode,
         "producer": job.producer,
