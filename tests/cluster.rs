@@ -365,6 +365,39 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         pools,
         serde_json::json!({"mail": ["producer"], "sotu": ["producer"]})
     );
+    // The same from a client config file instead of flags.
+    let client_config = dir.path().join("client.toml");
+    fs::write(
+        &client_config,
+        format!(
+            "node = \"{admin}\"\npki_dir = \"{}\"\nname = \"ops\"\n",
+            pki.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["pools", "--json", "--client-config"])
+        .arg(&client_config)
+        .env_remove("SCD_NODE")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let from_file: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(from_file, pools);
+    // No node anywhere: a usage error that says where to give one.
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["pools"])
+        .env_remove("SCD_NODE")
+        .env_remove("SCD_CLIENT_CONFIG")
+        .env("HOME", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--node"));
     let jobs = admin_json(&["jobs", "list", "--json"]);
     let listed = jobs
         .as_array()

@@ -25,19 +25,83 @@ const JOB_FAILED: u8 = 4;
 /// Exit code: the node refused the request.
 const REFUSED: u8 = 5;
 
-/// Where the cluster is and who is asking.
+/// Where the cluster is and who is asking: flags, then environment variables, then the client
+/// config file (`--client-config`, `$SCD_CLIENT_CONFIG`, else `~/.config/scd/client.toml`
+/// when it exists), then the defaults.
 #[derive(clap::Args)]
 pub struct Target {
     /// The node to talk to, as NAME@HOST:PORT (its certificate name and QUIC address; a node
     /// prints both when it starts). It must have the admin role.
     #[arg(long, env = "SCD_NODE")]
-    pub node: String,
-    /// The folder with ca.pem and the admin certificate (`scd cert init` / `scd cert issue`).
-    #[arg(long, env = "SCD_PKI_DIR", default_value = ".cache/pki")]
-    pub pki_dir: PathBuf,
-    /// The admin certificate's name (`<name>.pem`, `<name>.key`).
-    #[arg(long = "name", env = "SCD_ADMIN_NAME", default_value = "ops")]
-    pub admin_name: String,
+    pub node: Option<String>,
+    /// The folder with ca.pem and the admin certificate (`scd cert init` / `scd cert issue`);
+    /// default `.cache/pki`.
+    #[arg(long, env = "SCD_PKI_DIR")]
+    pub pki_dir: Option<PathBuf>,
+    /// The admin certificate's name (`<name>.pem`, `<name>.key`); default `ops`.
+    #[arg(long = "name", env = "SCD_ADMIN_NAME")]
+    pub admin_name: Option<String>,
+    /// A TOML file with `node`, `pki_dir` and `name` for what the flags and environment leave
+    /// out.
+    #[arg(long, env = "SCD_CLIENT_CONFIG")]
+    pub client_config: Option<PathBuf>,
+}
+
+/// The client config file's keys.
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ClientFile {
+    node: Option<String>,
+    pki_dir: Option<PathBuf>,
+    name: Option<String>,
+}
+
+/// A [`Target`] with every gap filled.
+struct Resolved {
+    node: String,
+    pki_dir: PathBuf,
+    admin_name: String,
+}
+
+impl Target {
+    fn resolve(&self) -> Result<Resolved, Failure> {
+        let default_file = std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".config/scd/client.toml"))
+            .filter(|p| p.is_file());
+        let path = self.client_config.clone().or(default_file);
+        let file: ClientFile = match &path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading the client config {}", p.display()))
+                    .map_err(|e| fail(2, e))?;
+                toml::from_str(&text)
+                    .with_context(|| format!("the client config {}", p.display()))
+                    .map_err(|e| fail(2, e))?
+            }
+            None => ClientFile::default(),
+        };
+        let node = self.node.clone().or(file.node).ok_or_else(|| {
+            fail(
+                2,
+                anyhow::anyhow!(
+                    "which node? give --node NAME@HOST:PORT, set SCD_NODE, or put node = \"...\" in the client config"
+                ),
+            )
+        })?;
+        Ok(Resolved {
+            node,
+            pki_dir: self
+                .pki_dir
+                .clone()
+                .or(file.pki_dir)
+                .unwrap_or_else(|| PathBuf::from(".cache/pki")),
+            admin_name: self
+                .admin_name
+                .clone()
+                .or(file.name)
+                .unwrap_or_else(|| "ops".into()),
+        })
+    }
 }
 
 /// Arguments of `scd submit`.
@@ -164,6 +228,7 @@ fn exit(result: Result<(), Failure>) -> anyhow::Result<ExitCode> {
 }
 
 async fn connect(target: &Target) -> Result<(Endpoint, Connection), Failure> {
+    let target = target.resolve()?;
     let (name, addr) = target.node.split_once('@').ok_or_else(|| {
         fail(
             2,
