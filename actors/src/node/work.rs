@@ -299,13 +299,7 @@ impl Work {
                         .encoded
                         .layer_bytes
                         .iter()
-                        .map(|l| {
-                            let attrs = vec![
-                                KeyValue::new("scd.layer", i64::from(l.layer)),
-                                KeyValue::new("scd.bytes", l.bytes as i64),
-                            ];
-                            ("layer encoded", wall(l.encoded, l.encoded).start_ms, attrs)
-                        })
+                        .map(|l| layer_event("layer encoded", l.layer, l.bytes, l.encoded))
                         .collect();
                     let mut layers = Some(layers);
                     let stages = spans
@@ -649,13 +643,7 @@ impl Work {
                     let events = report
                         .arrivals
                         .iter()
-                        .map(|a| {
-                            let attrs = vec![
-                                KeyValue::new("scd.layer", i64::from(a.layer)),
-                                KeyValue::new("scd.bytes", a.bytes as i64),
-                            ];
-                            ("layer arrived", wall(a.at, a.at).start_ms, attrs)
-                        })
+                        .map(|a| layer_event("layer arrived", a.layer, a.bytes, a.at))
                         .collect::<Vec<_>>();
                     let stages = spans
                         .iter()
@@ -830,6 +818,20 @@ fn translator_name(job: &JobRecord, served: &Served) -> String {
             .map_or_else(|| "none".into(), |e| e.translator.0.hash().to_string()),
         _ => "none".into(),
     }
+}
+
+/// A trace event for one layer's codes at `at`.
+fn layer_event(
+    name: &'static str,
+    layer: u16,
+    bytes: usize,
+    at: Instant,
+) -> (&'static str, f64, Vec<KeyValue>) {
+    let attrs = vec![
+        KeyValue::new("scd.layer", i64::from(layer)),
+        KeyValue::new("scd.bytes", bytes as i64),
+    ];
+    (name, wall(at, at).start_ms, attrs)
 }
 
 /// A span of this process's monotonic clock placed on the wall clock, for the record.
