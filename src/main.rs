@@ -48,6 +48,8 @@ enum Command {
     /// The producers the scheduler assigned to each expert.
     #[command(after_help = "Example:\n  scd pools --node producer@127.0.0.1:7101")]
     Pools(cmd::admin::ListArgs),
+    /// The translator versions of each (base, expert) pair: list, publish, activate, roll back.
+    Translators(cmd::translators::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(
         after_help = "Example:\n  scd completions bash > ~/.local/share/bash-completion/completions/scd"
@@ -81,6 +83,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Jobs(args) => return cmd::admin::jobs(args),
         Command::Nodes(args) => return cmd::admin::nodes(args),
         Command::Pools(args) => return cmd::admin::pools(args),
+        Command::Translators(args) => return cmd::translators::run(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             use std::io::Write;

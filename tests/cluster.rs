@@ -416,6 +416,116 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         "{record}"
     );
 
+    // Translator versions: each pair's configured version is live; publishing and activating
+    // another switches the nodes that serve the pair without a restart, and rolling back
+    // returns them.
+    let shipped = scd_models::translator::Translator::load(&repo().join("experts/mail/translator"))
+        .unwrap()
+        .hash();
+    let listed = admin_json(&["translators", "list", "--json"]);
+    let live: Vec<(&str, &str)> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["consumer"].as_str().unwrap(),
+                p["active"]["content_hash"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(live[0], ("mail", shipped.to_string().as_str()), "{listed}");
+    assert_eq!(live[1].0, "sotu");
+    let other_dir = dir.path().join("mail-v2");
+    let mut other =
+        scd_models::translator::Translator::load(&repo().join("experts/mail/translator")).unwrap();
+    other.layers[0].k.eigenvalues[0] *= 1.0 + 1e-6;
+    let other_hash = other.save(&other_dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args([
+            "translators",
+            "publish",
+            "--expert",
+            "mail",
+            "--version",
+            "v2",
+        ])
+        .args(["--activate", "--translator"])
+        .arg(&other_dir)
+        .args(["--node", &admin, "--name", "ops", "--pki-dir"])
+        .arg(pki)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("published v2")
+            && said.contains(&other_hash.short())
+            && said.contains("live: v2"),
+        "{said}"
+    );
+    let switched = |nodes: &mut [NodeProc], version: &str| {
+        let started = Instant::now();
+        for n in nodes.iter_mut().filter(|n| n.id != "consumer-b") {
+            while !n
+                .log()
+                .lines()
+                .any(|l| l.contains("translator switched") && l.contains(version))
+            {
+                n.check_alive();
+                assert!(
+                    started.elapsed() < JOB_WITHIN,
+                    "{} never switched to {version}",
+                    n.id
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    switched(&mut nodes, "\"v2\"");
+    let scd_job = |client: &ClusterClient| {
+        let client = client.clone();
+        let prompt = request(prompt.clone());
+        async move {
+            let id = client.submit("mail", Mode::Scd, prompt).await.unwrap();
+            client.wait(id, JOB_WITHIN).await.unwrap()
+        }
+    };
+    let job = scd_job(&client).await;
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.translator, Some(other_hash));
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["translators", "rollback", "--expert", "mail"])
+        .args(["--node", &admin, "--name", "ops", "--pki-dir"])
+        .arg(pki)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.contains("live: "), "{said}");
+    let job = scd_job(&client).await;
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    // A version nobody published: refused, exit code 5, saying which.
+    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args([
+            "translators",
+            "activate",
+            "--expert",
+            "mail",
+            "--version",
+            "v9",
+        ])
+        .args(["--node", &admin, "--name", "ops", "--pki-dir"])
+        .arg(pki)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{said}");
+    assert!(said.contains("v9"), "{said}");
+
     // An expert nobody serves: refused with what to do, exit code 5.
     let out = submit(&["--expert", "nope"]);
     assert_eq!(out.status.code(), Some(5));

@@ -1,7 +1,8 @@
 //! A node's metrics, in Prometheus' OpenMetrics text format on `node.metrics_listen`
 //! (`/metrics`): the jobs this node finished per side and outcome, the jobs it works on, time
 //! to first token per mode and expert, stage latencies, code bytes sent and received, actor
-//! restarts, the translator versions it serves, and the cluster's jobs by state as the store
+//! restarts, the translator versions it serves (and those it could not load), the work waiting
+//! on it, and the cluster's jobs by state as the store
 //! has them when scraped.
 //!
 //! The types and the encoding are those of `prometheus-client`, the official Rust client; this
@@ -58,6 +59,13 @@ pub struct TranslatorLabels {
     pub version: String,
 }
 
+/// Labels of a queue.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    /// `producer` or `consumer`.
+    pub queue: String,
+}
+
 /// Labels of a job state.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
@@ -87,6 +95,10 @@ pub struct NodeMetrics {
     pub bytes_received: Counter,
     /// Translator versions served.
     pub translators: Family<TranslatorLabels, Gauge>,
+    /// Live translator versions this node could not load (it kept the one it had).
+    pub translator_load_failures: Counter,
+    /// Work waiting on this node, when last scraped.
+    pub queues: Family<QueueLabels, Gauge>,
     /// Jobs in the cluster by state, when last scraped.
     pub cluster_jobs: Family<StateLabels, Gauge>,
     restarts: Gauge<u64, AtomicU64>,
@@ -156,6 +168,19 @@ impl NodeMetrics {
             "Job records in the cluster's store by state, when scraped",
             cluster_jobs.clone(),
         );
+        let translator_load_failures = Counter::default();
+        registry.register(
+            "translator_load_failures",
+            "Live translator versions this node could not load (it kept the one it had)",
+            translator_load_failures.clone(),
+        );
+        let queues = Family::<QueueLabels, Gauge>::default();
+        registry.register(
+            "queue_depth",
+            "Work waiting on this node when scraped: jobs assigned to it as producer and not \
+             yet started (producer), job streams that arrived and wait for a decoder (consumer)",
+            queues.clone(),
+        );
         let restarts = Gauge::<u64, AtomicU64>::default();
         registry.register(
             "actor_restarts",
@@ -171,6 +196,8 @@ impl NodeMetrics {
             bytes_sent,
             bytes_received,
             translators,
+            translator_load_failures,
+            queues,
             cluster_jobs,
             restarts,
         }

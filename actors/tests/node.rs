@@ -14,7 +14,7 @@ use common::{
 use scd_actors::{ClientError, JobCodec};
 use scd_models::codec::CodecOptions;
 use scd_models::translator::Translator;
-use scd_scheduler::{JobState, Mode};
+use scd_scheduler::{JobState, Keys, Mode, TranslatorManifest, TranslatorRegistry};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_reference() {
@@ -204,18 +204,35 @@ async fn a_draining_node_leaves_at_once_and_its_job_finishes_elsewhere() {
     producer.shutdown(Duration::ZERO).await;
 }
 
+/// Waits until `node` uses translator `hash` for mail.
+async fn switched(node: &scd_actors::node::Node, hash: scd_scheduler::TranslatorHash) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while node.translator("mail").map(|(_, h)| h) != Some(hash) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} never switched to {}",
+            node.id(),
+            hash.short()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_consumer_with_another_translator_version_refuses_the_codes_with_the_reason() {
+async fn nodes_follow_the_live_translator_version_and_refuse_one_they_cannot_use() {
     let m = models();
     let prompt = prompt(m);
+    let shipped = m.translator.0.hash();
     // Another version of the mail translator: the same fit with one eigenvalue nudged, so its
     // content hash differs while it still matches the model pair.
     let dir = tempfile::tempdir().unwrap();
     let mut other = Translator::load(&repo().join("experts/mail/translator")).unwrap();
     other.layers[0].k.eigenvalues[0] *= 1.0 + 1e-6;
     let other_hash = other.save(dir.path()).unwrap();
-    assert_ne!(other_hash, m.translator.0.hash());
+    assert_ne!(other_hash, shipped);
 
+    // The first node makes its configured version live; the second, configured with another,
+    // publishes that one too but works with the live one.
     let cluster = Cluster::new();
     let producer = cluster
         .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
@@ -223,28 +240,97 @@ async fn a_consumer_with_another_translator_version_refuses_the_codes_with_the_r
     let consumer = cluster
         .start(&config_with("mail-0", "\"consumer\"", true, dir.path(), ""))
         .await;
-    let id = cluster
-        .client
-        .submit("mail", Mode::Scd, request(&prompt, 4))
+    assert_eq!(consumer.translator("mail").map(|(_, h)| h), Some(shipped));
+    let registry = TranslatorRegistry::new(cluster.store.clone(), Keys::default());
+    let base = common::MODEL_FILE;
+    let pair = registry.pairs().await.unwrap();
+    assert_eq!(pair.len(), 1);
+    assert_eq!(pair[0].versions.len(), 2, "{pair:?}");
+    assert_eq!(
+        pair[0].active.as_ref().map(|a| a.content_hash),
+        Some(shipped)
+    );
+    let run = |mode| {
+        let client = &cluster.client;
+        let prompt = &prompt;
+        async move {
+            let id = client
+                .submit("mail", mode, request(prompt, 4))
+                .await
+                .unwrap();
+            client.wait(id, WAIT).await.unwrap()
+        }
+    };
+    let job = run(Mode::Scd).await;
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.translator, Some(shipped));
+
+    // Activating the other version switches both nodes without a restart; rolling back
+    // returns them.
+    let other_name = pair[0]
+        .versions
+        .iter()
+        .find(|v| v.content_hash == other_hash)
+        .unwrap()
+        .version
+        .clone();
+    registry.activate(base, "mail", &other_name).await.unwrap();
+    switched(&producer, other_hash).await;
+    switched(&consumer, other_hash).await;
+    let job = run(Mode::Scd).await;
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.translator, Some(other_hash));
+    registry.rollback(base, "mail").await.unwrap();
+    switched(&producer, shipped).await;
+    switched(&consumer, shipped).await;
+
+    // A version the consumer cannot use: the sotu translator relabelled for mail. The producer
+    // knows mail by name only and takes it; the consumer checks it against its mail model and
+    // refuses, keeping the version it has. Codes made with it fail with both reasons named.
+    let bad = tempfile::tempdir().unwrap();
+    let sotu = repo().join("experts/sotu/translator");
+    std::fs::copy(
+        sotu.join("translator.safetensors"),
+        bad.path().join("translator.safetensors"),
+    )
+    .unwrap();
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(sotu.join("translator.json")).unwrap()).unwrap();
+    manifest["consumers"][0]["name"] = "mail".into();
+    std::fs::write(
+        bad.path().join("translator.json"),
+        serde_json::to_vec(&manifest).unwrap(),
+    )
+    .unwrap();
+    let bad_hash = Translator::load(bad.path()).unwrap().hash();
+    registry
+        .publish(&TranslatorManifest {
+            producer_model: base.into(),
+            consumer_model: "mail".into(),
+            version: "relabelled".into(),
+            content_hash: bad_hash,
+            ranks: Default::default(),
+            reuse_layers: Vec::new(),
+            patch_layers: Vec::new(),
+            blob: bad.path().display().to_string(),
+            metrics: Default::default(),
+        })
         .await
         .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    registry.activate(base, "mail", "relabelled").await.unwrap();
+    switched(&producer, bad_hash).await;
+    let job = run(Mode::Scd).await;
     assert_eq!(job.state, JobState::Failed);
     let reason = job.error.unwrap_or_default();
     assert!(
-        reason.contains("mail-0")
-            && reason.contains(&m.translator.0.hash().short())
-            && reason.contains(&other_hash.short()),
+        reason.contains("mail-0") && reason.contains(&bad_hash.short()),
         "{reason}"
     );
+    assert_eq!(consumer.translator("mail").map(|(_, h)| h), Some(shipped));
     // Raw codes carry no translator: the same nodes still serve them.
-    let id = cluster
-        .client
-        .submit("mail", Mode::Raw, request(&prompt, 4))
-        .await
-        .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    let job = run(Mode::Raw).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.translator, None);
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }

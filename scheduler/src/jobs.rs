@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext};
+use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext, TranslatorHash};
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, CodecError};
@@ -87,6 +87,10 @@ pub struct JobRecord {
     /// Bytes of codes sent.
     #[serde(default)]
     pub payload_bytes: u64,
+    /// The translator version the producer made the codes with (modes `reuse` and `scd`): set
+    /// when it claims the attempt, so the consumer rebuilds with the same one.
+    #[serde(default)]
+    pub translator: Option<TranslatorHash>,
     /// What the job asks for (the prompt's tokens and the generation settings); `None` for a
     /// record made only to be scheduled (the scheduler's own tests).
     #[serde(default)]
@@ -175,6 +179,7 @@ impl JobRecord {
             stages: BTreeMap::new(),
             layer_bytes: Vec::new(),
             payload_bytes: 0,
+            translator: None,
             request: None,
             output: None,
             error: None,

@@ -88,6 +88,11 @@ impl Keys {
         Ok(format!("{}{model_id}", self.models_prefix()))
     }
 
+    /// `<root>/translators/`: every pair's versions.
+    pub fn all_translators_prefix(&self) -> String {
+        format!("{}/translators/", self.root)
+    }
+
     /// `<root>/translators/<producer>/<consumer>/`
     pub fn translators_prefix(&self, producer: &str, consumer: &str) -> Result<String, InvalidId> {
         check_id("producer model id", producer)?;

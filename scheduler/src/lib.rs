@@ -56,6 +56,6 @@ pub use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext, 
 pub use service::{Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
 pub use translators::{
-    check_translator, ActiveTranslator, StaleTranslator, TranslatorManifest, TranslatorRegistry,
-    TranslatorWatcher,
+    check_translator, ActiveTranslator, PairTranslators, StaleTranslator, TranslatorError,
+    TranslatorManifest, TranslatorRegistry, TranslatorWatcher,
 };

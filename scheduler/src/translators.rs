@@ -114,6 +114,19 @@ pub enum TranslatorError {
     },
 }
 
+/// The versions of one pair, as `scd translators list` shows them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairTranslators {
+    /// The producer (base) model.
+    pub producer: String,
+    /// The consumer (expert) model.
+    pub consumer: String,
+    /// The live version.
+    pub active: Option<ActiveTranslator>,
+    /// Every published version, by name.
+    pub versions: Vec<TranslatorManifest>,
+}
+
 /// A consumer asked to decode codes made with another translator.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("stale translator: codes were encoded with {encoded_with}, this consumer has {}", active.map_or_else(|| "none".to_string(), |a| a.to_string()))]
@@ -259,6 +272,54 @@ impl TranslatorRegistry {
             })
         })
         .await
+    }
+
+    /// Makes `version` live unless some version is live already (then that one stays): what a
+    /// node does with the translator its config names when it is the first to serve the pair.
+    pub async fn adopt(
+        &self,
+        producer: &str,
+        consumer: &str,
+        version: &str,
+    ) -> Result<ActiveTranslator, TranslatorError> {
+        self.swap_active(producer, consumer, |current| match current {
+            Some(current) => Ok(Goal::AlreadyThere(current)),
+            None => Ok(Goal::Set {
+                version: version.to_string(),
+                history: Vec::new(),
+            }),
+        })
+        .await
+    }
+
+    /// Every pair with published versions: its versions (by name) and the live one.
+    pub async fn pairs(&self) -> Result<Vec<PairTranslators>, TranslatorError> {
+        let prefix = self.keys.all_translators_prefix();
+        let listing = self.store.get_prefix(&prefix).await?;
+        let mut pairs: BTreeMap<(String, String), PairTranslators> = BTreeMap::new();
+        for kv in &listing.kvs {
+            let Some(rest) = kv.key.strip_prefix(&prefix) else {
+                continue;
+            };
+            let mut parts = rest.splitn(3, '/');
+            let (Some(p), Some(c), Some(name)) = (parts.next(), parts.next(), parts.next()) else {
+                continue;
+            };
+            let pair = pairs
+                .entry((p.to_string(), c.to_string()))
+                .or_insert_with(|| PairTranslators {
+                    producer: p.to_string(),
+                    consumer: c.to_string(),
+                    active: None,
+                    versions: Vec::new(),
+                });
+            if name == crate::keys::ACTIVE {
+                pair.active = Some(codec::decode(&kv.key, &kv.value)?);
+            } else {
+                pair.versions.push(codec::decode(&kv.key, &kv.value)?);
+            }
+        }
+        Ok(pairs.into_values().collect())
     }
 
     /// Makes the previously live version live again.

@@ -181,7 +181,47 @@ async fn concurrent_activations_lose_none(b: Backend) {
     assert_eq!(seen, expected);
 }
 
+/// A node adopts its configured version only when nothing is live; the listing shows every
+/// pair with its versions and the live one.
+async fn adopt_keeps_a_live_version_and_pairs_list_everything(b: Backend) {
+    let reg = TranslatorRegistry::new(b.store.clone(), b.keys.clone());
+    reg.publish(&manifest("v1", "h1")).await.unwrap();
+    reg.publish(&manifest("v2", "h2")).await.unwrap();
+    let mut other = manifest("w1", "g1");
+    other.consumer_model = "melville".into();
+    reg.publish(&other).await.unwrap();
+    let a = reg.adopt("base", "sotu", "v1").await.unwrap();
+    assert_eq!(a.version, "v1");
+    // A second node with another configured version keeps the live one.
+    let a = reg.adopt("base", "sotu", "v2").await.unwrap();
+    assert_eq!((a.version.as_str(), a.content_hash), ("v1", h("h1")));
+    assert!(matches!(
+        reg.adopt("base", "sotu", "v9").await,
+        Ok(a) if a.version == "v1"
+    ));
+    let pairs = reg.pairs().await.unwrap();
+    let shown: Vec<(&str, Option<&str>, Vec<&str>)> = pairs
+        .iter()
+        .map(|p| {
+            (
+                p.consumer.as_str(),
+                p.active.as_ref().map(|a| a.version.as_str()),
+                p.versions.iter().map(|m| m.version.as_str()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ("melville", None, vec!["w1"]),
+            ("sotu", Some("v1"), vec!["v1", "v2"])
+        ]
+    );
+    assert!(pairs.iter().all(|p| p.producer == "base"));
+}
+
 on_both_stores!(
+    adopt_keeps_a_live_version_and_pairs_list_everything,
     publish_activate_and_roll_back,
     every_watcher_sees_an_activation,
     concurrent_activations_lose_none

@@ -1,4 +1,5 @@
-//! Cluster commands of an operator: `scd submit` and `scd jobs watch|cancel`, as admin calls on
+//! Cluster commands of an operator: `scd submit`, `scd jobs`, `scd nodes`, `scd pools` (and the
+//! calls `scd translators` makes), as admin calls on
 //! a node's QUIC endpoint with an admin certificate of the cluster CA (`scd cert issue --role
 //! admin`). The node is named by its certificate name and address, from `--node` or
 //! `SCD_NODE`; the certificate from `--pki-dir`/`--name` or `SCD_PKI_DIR`/`SCD_ADMIN_NAME`.
@@ -208,16 +209,16 @@ pub enum JobsCommand {
 }
 
 /// A failure with its exit code.
-struct Failure {
+pub(crate) struct Failure {
     code: u8,
     error: anyhow::Error,
 }
 
-fn fail(code: u8, error: anyhow::Error) -> Failure {
+pub(crate) fn fail(code: u8, error: anyhow::Error) -> Failure {
     Failure { code, error }
 }
 
-fn exit(result: Result<(), Failure>) -> anyhow::Result<ExitCode> {
+pub(crate) fn exit(result: Result<(), Failure>) -> anyhow::Result<ExitCode> {
     match result {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(Failure { code, error }) => {
@@ -327,12 +328,18 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     }))
 }
 
-/// Asks a node for `topic` (`nodes`, `pools`, `jobs`, `job/<id>`); the JSON it answers.
+/// Asks a node for `topic` (`nodes`, `pools`, `translators`, `jobs`, `job/<id>`); the JSON it
+/// answers.
 async fn inspect(target: &Target, topic: String) -> Result<serde_json::Value, Failure> {
+    ask(target, Control::Inspect { topic }).await
+}
+
+/// Sends `request` (an `Inspect` or a `Change`) to a node; the JSON of its `Report`.
+pub(crate) async fn ask(target: &Target, request: Control) -> Result<serde_json::Value, Failure> {
     let (endpoint, conn) = connect(target).await?;
     let answer = async {
         let mut call = conn
-            .call_admin(Control::Inspect { topic })
+            .call_admin(request)
             .await
             .context("sending the request")
             .map_err(|e| fail(UNREACHABLE, e))?;
@@ -361,7 +368,7 @@ async fn inspect(target: &Target, topic: String) -> Result<serde_json::Value, Fa
     answer
 }
 
-fn print_json(v: &serde_json::Value) {
+pub(crate) fn print_json(v: &serde_json::Value) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 

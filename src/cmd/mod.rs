@@ -11,3 +11,4 @@ pub mod eval;
 pub mod finetune;
 pub mod generate;
 pub mod node;
+pub mod translators;

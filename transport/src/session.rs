@@ -79,7 +79,8 @@ impl<'a> FrameFacts<'a> {
                 job_id: match c {
                     ArchivedControl::Hello { .. }
                     | ArchivedControl::Inspect { .. }
-                    | ArchivedControl::Report { .. } => None,
+                    | ArchivedControl::Report { .. }
+                    | ArchivedControl::Change { .. } => None,
                     ArchivedControl::Open { job_id, .. }
                     | ArchivedControl::JobStatus { job_id, .. }
                     | ArchivedControl::Cancel { job_id, .. }

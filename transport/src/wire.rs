@@ -177,6 +177,15 @@ mod control {
             /// The JSON text.
             body: String,
         },
+        /// Admin: change the cluster's state: `topic` names the change
+        /// (`translators/publish`, `translators/activate`, `translators/rollback`), `body`
+        /// its arguments as JSON. The reply is a `Report` with the result, or an `Error`.
+        Change {
+            /// What to change.
+            topic: String,
+            /// Its arguments, as JSON.
+            body: String,
+        },
         /// Admin reply: tokens the expert generated since the last `Tokens` of this job.
         Tokens {
             /// The job.
@@ -194,7 +203,10 @@ impl Control {
     /// The job a control message is about, if any.
     pub fn job_id(&self) -> Option<JobId> {
         match self {
-            Control::Hello { .. } | Control::Inspect { .. } | Control::Report { .. } => None,
+            Control::Hello { .. }
+            | Control::Inspect { .. }
+            | Control::Change { .. }
+            | Control::Report { .. } => None,
             Control::PrefillRequest(r) => Some(r.job_id),
             Control::Submit(r) => Some(r.job_id),
             Control::Open { job_id, .. }

@@ -8,6 +8,9 @@
 //!   then a final status whose detail is the record's summary as JSON.
 //! - `Cancel`: the record is cancelled; the nodes working on it stop.
 //!
+//! - `Inspect`: the cluster's state as JSON (nodes, pools, translators, jobs, one job).
+//! - `Change`: publish, activate or roll back a translator version.
+//!
 //! A client that goes away stops the following, not the job: it can `Watch` it again.
 
 use std::sync::Arc;
@@ -17,7 +20,7 @@ use crate::follow::{Following, Progress, Shown};
 use crate::node::work::{check_prompt, Work};
 use scd_models::Sampling;
 use scd_scheduler::jobs::JobError as RecordError;
-use scd_scheduler::{JobId, JobRecord, JobRequest, JobState};
+use scd_scheduler::{JobId, JobRecord, JobRequest, JobState, TranslatorError};
 use scd_transport::{
     error_code, AdminError, AdminReplies, AdminRequest, Connection, Control, Prompt, SubmitRequest,
 };
@@ -82,9 +85,10 @@ async fn handle(work: &Work, client: &str, call: AdminRequest) {
         Control::Watch { job_id } => follow(work, job_id, &mut replies, Shown::default()).await,
         Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
         Control::Inspect { topic } => inspect(work, &topic, &mut replies).await,
+        Control::Change { topic, body } => change(work, &topic, &body, &mut replies).await,
         _ => Err(Refused::new(
             error_code::PROTOCOL,
-            "not an admin request: send Submit, Watch, Cancel or Inspect",
+            "not an admin request: send Submit, Watch, Cancel, Inspect or Change",
         )),
     };
     if let Err(refused) = result {
@@ -188,6 +192,15 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
             serde_json::to_value(nodes.values().collect::<Vec<_>>())
                 .map_err(|e| internal(e.to_string()))?
         }
+        "translators" => {
+            let pairs = work
+                .translators
+                .registry()
+                .pairs()
+                .await
+                .map_err(Refused::from)?;
+            serde_json::to_value(pairs).map_err(|e| internal(e.to_string()))?
+        }
         "pools" => {
             let pools = scd_scheduler::service::read_pools(work.store.as_ref(), &work.keys)
                 .await
@@ -219,11 +232,16 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
             _ => {
                 return Err(Refused::new(
                     error_code::PROTOCOL,
-                    format!("unknown topic {t:?}: nodes, pools, jobs or job/<id>"),
+                    format!("unknown topic {t:?}: nodes, pools, translators, jobs or job/<id>"),
                 ))
             }
         },
     };
+    report(replies, body).await
+}
+
+/// Sends `body` as the call's `Report`, if it fits one admin frame.
+async fn report(replies: &mut AdminReplies, body: serde_json::Value) -> Result<(), Refused> {
     let body = body.to_string();
     if body.len() > (60 << 10) {
         return Err(Refused::new(
@@ -232,6 +250,101 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
         ));
     }
     send(replies, Control::Report { body }).await
+}
+
+impl From<TranslatorError> for Refused {
+    fn from(e: TranslatorError) -> Self {
+        let code = match &e {
+            TranslatorError::UnknownVersion { .. } => error_code::NOT_FOUND,
+            TranslatorError::VersionExists { .. }
+            | TranslatorError::NoHistory { .. }
+            | TranslatorError::InvalidId(_) => error_code::REFUSED,
+            _ => error_code::INTERNAL,
+        };
+        Self::new(code, e.to_string())
+    }
+}
+
+/// The arguments of a `translators/*` change. `producer` defaults to this node's base model.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TranslatorArgs {
+    #[serde(default)]
+    producer: Option<String>,
+    consumer: String,
+    #[serde(default)]
+    version: Option<String>,
+    /// `publish`: the translator folder, as every node of the pair reads it.
+    #[serde(default)]
+    blob: Option<String>,
+    /// `publish`: make it live at once.
+    #[serde(default)]
+    activate: bool,
+}
+
+/// Changes the cluster's state: `translators/publish` (checks the folder here, publishes its
+/// manifest, and activates it if asked), `translators/activate`, `translators/rollback`. The
+/// nodes of the pair follow the live version on their own.
+async fn change(
+    work: &Work,
+    topic: &str,
+    body: &str,
+    replies: &mut AdminReplies,
+) -> Result<(), Refused> {
+    let refuse = |m: String| Refused::new(error_code::REFUSED, m);
+    let args: TranslatorArgs =
+        serde_json::from_str(body).map_err(|e| refuse(format!("the arguments of {topic}: {e}")))?;
+    let producer = args
+        .producer
+        .clone()
+        .unwrap_or_else(|| work.served.base_id.clone());
+    let registry = work.translators.registry();
+    let version = || {
+        args.version
+            .clone()
+            .ok_or_else(|| refuse(format!("{topic} needs a version")))
+    };
+    let body = match topic {
+        "translators/publish" => {
+            let blob = args
+                .blob
+                .clone()
+                .ok_or_else(|| refuse("translators/publish needs the translator's folder".into()))?;
+            let manifest = work
+                .translators
+                .manifest_for(&producer, &args.consumer, args.version.as_deref(), &blob)
+                .await
+                .map_err(|e| refuse(e.to_string()))?;
+            registry.publish(&manifest).await?;
+            let active = match args.activate {
+                true => Some(
+                    registry
+                        .activate(&producer, &args.consumer, &manifest.version)
+                        .await?,
+                ),
+                false => None,
+            };
+            serde_json::json!({ "published": manifest, "active": active })
+        }
+        "translators/activate" => {
+            let active = registry
+                .activate(&producer, &args.consumer, &version()?)
+                .await?;
+            serde_json::json!({ "active": active })
+        }
+        "translators/rollback" => {
+            let active = registry.rollback(&producer, &args.consumer).await?;
+            serde_json::json!({ "active": active })
+        }
+        t => {
+            return Err(Refused::new(
+                error_code::PROTOCOL,
+                format!("unknown change {t:?}: translators/publish, translators/activate or translators/rollback"),
+            ))
+        }
+    };
+    tracing::info!(topic, producer, consumer = args.consumer, "admin change");
+    report(replies, body).await
 }
 
 fn status(job_id: JobId, state: JobState, detail: String) -> Control {

@@ -12,6 +12,7 @@
 //! (the node leaves at once, not when the lease expires), then stops its actors and endpoint.
 //!
 //! - [`served`]: loading the models and translators a config names.
+//! - `translators`: the translator version of each expert, following the cluster's live one.
 //! - `supervisor`: the actor that starts the node's actors and starts a new one in place of
 //!   any that fails; the node reaches them through its table.
 //! - `work`: the node's share of the jobs, from the records and the streams.
@@ -22,6 +23,7 @@ mod admin;
 mod gateway;
 pub mod served;
 mod supervisor;
+mod translators;
 mod work;
 
 use std::collections::HashMap;
@@ -45,12 +47,14 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{NodeConfig, NodeRole};
-use crate::metrics::{NodeMetrics, StateLabels, TranslatorLabels};
+use crate::metrics::{NodeMetrics, QueueLabels, StateLabels};
 use crate::pipeline::PipelineOptions;
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
 pub use served::{ServeError, Served, ServedExpert};
 use supervisor::{ActorTable, Actors, SupervisorArgs, SupervisorMsg};
+use translators::NodeTranslators;
+pub use translators::VersionError;
 use work::Work;
 
 /// Streams that arrived before any decoder took them, waiting for the node to look their job
@@ -82,6 +86,9 @@ pub enum NodeError {
         /// This node's hash.
         ours: String,
     },
+    /// A translator version of the node's experts could not be published or loaded.
+    #[error("the translators of this node's experts: {0}")]
+    Translators(#[from] VersionError),
     /// The scheduler replica could not start.
     #[error("starting the scheduler replica: {0}")]
     Scheduler(#[from] SchedulerError),
@@ -141,6 +148,9 @@ impl Node {
         let producer_role = config.has_role(NodeRole::Producer);
         let consumer_role = config.has_role(NodeRole::Consumer);
         check_models(&store, &keys, &served).await?;
+        let metrics = Arc::new(NodeMetrics::new());
+        let translators =
+            NodeTranslators::start(&served, store.clone(), &keys, metrics.clone()).await?;
 
         let transport = TransportOptions {
             send_queue_frames: config.limits.frames_in_flight.get(),
@@ -194,14 +204,6 @@ impl Node {
             None
         };
 
-        let metrics = Arc::new(NodeMetrics::new());
-        for (name, expert) in &served.experts {
-            let labels = TranslatorLabels {
-                expert: name.clone(),
-                version: expert.translator.0.hash().to_string(),
-            };
-            metrics.translators.get_or_create(&labels).set(1);
-        }
         let (load, load_rx) = watch::channel(0);
         let work = Arc::new(Work {
             id: id.clone(),
@@ -213,6 +215,7 @@ impl Node {
             admin: config.has_role(NodeRole::Admin),
             keys,
             served,
+            translators,
             codec_options: CodecOptions {
                 code_dtype: config.codec.code_dtype.dtype(),
                 ..CodecOptions::default()
@@ -317,6 +320,12 @@ impl Node {
     /// Actors its supervisor has started again since the node started.
     pub fn restarts(&self) -> u64 {
         self.restarts.load(Ordering::SeqCst)
+    }
+
+    /// The translator version (name and hash) new jobs of `expert` use on this node now.
+    pub fn translator(&self, expert: &str) -> Option<(String, scd_scheduler::TranslatorHash)> {
+        let v = self.work.translators.current(expert).ok()?;
+        Some((v.name.clone(), v.hash()))
     }
 
     /// Kills one of the node's actors (`producer`, `encoder`, `transfer-out`, `transfer-in`,
@@ -544,6 +553,13 @@ async fn serve_metrics(
                             state: state.to_string(),
                         };
                         m.cluster_jobs.get_or_create(&labels).set(n as i64);
+                    }
+                    let (producer, consumer) = work.waiting(jobs.iter().map(|(j, _)| j));
+                    for (queue, n) in [("producer", producer), ("consumer", consumer)] {
+                        let labels = QueueLabels {
+                            queue: queue.into(),
+                        };
+                        m.queues.get_or_create(&labels).set(n as i64);
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "counting the cluster's jobs failed"),

@@ -78,8 +78,11 @@ pub struct ServedExpert {
     pub name: String,
     /// The expert model: base plus adapter (consumer role only).
     pub model: Option<Arc<Llama>>,
-    /// Its translator and the expert's index in it.
+    /// Its translator as the config names it, and the expert's index in it (the node then
+    /// follows the cluster's live version of the pair).
     pub translator: (Arc<Translator>, usize),
+    /// The translator's folder.
+    pub dir: PathBuf,
 }
 
 /// What a node serves.
@@ -125,6 +128,7 @@ impl Served {
                     name: e.name.clone(),
                     model,
                     translator,
+                    dir: e.translator.clone(),
                 },
             );
         }
@@ -187,7 +191,7 @@ fn expert_model(base: &Llama, name: &str, file: &Path) -> Result<Llama, ServeErr
 
 /// The translator of `name`, checked: against the base and the expert model where the node has
 /// it; by the expert's name where it has only the base (a producer).
-fn load_translator(
+pub(crate) fn load_translator(
     name: &str,
     dir: &Path,
     base: &Llama,

@@ -38,6 +38,7 @@ use crate::job::JobCodec;
 use crate::metrics::{JobKindLabels, NodeMetrics, SideLabels};
 use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
+use crate::node::translators::NodeTranslators;
 use crate::pipeline::{JobError, PipelineOptions};
 use crate::stages::{self, cause, ConsumerJob};
 use crate::telemetry::{StageRecord, Telemetry};
@@ -50,6 +51,8 @@ pub(crate) struct Work {
     pub store: Arc<dyn MetaStore>,
     pub jobs: JobStore,
     pub served: Arc<Served>,
+    /// The translator versions of its experts, following the cluster's live ones.
+    pub translators: NodeTranslators,
     pub codec_options: CodecOptions,
     pub queues: PipelineOptions,
     /// Whether this node prefills.
@@ -126,6 +129,8 @@ pub(crate) enum Refusal {
     Sampling(String),
     #[error("no codec: {0}")]
     Codec(String),
+    #[error("{0}")]
+    Translator(String),
     #[error("consumer node {0} is not in the cluster")]
     ConsumerGone(String),
     #[error("connecting to consumer node {node}: {error}")]
@@ -217,6 +222,12 @@ impl Work {
         let id = job.id;
         let attempt = job.attempts;
         let me = self.id.clone();
+        // The version this attempt's codes are made with: the live one now, stamped on the
+        // record as the attempt is claimed so that the consumer rebuilds with the same one.
+        let stamp = match uses_translator(job.mode) {
+            true => self.translators.current(&job.expert).ok().map(|v| v.hash()),
+            false => None,
+        };
         let claimed = self
             .jobs
             .update(id, |j| {
@@ -225,6 +236,7 @@ impl Work {
                     && j.producer.as_deref() == Some(me.as_str());
                 if ours {
                     j.transition(JobState::Prefilling, now_ms())?;
+                    j.translator = stamp;
                 }
                 Ok(())
             })
@@ -319,7 +331,8 @@ impl Work {
                         KeyValue::new("scd.expert", job.expert.clone()),
                         KeyValue::new("scd.mode", job.mode.to_string()),
                         KeyValue::new("scd.wire_bytes", bytes as i64),
-                        KeyValue::new("scd.translator", translator_name(&job, &self.served)),
+                        KeyValue::new("scd.translator", translator_name(&job)),
+                        KeyValue::new("scd.ranks", self.ranks_name(&job)),
                     ];
                     let whole = wall(started, Instant::now());
                     t.record_half(&job.trace, "producer", whole, attrs, stages, None);
@@ -372,7 +385,7 @@ impl Work {
         cancel: &CancellationToken,
     ) -> Result<stages::ProducerReplies, Refusal> {
         let request = self.check_request(job)?;
-        let codec = self.codec(job)?;
+        let codec = self.codec(job).await?;
         let consumer = job
             .consumer
             .clone()
@@ -483,6 +496,7 @@ impl Work {
         let started = Instant::now();
         let set_up = self
             .consumer_job(&job)
+            .await
             .and_then(|(decoder, params, codec)| {
                 let request = self.check_request(&job)?;
                 Ok((decoder, params, codec, request.prompt.clone()))
@@ -663,7 +677,8 @@ impl Work {
                         KeyValue::new("scd.expert", job.expert.clone()),
                         KeyValue::new("scd.mode", job.mode.to_string()),
                         KeyValue::new("scd.tokens", output.tokens.len() as i64),
-                        KeyValue::new("scd.translator", translator_name(&job, &self.served)),
+                        KeyValue::new("scd.translator", translator_name(&job)),
+                        KeyValue::new("scd.ranks", self.ranks_name(&job)),
                     ];
                     let whole = wall(started, Instant::now());
                     t.record_half(&job.trace, "consumer", whole, attrs, stages, None);
@@ -709,7 +724,7 @@ impl Work {
     }
 
     #[allow(clippy::type_complexity)]
-    fn consumer_job(
+    async fn consumer_job(
         &self,
         job: &JobRecord,
     ) -> Result<(ActorRef<DecoderMsg>, GenerateParams, JobCodec), Refusal> {
@@ -727,18 +742,26 @@ impl Work {
             seed: request.seed,
             stop_tokens: request.stop_tokens.clone(),
         };
-        Ok((decoder, params, self.codec(job)?))
+        Ok((decoder, params, self.codec(job).await?))
     }
 
-    fn codec(&self, job: &JobRecord) -> Result<JobCodec, Refusal> {
-        let expert = self
-            .served
-            .experts
-            .get(&job.expert)
-            .ok_or_else(|| Refusal::UnknownExpert(job.expert.clone()))?;
-        let (t, index) = &expert.translator;
-        JobCodec::for_mode(job.mode, Some((t, *index)), &self.codec_options)
-            .map_err(|e| Refusal::Codec(e.to_string()))
+    /// The job's codec, with the translator version its record names (the current one for a
+    /// record that names none: modes without a translator, or a record from before versions).
+    async fn codec(&self, job: &JobRecord) -> Result<JobCodec, Refusal> {
+        if !self.served.experts.contains_key(&job.expert) {
+            return Err(Refusal::UnknownExpert(job.expert.clone()));
+        }
+        let version = match job.translator {
+            Some(hash) => self.translators.get(&job.expert, hash).await,
+            None => self.translators.current(&job.expert),
+        }
+        .map_err(|e| Refusal::Translator(e.to_string()))?;
+        JobCodec::for_mode(
+            job.mode,
+            Some((&version.translator, version.index)),
+            &self.codec_options,
+        )
+        .map_err(|e| Refusal::Codec(e.to_string()))
     }
 
     fn check_request<'a>(&self, job: &'a JobRecord) -> Result<&'a JobRequest, Refusal> {
@@ -786,6 +809,49 @@ impl Work {
     }
 }
 
+impl Work {
+    /// The code ranks of a job's `reuse` / `scd` codes as `k=..,v=..,h=..`, for traces (`none`
+    /// for other modes): the node's configured ranks, else the translator version's defaults.
+    fn ranks_name(&self, job: &JobRecord) -> String {
+        use scd_scheduler::Mode;
+        if !matches!(job.mode, Mode::Reuse | Mode::Scd) {
+            return "none".into();
+        }
+        let ranks = self.codec_options.ranks.or_else(|| {
+            let version = match job.translator {
+                Some(hash) => self.translators.find(&job.expert, hash),
+                None => self.translators.current(&job.expert).ok(),
+            };
+            version.map(|v| v.translator.manifest.default_ranks)
+        });
+        match ranks {
+            Some(r) => format!("k={},v={},h={}", r.k, r.v, r.h),
+            None => "none".into(),
+        }
+    }
+
+    /// Work waiting on this node among `jobs`: attempts assigned to it as producer that it
+    /// has not started, and attempts it is the consumer of whose stream it has not taken yet.
+    pub fn waiting<'a>(&self, jobs: impl Iterator<Item = &'a JobRecord>) -> (usize, usize) {
+        let active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        let started = |j: &JobRecord, side| active.contains_key(&(j.id, j.attempts, side));
+        let me = Some(self.id.as_str());
+        let (mut producer, mut consumer) = (0, 0);
+        for j in jobs {
+            if j.state == JobState::Assigned
+                && j.producer.as_deref() == me
+                && !started(j, Side::Producer)
+            {
+                producer += 1;
+            }
+            if j.state.is_running() && j.consumer.as_deref() == me && !started(j, Side::Consumer) {
+                consumer += 1;
+            }
+        }
+        (producer, consumer)
+    }
+}
+
 pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), Refusal> {
     let cfg = served.base.config();
     let tokens = request.prompt.len();
@@ -809,13 +875,17 @@ pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), 
     Ok(())
 }
 
+/// Whether a mode's codes depend on the pair's translator (droidspeak takes its recomputed
+/// blocks from it; reuse and scd codes are made with it).
+fn uses_translator(mode: scd_scheduler::Mode) -> bool {
+    use scd_scheduler::Mode;
+    matches!(mode, Mode::DroidSpeak | Mode::Reuse | Mode::Scd)
+}
+
 /// The translator version a job's codes are made with, for traces (`none` for modes without).
-fn translator_name(job: &JobRecord, served: &Served) -> String {
-    match job.mode {
-        scd_scheduler::Mode::Reuse | scd_scheduler::Mode::Scd => served
-            .experts
-            .get(&job.expert)
-            .map_or_else(|| "none".into(), |e| e.translator.0.hash().to_string()),
+fn translator_name(job: &JobRecord) -> String {
+    match (uses_translator(job.mode), job.translator) {
+        (true, Some(hash)) => hash.to_string(),
         _ => "none".into(),
     }
 }
