@@ -267,9 +267,13 @@ pub struct TlsConfig {
 #[serde(deny_unknown_fields)]
 pub struct TracingConfig {
     /// OTLP endpoint to export spans to, e.g. `http://127.0.0.1:4317` (Jaeger's OTLP gRPC
-    /// port); none: spans are not exported.
+    /// port) or `http://127.0.0.1:4318` (its OTLP/HTTP port); none: spans are not exported.
     #[serde(default)]
     pub otlp_endpoint: Option<String>,
+    /// `grpc` or `http/protobuf`; default: `$OTEL_EXPORTER_OTLP_PROTOCOL`, else gRPC for an
+    /// endpoint on port 4317 and HTTP for any other.
+    #[serde(default)]
+    pub otlp_protocol: Option<String>,
     /// The service name spans carry; default: the node id (see [`NodeConfig::service_name`]).
     #[serde(default)]
     pub service_name: Option<String>,
@@ -656,6 +660,14 @@ impl NodeConfig {
                 return Err(invalid(
                     "tracing.otlp_endpoint",
                     format!("{url:?} is not an http(s) URL, e.g. \"http://127.0.0.1:4317\""),
+                ));
+            }
+        }
+        if let Some(p) = &self.tracing.otlp_protocol {
+            if p != "grpc" && p != "http/protobuf" {
+                return Err(invalid(
+                    "tracing.otlp_protocol",
+                    format!("{p:?}: use \"grpc\" or \"http/protobuf\""),
                 ));
             }
         }

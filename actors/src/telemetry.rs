@@ -8,9 +8,9 @@
 //! codes arrived). Recording spans after the fact, from the stage timeline the node measures
 //! anyway, keeps tracing out of the model threads' way.
 //!
-//! Export is OTLP over HTTP/protobuf from the SDK's batch processor, on its own thread: a job
-//! never waits on the collector, and a collector that is down costs dropped spans (the queue is
-//! bounded), not memory.
+//! Export is OTLP, over gRPC or HTTP/protobuf, from the SDK's batch processor on its own thread:
+//! a job never waits on the collector, and a collector that is down costs dropped spans (the
+//! queue is bounded), not memory.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -34,9 +34,107 @@ pub enum TelemetryError {
         /// Why.
         reason: String,
     },
-    /// The endpoint is OTLP over gRPC, which this build does not export to.
-    #[error("{0} looks like OTLP/gRPC (port 4317); scd exports OTLP over HTTP: use the collector's HTTP port, e.g. http://127.0.0.1:4318")]
-    Grpc(String),
+    /// The exporter's runtime (gRPC) could not start.
+    #[error("starting the OTLP/gRPC exporter's runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// How spans travel to the collector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub enum OtlpProtocol {
+    /// OTLP/gRPC (collectors listen on 4317).
+    #[serde(rename = "grpc")]
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies (collectors listen on 4318).
+    #[serde(rename = "http/protobuf")]
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    /// The protocol of `endpoint`: `explicit` (the config's, else
+    /// `$OTEL_EXPORTER_OTLP_PROTOCOL` as the caller read it), else gRPC on port 4317 and
+    /// HTTP on any other.
+    pub fn resolve(explicit: Option<&str>, endpoint: &str) -> Result<Self, TelemetryError> {
+        match explicit.map(str::trim) {
+            Some("grpc") => Ok(Self::Grpc),
+            Some("http/protobuf") => Ok(Self::HttpProtobuf),
+            Some(other) => Err(TelemetryError::Exporter {
+                endpoint: endpoint.to_owned(),
+                reason: format!(
+                    "protocol {other:?}: use \"grpc\" or \"http/protobuf\" (http/json is not supported)"
+                ),
+            }),
+            None if endpoint.trim_end_matches('/').ends_with(":4317") => Ok(Self::Grpc),
+            None => Ok(Self::HttpProtobuf),
+        }
+    }
+}
+
+impl std::fmt::Display for OtlpProtocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Grpc => "OTLP/gRPC",
+            Self::HttpProtobuf => "OTLP/HTTP",
+        })
+    }
+}
+
+/// A span exporter run on a runtime of its own. tonic's channel and timers need a Tokio
+/// runtime, while the SDK's batch processor exports from a plain thread (without one, the
+/// first export panics that thread and every later span is dropped).
+#[derive(Debug)]
+struct OnRuntime<E> {
+    inner: std::sync::Arc<E>,
+    /// Taken on drop, to shut down without blocking (dropping a runtime may happen inside
+    /// another one's task, where a blocking shutdown panics).
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl<E> Drop for OnRuntime<E> {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl<E: SpanExporter + 'static> SpanExporter for OnRuntime<E> {
+    fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> impl std::future::Future<Output = opentelemetry_sdk::error::OTelSdkResult> + Send {
+        use opentelemetry_sdk::error::OTelSdkError;
+        let inner = self.inner.clone();
+        let task = self
+            .runtime
+            .as_ref()
+            .map(|r| r.spawn(async move { inner.export(batch).await }));
+        async move {
+            match task {
+                Some(task) => task
+                    .await
+                    .unwrap_or_else(|e| Err(OTelSdkError::InternalFailure(e.to_string()))),
+                None => Err(OTelSdkError::AlreadyShutdown),
+            }
+        }
+    }
+
+    fn shutdown_with_timeout(
+        &mut self,
+        timeout: Duration,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        match std::sync::Arc::get_mut(&mut self.inner) {
+            Some(inner) => inner.shutdown_with_timeout(timeout),
+            None => Ok(()),
+        }
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        // Called once, before any export: the exporter is not shared yet.
+        if let Some(inner) = std::sync::Arc::get_mut(&mut self.inner) {
+            inner.set_resource(resource);
+        }
+    }
 }
 
 /// A node's tracer.
@@ -98,28 +196,57 @@ pub fn trace_of(cx: &Context) -> TraceContext {
 }
 
 impl Telemetry {
-    /// Spans exported over OTLP/HTTP to `endpoint` (a collector's base URL such as
-    /// `http://127.0.0.1:4318`, or its full `/v1/traces` URL), as `service`.
-    pub fn otlp(endpoint: &str, service: &str) -> Result<Self, TelemetryError> {
+    /// Spans exported over OTLP to `endpoint` (a collector's base URL such as
+    /// `http://127.0.0.1:4317` for gRPC or `http://127.0.0.1:4318` for HTTP, where an HTTP URL
+    /// may also be the full `/v1/traces` one), as `service`.
+    pub fn otlp(
+        endpoint: &str,
+        protocol: OtlpProtocol,
+        service: &str,
+    ) -> Result<Self, TelemetryError> {
         use opentelemetry_otlp::WithExportConfig;
-        if endpoint.trim_end_matches('/').ends_with(":4317") {
-            return Err(TelemetryError::Grpc(endpoint.to_owned()));
-        }
-        let url = if endpoint.ends_with("/v1/traces") {
-            endpoint.to_owned()
-        } else {
-            format!("{}/v1/traces", endpoint.trim_end_matches('/'))
+        let failed = |e: opentelemetry_otlp::ExporterBuildError| TelemetryError::Exporter {
+            endpoint: endpoint.to_owned(),
+            reason: e.to_string(),
         };
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_endpoint(url)
-            .build()
-            .map_err(|e| TelemetryError::Exporter {
-                endpoint: endpoint.to_owned(),
-                reason: e.to_string(),
-            })?;
-        let provider = SdkTracerProvider::builder()
-            .with_batch_exporter(exporter)
+        let builder = SdkTracerProvider::builder();
+        let builder = match protocol {
+            OtlpProtocol::HttpProtobuf => {
+                let url = if endpoint.ends_with("/v1/traces") {
+                    endpoint.to_owned()
+                } else {
+                    format!("{}/v1/traces", endpoint.trim_end_matches('/'))
+                };
+                let exporter = opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_endpoint(url)
+                    .build()
+                    .map_err(failed)?;
+                builder.with_batch_exporter(exporter)
+            }
+            OtlpProtocol::Grpc => {
+                let runtime = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name("scd-otlp")
+                    .enable_all()
+                    .build()
+                    .map_err(TelemetryError::Runtime)?;
+                // The channel is made (lazily, it connects on first use) on that runtime.
+                let exporter = {
+                    let _on = runtime.enter();
+                    opentelemetry_otlp::SpanExporter::builder()
+                        .with_tonic()
+                        .with_endpoint(endpoint)
+                        .build()
+                        .map_err(failed)?
+                };
+                builder.with_batch_exporter(OnRuntime {
+                    inner: std::sync::Arc::new(exporter),
+                    runtime: Some(runtime),
+                })
+            }
+        };
+        let provider = builder
             .with_resource(
                 Resource::builder()
                     .with_service_name(service.to_owned())

@@ -185,6 +185,18 @@ async fn each_node_serves_metrics_a_prometheus_parser_reads() {
         Some(1.0)
     );
     assert_eq!(value(&c, "scd_actor_restarts", &[]), Some(0.0));
+    // Nothing waits once the job is done, and the live translator loaded everywhere.
+    for (m, queue) in [(&p, "producer"), (&c, "consumer")] {
+        assert_eq!(
+            value(m, "scd_queue_depth", &[("queue", queue)]),
+            Some(0.0),
+            "{queue}"
+        );
+        assert_eq!(
+            value(m, "scd_translator_load_failures_total", &[]),
+            Some(0.0)
+        );
+    }
     let version = m.translator.0.hash().to_string();
     assert_eq!(
         value(

@@ -11,7 +11,7 @@ use common::{config, models, prompt, python, repo, request, Cluster, WAIT};
 use opentelemetry::trace::{SpanId, TraceContextExt};
 use opentelemetry::Value;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SpanData};
-use scd_actors::telemetry::{context_of, Telemetry};
+use scd_actors::telemetry::{context_of, OtlpProtocol, Telemetry};
 use scd_scheduler::{JobId, JobState, Mode, TraceContext};
 
 fn spans(e: &InMemorySpanExporter) -> Vec<SpanData> {
@@ -110,6 +110,11 @@ async fn a_jobs_spans_on_two_nodes_join_one_trace() {
             attr(h, "scd.translator").map(|v| v.as_str()),
             Some(m.translator.0.hash().to_string().into())
         );
+        let r = m.translator.0.manifest.default_ranks;
+        assert_eq!(
+            attr(h, "scd.ranks").map(|v| v.as_str()),
+            Some(format!("k={},v={},h={}", r.k, r.v, r.h).into())
+        );
         for stage in stages {
             let s = named(&all, stage);
             assert_eq!(s.span_context.trace_id(), trace_id, "{stage}");
@@ -145,33 +150,42 @@ async fn spans_reach_a_real_otlp_receiver() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut port = String::new();
+    let mut ports = String::new();
     BufReader::new(receiver.stdout.take().unwrap())
-        .read_line(&mut port)
+        .read_line(&mut ports)
         .unwrap();
-    let endpoint = format!("http://127.0.0.1:{}", port.trim());
+    let mut ports = ports.split_whitespace();
+    let http = format!("http://127.0.0.1:{}", ports.next().unwrap());
+    let grpc = format!("http://127.0.0.1:{}", ports.next().unwrap());
 
     let m = models();
     let prompt = prompt(m);
     let cluster = Cluster::new();
-    // The exporter's blocking HTTP client is made off the async runtime, as `scd node` does.
-    let otlp = |service: &'static str| {
-        let endpoint = endpoint.clone();
-        tokio::task::spawn_blocking(move || Telemetry::otlp(&endpoint, service).unwrap())
+    // The exporters are made off the async runtime, as `scd node` does. The producer exports
+    // over gRPC, the others over HTTP.
+    let otlp = |service: &'static str, endpoint: &str, protocol| {
+        let endpoint = endpoint.to_owned();
+        tokio::task::spawn_blocking(move || Telemetry::otlp(&endpoint, protocol, service).unwrap())
     };
     let producer = cluster
         .start_traced(
             &config("prefill-0", "\"producer\", \"scheduler\"", true),
-            Some(otlp("prefill-0").await.unwrap()),
+            Some(otlp("prefill-0", &grpc, OtlpProtocol::Grpc).await.unwrap()),
         )
         .await;
     let consumer = cluster
         .start_traced(
             &config("mail-0", "\"consumer\"", true),
-            Some(otlp("mail-0").await.unwrap()),
+            Some(
+                otlp("mail-0", &http, OtlpProtocol::HttpProtobuf)
+                    .await
+                    .unwrap(),
+            ),
         )
         .await;
-    let client = otlp("client").await.unwrap();
+    let client = otlp("client", &http, OtlpProtocol::HttpProtobuf)
+        .await
+        .unwrap();
     let id = JobId::random();
     let trace = client.start_job(&TraceContext::new(), id, "mail", Mode::Raw);
     cluster
@@ -204,10 +218,14 @@ async fn spans_reach_a_real_otlp_receiver() {
         .iter()
         .filter(|s| s["trace_id"] == trace_id.as_str())
         .map(|s| {
-            (
-                s["service"].as_str().unwrap().to_owned(),
-                s["name"].as_str().unwrap().to_owned(),
-            )
+            let service = s["service"].as_str().unwrap().to_owned();
+            let want = if service == "prefill-0" {
+                "grpc"
+            } else {
+                "http"
+            };
+            assert_eq!(s["protocol"], want, "{s}");
+            (service, s["name"].as_str().unwrap().to_owned())
         })
         .collect();
     names.sort();

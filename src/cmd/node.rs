@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use scd_actors::config::StoreConfig;
-use scd_actors::telemetry::Telemetry;
+use scd_actors::telemetry::{OtlpProtocol, Telemetry};
 use scd_actors::{Node, NodeConfig, Served};
 use scd_scheduler::{EmbeddedStore, EtcdStore, MetaStore};
 use tokio_util::sync::CancellationToken;
@@ -46,8 +46,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let config = NodeConfig::load(&args.config)
         .with_context(|| format!("reading the node config {}", args.config.display()))?;
     let identity = config.identity()?;
-    // Spans go to the config's OTLP endpoint, else to $OTEL_EXPORTER_OTLP_ENDPOINT. Made before
-    // the runtime: the exporter's blocking HTTP client brings its own.
+    // Spans go to the config's OTLP endpoint, else to $OTEL_EXPORTER_OTLP_ENDPOINT, by gRPC or
+    // HTTP (config, $OTEL_EXPORTER_OTLP_PROTOCOL, else by the port). Made before the runtime:
+    // the HTTP exporter's blocking client brings its own, the gRPC one runs on its own.
     let endpoint = config
         .tracing
         .otlp_endpoint
@@ -55,9 +56,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .or_else(|| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok());
     let telemetry = match endpoint {
         Some(e) => {
-            let t = Telemetry::otlp(&e, config.service_name())?;
+            let protocol = config
+                .tracing
+                .otlp_protocol
+                .clone()
+                .or_else(|| std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL").ok());
+            let protocol = OtlpProtocol::resolve(protocol.as_deref(), &e)?;
+            let t = Telemetry::otlp(&e, protocol, config.service_name())?;
             eprintln!(
-                "node {}: exporting job traces to {e} (OTLP/HTTP)",
+                "node {}: exporting job traces to {e} ({protocol})",
                 config.node.id
             );
             Some(t)
