@@ -98,3 +98,26 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
     };
     done.map(|()| std::process::ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every command and subcommand's `--help` ends with an example.
+    #[test]
+    fn every_command_has_an_example() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+                let name = format!("{path} {}", sub.get_name());
+                let help = sub.get_after_help().map(|h| h.to_string());
+                if !help.is_some_and(|h| h.contains("Example")) {
+                    missing.push(name.clone());
+                }
+                walk(sub, &name, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&super::Cli::command(), "scd", &mut missing);
+        assert!(missing.is_empty(), "no example in --help of: {missing:?}");
+    }
+}

@@ -149,6 +149,9 @@ pub struct SubmitArgs {
 
 /// Arguments of `scd jobs`.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd jobs list --node producer@127.0.0.1:7101\n  \
+    scd jobs watch --node producer@127.0.0.1:7101 3f2a...")]
 pub struct JobsArgs {
     #[command(subcommand)]
     pub command: JobsCommand,

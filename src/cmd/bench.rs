@@ -4,6 +4,9 @@ use super::{bench_model, bench_transport};
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
+    scd bench transport")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -12,9 +15,12 @@ pub struct Args {
 #[derive(clap::Subcommand)]
 enum Command {
     /// QUIC goodput next to plain quinn, frame codec throughput, pacing accuracy.
+    #[command(after_help = "Example:\n  scd bench transport")]
     Transport(bench_transport::Args),
     /// f32 prefill/decode speed next to the machine's matmul throughput and candle-transformers'
     /// quantized llama; peak memory.
+    #[command(after_help = "Example:\n  \
+        scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --llama-python .cache/llama-cpp/bin/python")]
     Model(bench_model::Args),
 }
 

@@ -8,6 +8,10 @@ use scd_transport::Role;
 
 /// Arguments of `scd cert`.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd cert init --dir .cache/pki\n  \
+    scd cert issue --dir .cache/pki --name producer --role node\n  \
+    scd cert issue --dir .cache/pki --name ops --role admin")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -16,6 +20,7 @@ pub struct Args {
 #[derive(clap::Subcommand)]
 enum Command {
     /// Create a cluster CA (ca.pem, ca.key with mode 0600) in a directory.
+    #[command(after_help = "Example:\n  scd cert init --dir .cache/pki --cluster prod")]
     Init {
         /// Directory for the cluster's certificates (created if missing).
         #[arg(long)]
@@ -25,6 +30,9 @@ enum Command {
         cluster: String,
     },
     /// Issue a node or admin certificate (<name>.pem, <name>.key with mode 0600) signed by the CA in DIR.
+    #[command(after_help = "Examples:\n  \
+        scd cert issue --dir .cache/pki --name consumer-a --role node\n  \
+        scd cert issue --dir .cache/pki --name ops --role admin")]
     Issue {
         /// Directory holding ca.pem and ca.key.
         #[arg(long)]

@@ -19,6 +19,9 @@ use crate::paths::DataDirs;
 
 /// Arguments of `scd eval`.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd eval --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --consumer-adapter experts/sotu/adapter.safetensors \\\n      --translator experts/sotu/translator --methods oracle,raw,reuse,scd\n  \
+    scd eval drift --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --expert experts/melville")]
 pub struct Args {
     #[command(subcommand)]
     pub drift: Option<Sub>,
@@ -94,6 +97,8 @@ pub struct Common {
 pub enum Sub {
     /// Base vs expert perplexity and KL on the expert's domain and WikiText-2, and the raw
     /// transfer against the oracle, for each expert folder (adapter + manifest).
+    #[command(after_help = "Example:\n  \
+        scd eval drift --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --expert experts/melville --expert experts/sotu")]
     Drift(DriftArgs),
 }
 

@@ -16,6 +16,8 @@ use scd_models::train::{
 
 /// Arguments of `scd finetune`.
 #[derive(clap::Args)]
+#[command(after_help = "Example:\n  \
+    scd finetune --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --corpus moby-dick --out experts/melville")]
 pub struct Args {
     /// The base model (GGUF file or Hugging Face directory).
     #[arg(long, env = "SCD_MODEL")]

@@ -19,6 +19,9 @@ use scd_types::Mode;
 
 /// Arguments of `scd generate`.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd generate --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt 'What is a cache?'\n  \
+    scd generate --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --adapter experts/melville/adapter.safetensors \\\n      --prompt 'Describe the sea.' --max-tokens 64")]
 pub struct Args {
     /// A llama GGUF file, or a Hugging Face directory (config.json, *.safetensors,
     /// tokenizer.json).

@@ -12,6 +12,9 @@ use crate::cmd::admin::{ask, exit, print_json, Failure, Target};
 
 /// Arguments of `scd translators`.
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    scd translators list --node producer@127.0.0.1:7101\n  \
+    scd translators rollback --node producer@127.0.0.1:7101 --expert mail")]
 pub struct Args {
     #[command(subcommand)]
     pub command: Command,
