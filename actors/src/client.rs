@@ -131,9 +131,26 @@ impl ClusterClient {
                 known,
             });
         }
-        let record = JobRecord::new(id, expert, mode, DEFAULT_ATTEMPTS)
+        // The prompt's prefix blocks, hashed as producers hash what they cache (under the
+        // expert's base model), so that the scheduler can send it where its prefix is.
+        let base = scd_scheduler::ModelRegistry::new(self.store.clone(), self.keys.clone())
+            .get(expert)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|r| r.base);
+        let prefix_hashes = match base {
+            Some(base) => scd_scheduler::prefix::block_hashes(
+                &base,
+                &request.prompt[..request.prompt.len() - 1],
+                scd_scheduler::prefix::DEFAULT_BLOCK_TOKENS,
+            ),
+            None => Vec::new(),
+        };
+        let mut record = JobRecord::new(id, expert, mode, DEFAULT_ATTEMPTS)
             .with_request(request)
             .with_trace(trace);
+        record.prefix_hashes = prefix_hashes;
         self.jobs.create(&record).await?;
         Ok(())
     }

@@ -293,6 +293,10 @@ pub struct Limits {
     /// Frames of one job queued ahead of its QUIC stream; memory per job is this times the
     /// frame cap. Default: the transport's own default.
     pub frames_in_flight: NonZeroUsize,
+    /// Memory for the producer's prefix cache, in MiB (0 turns it off). A cached token holds
+    /// every layer's K, V, `H_in` and residual rows, about 180 KiB for SmolLM2-135M, so the
+    /// default 256 MiB holds some 1,400 prompt tokens. Default 256.
+    pub prefix_cache_mib: usize,
 }
 
 impl Default for Limits {
@@ -302,6 +306,7 @@ impl Default for Limits {
             queued_jobs: nonzero(64),
             concurrent_jobs: nonzero(2),
             frames_in_flight: nonzero(TransportOptions::default().send_queue_frames),
+            prefix_cache_mib: 256,
         }
     }
 }

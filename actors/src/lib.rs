@@ -53,6 +53,7 @@ pub mod job;
 pub mod metrics;
 pub mod node;
 pub mod pipeline;
+pub mod prefix_cache;
 pub mod producer;
 mod stages;
 pub mod telemetry;

@@ -1,8 +1,8 @@
 //! A node's metrics, in Prometheus' OpenMetrics text format on `node.metrics_listen`
 //! (`/metrics`): the jobs this node finished per side and outcome, the jobs it works on, time
 //! to first token per mode and expert, stage latencies, code bytes sent and received, actor
-//! restarts, the translator versions it serves (and those it could not load), the work waiting
-//! on it, and the cluster's jobs by state as the store
+//! restarts, the translator versions it serves (and those it could not load), the producer's
+//! prefix cache (lookups by result, tokens reused, size), the work waiting on it, and the cluster's jobs by state as the store
 //! has them when scraped.
 //!
 //! The types and the encoding are those of `prometheus-client`, the official Rust client; this
@@ -59,6 +59,13 @@ pub struct TranslatorLabels {
     pub version: String,
 }
 
+/// Labels of a lookup's result.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `hit` or `miss`.
+    pub result: String,
+}
+
 /// Labels of a queue.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QueueLabels {
@@ -97,6 +104,14 @@ pub struct NodeMetrics {
     pub translators: Family<TranslatorLabels, Gauge>,
     /// Live translator versions this node could not load (it kept the one it had).
     pub translator_load_failures: Counter,
+    /// Prefills that looked in the prefix cache, by result (`hit`, `miss`).
+    pub prefix_lookups: Family<ResultLabels, Counter>,
+    /// Prompt tokens the prefix cache gave instead of a prefill.
+    pub prefix_tokens_reused: Counter,
+    /// Bytes the prefix cache holds, when last scraped.
+    pub prefix_cache_bytes: Gauge,
+    /// Blocks the prefix cache holds, when last scraped.
+    pub prefix_cache_blocks: Gauge,
     /// Work waiting on this node, when last scraped.
     pub queues: Family<QueueLabels, Gauge>,
     /// Jobs in the cluster by state, when last scraped.
@@ -174,6 +189,30 @@ impl NodeMetrics {
             "Live translator versions this node could not load (it kept the one it had)",
             translator_load_failures.clone(),
         );
+        let prefix_lookups = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "prefix_cache_lookups",
+            "Prefills that looked in the producer's prefix cache, by result (hit rate: hit / all)",
+            prefix_lookups.clone(),
+        );
+        let prefix_tokens_reused = Counter::default();
+        registry.register(
+            "prefix_cache_tokens_reused",
+            "Prompt tokens taken from the prefix cache instead of computed",
+            prefix_tokens_reused.clone(),
+        );
+        let prefix_cache_bytes = Gauge::default();
+        registry.register(
+            "prefix_cache_bytes",
+            "Bytes the producer's prefix cache holds",
+            prefix_cache_bytes.clone(),
+        );
+        let prefix_cache_blocks = Gauge::default();
+        registry.register(
+            "prefix_cache_blocks",
+            "Prompt blocks the producer's prefix cache holds",
+            prefix_cache_blocks.clone(),
+        );
         let queues = Family::<QueueLabels, Gauge>::default();
         registry.register(
             "queue_depth",
@@ -197,6 +236,10 @@ impl NodeMetrics {
             bytes_received,
             translators,
             translator_load_failures,
+            prefix_lookups,
+            prefix_tokens_reused,
+            prefix_cache_bytes,
+            prefix_cache_blocks,
             queues,
             cluster_jobs,
             restarts,
@@ -211,6 +254,17 @@ impl NodeMetrics {
                 outcome: outcome.into(),
             })
             .inc();
+    }
+
+    /// Counts a prefill's prefix-cache lookup that gave `reused` tokens (0: a miss).
+    pub fn prefix_lookup(&self, reused: u64) {
+        let result = if reused > 0 { "hit" } else { "miss" };
+        self.prefix_lookups
+            .get_or_create(&ResultLabels {
+                result: result.into(),
+            })
+            .inc();
+        self.prefix_tokens_reused.inc_by(reused);
     }
 
     /// Records a stage's duration in milliseconds.

@@ -236,7 +236,15 @@ async fn spawn_actors(
     from_producer: Connection,
     cancel: &CancellationToken,
 ) -> Result<Actors, StartError> {
-    let (producer, h) = Actor::spawn(None, Producer, ProducerArgs { model: base }).await?;
+    let (producer, h) = Actor::spawn(
+        None,
+        Producer,
+        ProducerArgs {
+            model: base,
+            prefix_cache: None,
+        },
+    )
+    .await?;
     actors.push((producer.get_cell(), h));
     let (encoder, h) = Actor::spawn(None, Encoder, ()).await?;
     actors.push((encoder.get_cell(), h));

@@ -3,15 +3,17 @@
 //! the layer is done, so that layer `l` is encoded and sent while layer `l + 1` is computed.
 //!
 //! A codec that needs no producer pass (the oracle) gets nothing: the capture channel closes at
-//! once. Prefills run one at a time (the handler waits for its blocking thread); the prefix
-//! cache of step 3 of the architecture is not here yet.
+//! once. Prefills run one at a time (the handler waits for its blocking thread). With a
+//! [`PrefixCache`], a prefix that starts with cached blocks is computed from where they end
+//! (the cached rows of each layer join the computed ones before the capture goes on), and its
+//! new whole blocks are cached once the last layer is done.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use scd_models::{ForwardError, LayerCapture, Llama};
+use scd_models::{Capture, ForwardError, KvCache, LayerCapture, Llama};
 use scd_transport::JobId;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
@@ -19,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::blocking::{self, run_and_reply, Interrupted};
 use crate::job::JobCodec;
+use crate::prefix_cache::{Block, LayerRows, PrefixCache};
 use crate::timeline::Span;
 
 /// Errors of a job's prefill.
@@ -59,11 +62,23 @@ pub struct Producer;
 pub struct ProducerArgs {
     /// The base model.
     pub model: Arc<Llama>,
+    /// Its prefix cache, if it keeps one (it outlives a restarted actor).
+    pub prefix_cache: Option<Arc<PrefixCache>>,
 }
 
-/// A producer's state: its model.
+/// A producer's state: its model and prefix cache.
 pub struct ProducerState {
     model: Arc<Llama>,
+    prefix_cache: Option<Arc<PrefixCache>>,
+}
+
+/// What a prefill did.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefilled {
+    /// When it ran.
+    pub span: Span,
+    /// Leading prefix tokens taken from the prefix cache instead of computed.
+    pub cached_tokens: usize,
 }
 
 /// One prefill.
@@ -82,10 +97,11 @@ pub struct PrefillJob {
 
 /// Messages of the producer.
 pub enum ProducerMsg {
-    /// Prefill a job; the reply is the prefill's span (`None` when the codec needs no pass).
+    /// Prefill a job; the reply says when it ran and what the cache gave (`None` when the
+    /// codec needs no pass).
     Prefill(
         PrefillJob,
-        RpcReplyPort<Result<Option<Span>, ProducerError>>,
+        RpcReplyPort<Result<Option<Prefilled>, ProducerError>>,
     ),
 }
 
@@ -99,7 +115,10 @@ impl Actor for Producer {
         _myself: ActorRef<Self::Msg>,
         args: ProducerArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(ProducerState { model: args.model })
+        Ok(ProducerState {
+            model: args.model,
+            prefix_cache: args.prefix_cache,
+        })
     }
 
     async fn handle(
@@ -111,9 +130,16 @@ impl Actor for Producer {
         match msg {
             ProducerMsg::Prefill(job, reply) => {
                 let model = Arc::clone(&state.model);
-                run_and_reply("prefill", reply, ProducerError::Internal, move |rt| {
-                    prefill(rt, &model, job)
-                })
+                let cache = state.prefix_cache.clone();
+                run_and_reply(
+                    "prefill",
+                    reply,
+                    ProducerError::Internal,
+                    move |rt| match cache {
+                        Some(cache) => prefill_cached(rt, &model, &cache, job),
+                        None => prefill(rt, &model, job),
+                    },
+                )
                 .await;
             }
         }
@@ -121,25 +147,48 @@ impl Actor for Producer {
     }
 }
 
+/// Checks a job's prefix; `None` when its codec needs no producer pass.
+fn check(model: &Llama, job: &PrefillJob) -> Result<Option<Capture>, ProducerError> {
+    let Some(capture) = job.codec.codec.capture() else {
+        return Ok(None);
+    };
+    if job.prefix.is_empty() {
+        return Err(ProducerError::EmptyPrefix);
+    }
+    let vocab = model.config().vocab_size;
+    if let Some(&id) = job.prefix.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ProducerError::TokenOutOfRange { id, vocab });
+    }
+    Ok(Some(capture))
+}
+
+fn send(
+    rt: &Handle,
+    captures: &mpsc::Sender<LayerCapture>,
+    c: LayerCapture,
+    cancel: &CancellationToken,
+) -> Result<(), ProducerError> {
+    blocking::send(rt, captures, c, cancel).map_err(|e| match e {
+        Interrupted::Cancelled => ProducerError::Cancelled,
+        Interrupted::Closed => ProducerError::EncoderGone,
+    })
+}
+
 /// Embeds the prefix and runs the layers one at a time, sending each capture on.
-fn prefill(rt: &Handle, model: &Llama, job: PrefillJob) -> Result<Option<Span>, ProducerError> {
+fn prefill(
+    rt: &Handle,
+    model: &Llama,
+    job: PrefillJob,
+) -> Result<Option<Prefilled>, ProducerError> {
+    let Some(capture) = check(model, &job)? else {
+        return Ok(None);
+    };
     let PrefillJob {
         prefix,
-        codec,
         captures,
         cancel,
         ..
     } = job;
-    let Some(capture) = codec.codec.capture() else {
-        return Ok(None);
-    };
-    if prefix.is_empty() {
-        return Err(ProducerError::EmptyPrefix);
-    }
-    let vocab = model.config().vocab_size;
-    if let Some(&id) = prefix.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ProducerError::TokenOutOfRange { id, vocab });
-    }
     let start = Instant::now();
     let ids = Tensor::new(prefix.as_slice(), &Device::Cpu)?;
     let mut hidden = model.embedding().index_select(&ids, 0)?;
@@ -157,14 +206,148 @@ fn prefill(rt: &Handle, model: &Llama, job: PrefillJob) -> Result<Option<Span>, 
             &mut captured,
         )?;
         for c in captured.drain(..) {
-            blocking::send(rt, &captures, c, &cancel).map_err(|e| match e {
-                Interrupted::Cancelled => ProducerError::Cancelled,
-                Interrupted::Closed => ProducerError::EncoderGone,
-            })?;
+            send(rt, &captures, c, &cancel)?;
         }
     }
-    Ok(Some(Span {
-        start,
-        end: Instant::now(),
+    Ok(Some(Prefilled {
+        span: Span {
+            start,
+            end: Instant::now(),
+        },
+        cached_tokens: 0,
+    }))
+}
+
+/// [`prefill`] through the prefix cache: the cached leading blocks' rows are taken as they
+/// are, the rest of the prefix is computed on top of their K and V, and every layer's capture
+/// (cached rows, then computed ones) goes on as the codec asked for it. The prefix's new whole
+/// blocks are cached at the end.
+fn prefill_cached(
+    rt: &Handle,
+    model: &Llama,
+    cache: &PrefixCache,
+    job: PrefillJob,
+) -> Result<Option<Prefilled>, ProducerError> {
+    let Some(wanted) = check(model, &job)? else {
+        return Ok(None);
+    };
+    let PrefillJob {
+        prefix,
+        captures,
+        cancel,
+        ..
+    } = job;
+    let start = Instant::now();
+    let chain = cache.hashes(&prefix);
+    let run = cache.lookup(&chain);
+    let block = cache.block_tokens();
+    let cached = run.len() * block;
+    let layers = model.config().num_layers;
+    // Everything a codec may capture, for every layer: what the cache keeps.
+    let all = Capture {
+        k_pre_rope: true,
+        v: true,
+        h_in: true,
+        hidden: true,
+        layers: None,
+    };
+    let rest = &prefix[cached..];
+    let mut hidden = match rest.is_empty() {
+        true => None,
+        false => {
+            let ids = Tensor::new(rest, &Device::Cpu)?;
+            Some(model.embedding().index_select(&ids, 0)?)
+        }
+    };
+    let mut kv = KvCache::new(model.config());
+    let positions: Vec<u32> = (0..cached as u32).collect();
+    let new_blocks = chain.len() - run.len();
+    let mut pending: Vec<Vec<LayerRows>> = (0..new_blocks)
+        .map(|_| Vec::with_capacity(layers))
+        .collect();
+    let mut captured = Vec::with_capacity(1);
+    for layer in 0..layers {
+        if cancel.is_cancelled() {
+            return Err(ProducerError::Cancelled);
+        }
+        let from_cache =
+            |pick: fn(&LayerRows) -> &Tensor| -> Result<Option<Tensor>, candle_core::Error> {
+                if run.is_empty() {
+                    return Ok(None);
+                }
+                let parts: Vec<&Tensor> = run.iter().map(|b| pick(&b.layers[layer])).collect();
+                Tensor::cat(&parts, 0).map(Some)
+            };
+        let k_cached = from_cache(|r| &r.k_pre_rope)?;
+        let v_cached = from_cache(|r| &r.v)?;
+        let h_cached = from_cache(|r| &r.h_in)?;
+        let x_cached = from_cache(|r| &r.hidden)?;
+        let computed = match hidden.take() {
+            Some(h) => {
+                if let (Some(k), Some(v)) = (&k_cached, &v_cached) {
+                    kv.fill_layer_pre_rope(model.rope(), layer, k, v, &positions)?;
+                }
+                let cache = (cached > 0).then_some(&mut kv);
+                hidden = Some(model.forward_layers_capture(
+                    &h,
+                    layer..layer + 1,
+                    cached,
+                    cache,
+                    &all,
+                    &mut captured,
+                )?);
+                captured.pop()
+            }
+            None => None,
+        };
+        let join = |c: Option<Tensor>, n: Option<&Tensor>| -> Result<Tensor, ProducerError> {
+            match (c, n) {
+                (Some(c), Some(n)) => Ok(Tensor::cat(&[&c, n], 0)?),
+                (Some(c), None) => Ok(c),
+                (None, Some(n)) => Ok(n.clone()),
+                (None, None) => Err(ProducerError::Internal(format!(
+                    "layer {layer}: no rows from the cache or the prefill"
+                ))),
+            }
+        };
+        let n = computed.as_ref();
+        let full = LayerRows {
+            k_pre_rope: join(k_cached, n.and_then(|c| c.k_pre_rope.as_ref()))?,
+            v: join(v_cached, n.and_then(|c| c.v.as_ref()))?,
+            h_in: join(h_cached, n.and_then(|c| c.h_in.as_ref()))?,
+            hidden: join(x_cached, n.and_then(|c| c.hidden.as_ref()))?,
+        };
+        for (j, rows) in pending.iter_mut().enumerate() {
+            let at = (run.len() + j) * block;
+            rows.push(LayerRows {
+                k_pre_rope: full.k_pre_rope.narrow(0, at, block)?,
+                v: full.v.narrow(0, at, block)?,
+                h_in: full.h_in.narrow(0, at, block)?,
+                hidden: full.hidden.narrow(0, at, block)?,
+            });
+        }
+        if wanted.layers.as_ref().is_none_or(|l| l.contains(&layer)) {
+            let c = LayerCapture {
+                layer,
+                k_pre_rope: wanted.k_pre_rope.then_some(full.k_pre_rope),
+                v: wanted.v.then_some(full.v),
+                h_in: wanted.h_in.then_some(full.h_in),
+                hidden: wanted.hidden.then_some(full.hidden),
+            };
+            send(rt, &captures, c, &cancel)?;
+        }
+    }
+    let new = pending
+        .into_iter()
+        .enumerate()
+        .map(|(j, layers)| (run.len() + j, Block { layers }))
+        .collect();
+    cache.insert_chain(&chain, new);
+    Ok(Some(Prefilled {
+        span: Span {
+            start,
+            end: Instant::now(),
+        },
+        cached_tokens: cached,
     }))
 }

@@ -17,7 +17,7 @@ use crate::decoder::{DecodeJob, DecodeReport, DecoderError, DecoderMsg};
 use crate::encoder::{EncodeJob, EncodeReport, EncoderError, EncoderMsg};
 use crate::job::JobCodec;
 use crate::pipeline::{JobError, PipelineOptions};
-use crate::producer::{PrefillJob, ProducerError, ProducerMsg};
+use crate::producer::{PrefillJob, Prefilled, ProducerError, ProducerMsg};
 use crate::timeline::Span;
 use crate::transfer::{Inbound, SendJob, TransferError, TransferOutMsg, TransferReport};
 
@@ -31,7 +31,7 @@ pub(crate) struct ProducerActors {
 
 /// The producer side's replies for one job.
 pub(crate) struct ProducerReplies {
-    prefilled: oneshot::Receiver<Result<Option<Span>, ProducerError>>,
+    prefilled: oneshot::Receiver<Result<Option<Prefilled>, ProducerError>>,
     encoded: oneshot::Receiver<Result<EncodeReport, EncoderError>>,
     sent: oneshot::Receiver<Result<TransferReport, TransferError>>,
 }
@@ -39,6 +39,8 @@ pub(crate) struct ProducerReplies {
 /// What the producer side did for a job.
 pub(crate) struct ProducerDone {
     pub prefill: Option<Span>,
+    /// Prefix tokens the producer's cache gave.
+    pub cached_tokens: usize,
     pub encoded: EncodeReport,
     pub sent: TransferReport,
 }
@@ -115,7 +117,8 @@ impl ProducerReplies {
         );
         match (p, e, t) {
             (Ok(prefill), Ok(encoded), Ok(sent)) => Ok(ProducerDone {
-                prefill,
+                prefill: prefill.map(|p| p.span),
+                cached_tokens: prefill.map_or(0, |p| p.cached_tokens),
                 encoded,
                 sent,
             }),

@@ -185,6 +185,17 @@ async fn each_node_serves_metrics_a_prometheus_parser_reads() {
         Some(1.0)
     );
     assert_eq!(value(&c, "scd_actor_restarts", &[]), Some(0.0));
+    // The producer's prefix cache looked once, found nothing, and now holds the prompt's
+    // whole blocks.
+    assert_eq!(
+        value(&p, "scd_prefix_cache_lookups_total", &[("result", "miss")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&p, "scd_prefix_cache_tokens_reused_total", &[]),
+        Some(0.0)
+    );
+    assert!(value(&p, "scd_prefix_cache_blocks", &[]).is_some_and(|b| b >= 1.0));
     // Nothing waits once the job is done, and the live translator loaded everywhere.
     for (m, queue) in [(&p, "producer"), (&c, "consumer")] {
         assert_eq!(

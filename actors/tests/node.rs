@@ -392,3 +392,43 @@ async fn a_killed_actor_is_started_again_and_its_job_runs_to_the_end() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// A repeated prompt prefix is not prefilled again: the producer takes its whole blocks from
+/// the prefix cache (one cached prefix serves every mode: the cache holds base-model state),
+/// the record says how many tokens, the result equals the uncached in-process one, and the
+/// producer advertises the blocks for the scheduler's prefix affinity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_repeated_prefix_comes_from_the_producers_cache() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let (producer, consumer) = cluster.two_nodes().await;
+    let block = scd_scheduler::prefix::DEFAULT_BLOCK_TOKENS;
+    let whole = (prompt.len() - 1) / block * block;
+    assert!(whole > 0);
+    let mut first_hashes = Vec::new();
+    for (mode, cached) in [(Mode::Raw, 0), (Mode::Scd, whole), (Mode::Raw, whole)] {
+        let (t, index) = &m.translator;
+        let codec = JobCodec::for_mode(mode, Some((t, *index)), &CodecOptions::default()).unwrap();
+        let want = reference(m, codec.codec.as_ref(), &prompt);
+        let id = cluster
+            .client
+            .submit("mail", mode, request(&prompt, MAX_TOKENS))
+            .await
+            .unwrap();
+        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{mode}: {:?}", job.error);
+        assert_eq!(job.cached_prefix_tokens, cached as u64, "{mode}");
+        assert_eq!(job.output.unwrap().tokens, want, "{mode}, {cached} cached");
+        assert_eq!(job.prefix_hashes.len(), whole / block);
+        first_hashes = job.prefix_hashes;
+    }
+    let nodes = cluster.client.nodes().await.unwrap();
+    let held = &nodes["prefill-0"].prefix_hashes;
+    assert!(
+        first_hashes.iter().all(|h| held.contains(h)),
+        "{held:?} lacks {first_hashes:?}"
+    );
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

@@ -91,6 +91,9 @@ pub struct JobRecord {
     /// when it claims the attempt, so the consumer rebuilds with the same one.
     #[serde(default)]
     pub translator: Option<TranslatorHash>,
+    /// Leading prompt tokens the producer took from its prefix cache instead of computing.
+    #[serde(default)]
+    pub cached_prefix_tokens: u64,
     /// What the job asks for (the prompt's tokens and the generation settings); `None` for a
     /// record made only to be scheduled (the scheduler's own tests).
     #[serde(default)]
@@ -180,6 +183,7 @@ impl JobRecord {
             layer_bytes: Vec::new(),
             payload_bytes: 0,
             translator: None,
+            cached_prefix_tokens: 0,
             request: None,
             output: None,
             error: None,

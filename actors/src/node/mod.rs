@@ -49,6 +49,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{NodeConfig, NodeRole};
 use crate::metrics::{NodeMetrics, QueueLabels, StateLabels};
 use crate::pipeline::PipelineOptions;
+use crate::prefix_cache::PrefixCache;
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
 pub use served::{ServeError, Served, ServedExpert};
@@ -163,7 +164,15 @@ impl Node {
         let table: ActorTable = Arc::new(RwLock::new(Actors::default()));
         let inbound = Arc::new(StdMutex::new(Vec::new()));
         let restarts = Arc::new(AtomicU64::new(0));
+        let prefix_cache = (producer_role && config.limits.prefix_cache_mib > 0).then(|| {
+            Arc::new(PrefixCache::new(
+                &served.base_id,
+                scd_scheduler::prefix::DEFAULT_BLOCK_TOKENS,
+                config.limits.prefix_cache_mib << 20,
+            ))
+        });
         let (supervisor, supervisor_task) = supervisor::start(SupervisorArgs {
+            prefix_cache: prefix_cache.clone(),
             served: served.clone(),
             producer_role,
             consumer_role,
@@ -215,6 +224,7 @@ impl Node {
             admin: config.has_role(NodeRole::Admin),
             keys,
             served,
+            prefix_cache,
             translators,
             codec_options: CodecOptions {
                 code_dtype: config.codec.code_dtype.dtype(),
@@ -277,6 +287,13 @@ impl Node {
             tokio::spawn(work::follow_jobs(work.clone())),
             tokio::spawn(report_load(registration.clone(), load_rx, cancel.clone())),
         ]);
+        if let Some(cache) = &work.prefix_cache {
+            tasks.push(tokio::spawn(advertise_prefixes(
+                registration.clone(),
+                cache.clone(),
+                cancel.clone(),
+            )));
+        }
         tracing::info!(node = id, %addr, producer = producer_role, consumer = consumer_role, "node started");
         Ok(Self {
             id,
@@ -554,6 +571,11 @@ async fn serve_metrics(
                         };
                         m.cluster_jobs.get_or_create(&labels).set(n as i64);
                     }
+                    if let Some(cache) = &work.prefix_cache {
+                        let s = cache.stats();
+                        m.prefix_cache_bytes.set(s.bytes as i64);
+                        m.prefix_cache_blocks.set(s.blocks as i64);
+                    }
                     let (producer, consumer) = work.waiting(jobs.iter().map(|(j, _)| j));
                     for (queue, n) in [("producer", producer), ("consumer", consumer)] {
                         let labels = QueueLabels {
@@ -580,6 +602,33 @@ async fn serve_metrics(
         .await
     {
         tracing::warn!(error = %e, "the metrics endpoint stopped");
+    }
+}
+
+/// Most prefix hashes a node advertises (the most recently used).
+const ADVERTISED_PREFIXES: usize = 1024;
+
+/// Writes the prefix blocks the producer's cache holds into the node's registration as they
+/// change, for the scheduler's prefix affinity.
+async fn advertise_prefixes(
+    registration: Arc<Registration>,
+    cache: Arc<PrefixCache>,
+    cancel: CancellationToken,
+) {
+    let mut changed = cache.subscribe();
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            c = changed.changed() => if c.is_err() { return },
+        }
+        changed.borrow_and_update();
+        let held = cache.held(ADVERTISED_PREFIXES);
+        if let Err(e) = registration
+            .update(|info| info.prefix_hashes = held.clone())
+            .await
+        {
+            tracing::debug!(error = %e, "advertising the cached prefixes failed");
+        }
     }
 }
 

@@ -94,6 +94,8 @@ pub(crate) struct SupervisorArgs {
     pub inbound: Arc<StdMutex<Vec<Connection>>>,
     /// Restarts so far.
     pub restarts: Arc<AtomicU64>,
+    /// The producer's prefix cache (kept across its restarts).
+    pub prefix_cache: Option<Arc<crate::prefix_cache::PrefixCache>>,
 }
 
 /// The supervisor's state: its arguments and its children by actor id.
@@ -117,6 +119,7 @@ impl SupervisorState {
             Child::Producer => {
                 let args = ProducerArgs {
                     model: a.served.base.clone(),
+                    prefix_cache: a.prefix_cache.clone(),
                 };
                 let (r, _) = Actor::spawn_linked(None, Producer, args, me).await?;
                 write(&a.table).producer = Some(r.clone());

@@ -51,6 +51,8 @@ pub(crate) struct Work {
     pub store: Arc<dyn MetaStore>,
     pub jobs: JobStore,
     pub served: Arc<Served>,
+    /// The producer's prefix cache (producer role, unless turned off).
+    pub prefix_cache: Option<Arc<crate::prefix_cache::PrefixCache>>,
     /// The translator versions of its experts, following the cluster's live ones.
     pub translators: NodeTranslators,
     pub codec_options: CodecOptions,
@@ -305,6 +307,10 @@ impl Work {
                     }
                 }
                 m.bytes_sent.inc_by(bytes);
+                let cached_tokens = done.cached_tokens as u64;
+                if self.prefix_cache.is_some() && done.prefill.is_some() {
+                    m.prefix_lookup(cached_tokens);
+                }
                 m.finished("producer", "done");
                 if let Some(t) = &self.telemetry {
                     let layers = done
@@ -355,6 +361,7 @@ impl Work {
                             }
                         }
                         j.payload_bytes = bytes;
+                        j.cached_prefix_tokens = cached_tokens;
                         if j.state == JobState::Prefilling && j.attempts == attempt {
                             j.transition(JobState::Transferring, now_ms())?;
                         }
