@@ -150,7 +150,8 @@ pub struct StageRecord {
     pub name: &'static str,
     /// When it ran.
     pub span: StageSpan,
-    /// Events inside it: name, when (ms since the epoch), attributes.
+    /// Points inside it, one per layer: name, when (ms since the epoch), attributes. Each
+    /// becomes a child span from the point before it (or the stage's start).
     pub events: Vec<(&'static str, f64, Vec<KeyValue>)>,
 }
 
@@ -335,8 +336,18 @@ impl Telemetry {
                 .span_builder(stage.name)
                 .with_start_time(at(stage.span.start_ms))
                 .start_with_context(&self.tracer, &cx);
+            // One child span per layer: from the previous layer's point (or the stage's start)
+            // to this layer's, so that the trace shows where each layer's time went.
+            let stage_cx = cx.with_remote_span_context(span.span_context().clone());
+            let mut from = stage.span.start_ms;
             for (event, ms, attrs) in stage.events {
-                span.add_event_with_timestamp(event, at(ms), attrs);
+                self.tracer
+                    .span_builder(event)
+                    .with_start_time(at(from.min(ms)))
+                    .with_attributes(attrs)
+                    .start_with_context(&self.tracer, &stage_cx)
+                    .end_with_timestamp(at(ms));
+                from = ms;
             }
             span.end_with_timestamp(at(stage.span.end_ms));
         }

@@ -127,12 +127,36 @@ async fn a_jobs_spans_on_two_nodes_join_one_trace() {
             );
         }
     }
-    // An event per layer: when the producer encoded it, when its codes reached the consumer.
+    // A span per layer under its stage: up to when the producer encoded it, up to when its
+    // codes reached the consumer.
     let layers = m.base.config().num_layers;
-    let produced = spans(&producer_spans);
-    assert_eq!(named(&produced, "encode").events.len(), layers);
-    let consumed = spans(&consumer_spans);
-    assert!(named(&consumed, "arrivals").events.len() >= layers);
+    for (exporter, stage, layer_span) in [
+        (&producer_spans, "encode", "layer encoded"),
+        (&consumer_spans, "arrivals", "layer arrived"),
+    ] {
+        let all = spans(exporter);
+        let parent = named(&all, stage).span_context.span_id();
+        let per_layer: Vec<&SpanData> = all.iter().filter(|s| s.name == layer_span).collect();
+        assert!(
+            per_layer.len() >= layers,
+            "{layer_span}: {}",
+            per_layer.len()
+        );
+        let mut seen: Vec<i64> = per_layer
+            .iter()
+            .map(|s| {
+                assert_eq!(s.parent_span_id, parent, "{layer_span}");
+                assert!(s.start_time <= s.end_time);
+                match attr(s, "scd.layer") {
+                    Some(Value::I64(l)) => *l,
+                    other => panic!("{layer_span}: layer attribute {other:?}"),
+                }
+            })
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen, (0..layers as i64).collect::<Vec<_>>(), "{layer_span}");
+    }
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
@@ -228,6 +252,11 @@ async fn spans_reach_a_real_otlp_receiver() {
             (service, s["name"].as_str().unwrap().to_owned())
         })
         .collect();
+    // The per-layer spans arrived too; the rest is checked by name.
+    let layers = m.base.config().num_layers;
+    let encoded = names.iter().filter(|(_, n)| n == "layer encoded").count();
+    assert_eq!(encoded, layers);
+    names.retain(|(_, n)| !n.starts_with("layer "));
     names.sort();
     let want: Vec<(String, String)> = [
         ("client", "job"),
