@@ -331,6 +331,18 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
     );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["state"], "done");
+    // The trace id printed at submission is the job's trace.
+    let trace = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("trace "))
+        .expect("the trace id on stderr")
+        .trim();
+    assert!(
+        summary["traceparent"]
+            .as_str()
+            .is_some_and(|p| p.contains(trace)),
+        "{summary}"
+    );
     assert_eq!(summary["job"], job.as_str());
     assert_eq!(
         summary["text"].as_str().unwrap().trim_end(),

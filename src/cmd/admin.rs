@@ -306,6 +306,8 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     exit(runtime.block_on(async {
         let (endpoint, conn) = connect(&args.target).await?;
         let job_id = JobId::random();
+        // The job's trace starts here, so its id is known before the cluster answers.
+        let trace = TraceContext::fresh();
         let request = Control::Submit(SubmitRequest {
             job_id,
             expert: args.expert.clone(),
@@ -316,9 +318,12 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             temperature_milli: milli(args.temperature),
             top_p_milli: milli(args.top_p),
             seed: args.seed,
-            trace: TraceContext::new(),
+            trace: trace.clone(),
         });
         eprintln!("job {job_id}");
+        if let Some(id) = trace.trace_id() {
+            eprintln!("trace {id}");
+        }
         let call = conn
             .call_admin(request)
             .await

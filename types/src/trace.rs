@@ -84,6 +84,29 @@ impl TraceContext {
         Self::default()
     }
 
+    /// A context that starts a new trace: a W3C `traceparent` with a random trace id and
+    /// parent span id, sampled. A client that makes one knows the trace id before the cluster
+    /// has seen the job, and every span of the job joins that trace.
+    pub fn fresh() -> Self {
+        let (trace, span): (u128, u64) = (rand::random(), rand::random());
+        // All-zero ids are invalid in W3C trace context.
+        let (trace, span) = (trace.max(1), span.max(1));
+        let mut cx = Self::new();
+        cx.entries.push(TraceEntry {
+            key: "traceparent".into(),
+            value: format!("00-{trace:032x}-{span:016x}-01"),
+        });
+        cx
+    }
+
+    /// The trace id of its `traceparent`, if it has a well-formed one.
+    pub fn trace_id(&self) -> Option<&str> {
+        let parent = self.get("traceparent")?;
+        let mut parts = parent.split('-');
+        let (_, trace) = (parts.next()?, parts.next()?);
+        (trace.len() == 32 && trace.bytes().all(|b| b.is_ascii_hexdigit())).then_some(trace)
+    }
+
     /// Sets `key` to `value`, replacing an earlier value.
     pub fn insert(
         &mut self,
@@ -163,6 +186,20 @@ mod tests {
     use super::*;
 
     const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn a_fresh_context_starts_a_new_trace() {
+        let (a, b) = (TraceContext::fresh(), TraceContext::fresh());
+        let id = a.trace_id().unwrap();
+        assert_eq!(id.len(), 32);
+        assert_ne!(Some(id), b.trace_id());
+        let parent = a.get("traceparent").unwrap();
+        assert!(
+            parent.starts_with("00-") && parent.ends_with("-01"),
+            "{parent}"
+        );
+        assert_eq!(TraceContext::new().trace_id(), None);
+    }
 
     #[test]
     fn insert_get_replace_and_limits() {
