@@ -26,6 +26,16 @@ pub enum ClientError {
         /// The experts that are served, for the message.
         known: String,
     },
+    /// No live node prefills the expert's base model.
+    #[error(
+        "no producer serves expert {expert}: start a node with the producer role and base {base}"
+    )]
+    NoProducer {
+        /// The expert asked for.
+        expert: String,
+        /// Its base model.
+        base: String,
+    },
     /// The prompt cannot be a job.
     #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
     PromptTooShort(usize),
@@ -139,6 +149,17 @@ impl ClusterClient {
             .ok()
             .flatten()
             .and_then(|r| r.base);
+        if let Some(base) = &base {
+            if !nodes
+                .values()
+                .any(|n| n.producer_models.iter().any(|m| m == base))
+            {
+                return Err(ClientError::NoProducer {
+                    expert: expert.to_owned(),
+                    base: base.clone(),
+                });
+            }
+        }
         let prefix_hashes = match base {
             Some(base) => scd_scheduler::prefix::block_hashes(
                 &base,

@@ -114,6 +114,22 @@ async fn bad_jobs_fail_with_their_reason_and_the_next_job_runs() {
         "{message}"
     );
 
+    // An expert whose base no node prefills: refused too, saying what to start.
+    let alone = Cluster::new();
+    let expert_only = alone.start(&config("mail-1", "\"consumer\"", true)).await;
+    let err = alone
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 4))
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, ClientError::NoProducer { .. }), "{err:?}");
+    assert!(
+        message.contains("producer role") && message.contains(common::MODEL_FILE),
+        "{message}"
+    );
+    expert_only.shutdown(Duration::ZERO).await;
+
     // A token outside the vocabulary: the producer refuses the job, the record says why.
     let mut bad = prompt.clone();
     bad[3] = u32::MAX;

@@ -43,7 +43,9 @@ impl Refused {
 impl From<ClientError> for Refused {
     fn from(e: ClientError) -> Self {
         let code = match &e {
-            ClientError::NoConsumer { .. } | ClientError::PromptTooShort(_) => error_code::REFUSED,
+            ClientError::NoConsumer { .. }
+            | ClientError::NoProducer { .. }
+            | ClientError::PromptTooShort(_) => error_code::REFUSED,
             ClientError::Gone(_) | ClientError::Record(RecordError::NotFound(_)) => {
                 error_code::NOT_FOUND
             }

@@ -137,10 +137,12 @@ impl IntoResponse for ApiError {
 impl From<ClientError> for ApiError {
     fn from(e: ClientError) -> Self {
         match e {
-            ClientError::NoConsumer { .. } => ApiError::bad_request(e.to_string())
-                .status(StatusCode::NOT_FOUND)
-                .code("model_not_found")
-                .param("model"),
+            ClientError::NoConsumer { .. } | ClientError::NoProducer { .. } => {
+                ApiError::bad_request(e.to_string())
+                    .status(StatusCode::NOT_FOUND)
+                    .code("model_not_found")
+                    .param("model")
+            }
             ClientError::PromptTooShort(_) => ApiError::bad_request(e.to_string()),
             e => ApiError::server(e.to_string()),
         }
