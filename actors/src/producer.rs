@@ -131,15 +131,9 @@ impl Actor for Producer {
             ProducerMsg::Prefill(job, reply) => {
                 let model = Arc::clone(&state.model);
                 let cache = state.prefix_cache.clone();
-                run_and_reply(
-                    "prefill",
-                    reply,
-                    ProducerError::Internal,
-                    move |rt| match cache {
-                        Some(cache) => prefill_cached(rt, &model, &cache, job),
-                        None => prefill(rt, &model, job),
-                    },
-                )
+                run_and_reply("prefill", reply, ProducerError::Internal, move |rt| {
+                    prefill(rt, &model, cache.as_deref(), job)
+                })
                 .await;
             }
         }
@@ -174,58 +168,15 @@ fn send(
     })
 }
 
-/// Embeds the prefix and runs the layers one at a time, sending each capture on.
+/// Embeds the prefix and runs the layers one at a time, sending each capture on as the codec
+/// asked for it. With a prefix cache, the cached leading blocks' rows are taken as they are and
+/// only the rest of the prefix is computed, on top of their K and V; every layer's capture is
+/// the cached rows then the computed ones, and the prefix's new whole blocks are cached at the
+/// end (which is why, with a cache, every layer's every capture is kept).
 fn prefill(
     rt: &Handle,
     model: &Llama,
-    job: PrefillJob,
-) -> Result<Option<Prefilled>, ProducerError> {
-    let Some(capture) = check(model, &job)? else {
-        return Ok(None);
-    };
-    let PrefillJob {
-        prefix,
-        captures,
-        cancel,
-        ..
-    } = job;
-    let start = Instant::now();
-    let ids = Tensor::new(prefix.as_slice(), &Device::Cpu)?;
-    let mut hidden = model.embedding().index_select(&ids, 0)?;
-    let mut captured = Vec::with_capacity(1);
-    for layer in 0..model.config().num_layers {
-        if cancel.is_cancelled() {
-            return Err(ProducerError::Cancelled);
-        }
-        hidden = model.forward_layers_capture(
-            &hidden,
-            layer..layer + 1,
-            0,
-            None,
-            &capture,
-            &mut captured,
-        )?;
-        for c in captured.drain(..) {
-            send(rt, &captures, c, &cancel)?;
-        }
-    }
-    Ok(Some(Prefilled {
-        span: Span {
-            start,
-            end: Instant::now(),
-        },
-        cached_tokens: 0,
-    }))
-}
-
-/// [`prefill`] through the prefix cache: the cached leading blocks' rows are taken as they
-/// are, the rest of the prefix is computed on top of their K and V, and every layer's capture
-/// (cached rows, then computed ones) goes on as the codec asked for it. The prefix's new whole
-/// blocks are cached at the end.
-fn prefill_cached(
-    rt: &Handle,
-    model: &Llama,
-    cache: &PrefixCache,
+    cache: Option<&PrefixCache>,
     job: PrefillJob,
 ) -> Result<Option<Prefilled>, ProducerError> {
     let Some(wanted) = check(model, &job)? else {
@@ -238,18 +189,20 @@ fn prefill_cached(
         ..
     } = job;
     let start = Instant::now();
-    let chain = cache.hashes(&prefix);
-    let run = cache.lookup(&chain);
-    let block = cache.block_tokens();
+    let chain = cache.map(|c| c.hashes(&prefix)).unwrap_or_default();
+    let run = cache.map(|c| c.lookup(&chain)).unwrap_or_default();
+    let block = cache.map_or(1, PrefixCache::block_tokens);
     let cached = run.len() * block;
     let layers = model.config().num_layers;
-    // Everything a codec may capture, for every layer: what the cache keeps.
-    let all = Capture {
-        k_pre_rope: true,
-        v: true,
-        h_in: true,
-        hidden: true,
-        layers: None,
+    let capture = match cache {
+        Some(_) => Capture {
+            k_pre_rope: true,
+            v: true,
+            h_in: true,
+            hidden: true,
+            layers: None,
+        },
+        None => wanted.clone(),
     };
     let rest = &prefix[cached..];
     let mut hidden = match rest.is_empty() {
@@ -261,8 +214,7 @@ fn prefill_cached(
     };
     let mut kv = KvCache::new(model.config());
     let positions: Vec<u32> = (0..cached as u32).collect();
-    let new_blocks = chain.len() - run.len();
-    let mut pending: Vec<Vec<LayerRows>> = (0..new_blocks)
+    let mut pending: Vec<Vec<LayerRows>> = (run.len()..chain.len())
         .map(|_| Vec::with_capacity(layers))
         .collect();
     let mut captured = Vec::with_capacity(1);
@@ -271,78 +223,87 @@ fn prefill_cached(
             return Err(ProducerError::Cancelled);
         }
         let from_cache =
-            |pick: fn(&LayerRows) -> &Tensor| -> Result<Option<Tensor>, candle_core::Error> {
+            |pick: fn(&LayerRows) -> &Tensor| -> Result<Option<Tensor>, ProducerError> {
                 if run.is_empty() {
                     return Ok(None);
                 }
                 let parts: Vec<&Tensor> = run.iter().map(|b| pick(&b.layers[layer])).collect();
-                Tensor::cat(&parts, 0).map(Some)
+                Ok(Some(Tensor::cat(&parts, 0)?))
             };
         let k_cached = from_cache(|r| &r.k_pre_rope)?;
         let v_cached = from_cache(|r| &r.v)?;
-        let h_cached = from_cache(|r| &r.h_in)?;
-        let x_cached = from_cache(|r| &r.hidden)?;
         let computed = match hidden.take() {
             Some(h) => {
                 if let (Some(k), Some(v)) = (&k_cached, &v_cached) {
                     kv.fill_layer_pre_rope(model.rope(), layer, k, v, &positions)?;
                 }
-                let cache = (cached > 0).then_some(&mut kv);
                 hidden = Some(model.forward_layers_capture(
                     &h,
                     layer..layer + 1,
                     cached,
-                    cache,
-                    &all,
+                    (cached > 0).then_some(&mut kv),
+                    &capture,
                     &mut captured,
                 )?);
                 captured.pop()
             }
             None => None,
         };
-        let join = |c: Option<Tensor>, n: Option<&Tensor>| -> Result<Tensor, ProducerError> {
-            match (c, n) {
-                (Some(c), Some(n)) => Ok(Tensor::cat(&[&c, n], 0)?),
-                (Some(c), None) => Ok(c),
-                (None, Some(n)) => Ok(n.clone()),
-                (None, None) => Err(ProducerError::Internal(format!(
-                    "layer {layer}: no rows from the cache or the prefill"
-                ))),
-            }
-        };
-        let n = computed.as_ref();
-        let full = LayerRows {
-            k_pre_rope: join(k_cached, n.and_then(|c| c.k_pre_rope.as_ref()))?,
-            v: join(v_cached, n.and_then(|c| c.v.as_ref()))?,
-            h_in: join(h_cached, n.and_then(|c| c.h_in.as_ref()))?,
-            hidden: join(x_cached, n.and_then(|c| c.hidden.as_ref()))?,
-        };
-        for (j, rows) in pending.iter_mut().enumerate() {
-            let at = (run.len() + j) * block;
-            rows.push(LayerRows {
-                k_pre_rope: full.k_pre_rope.narrow(0, at, block)?,
-                v: full.v.narrow(0, at, block)?,
-                h_in: full.h_in.narrow(0, at, block)?,
-                hidden: full.hidden.narrow(0, at, block)?,
-            });
+        let sends = wanted.layers.as_ref().is_none_or(|l| l.contains(&layer));
+        if cache.is_none() && !sends {
+            continue;
         }
-        if wanted.layers.as_ref().is_none_or(|l| l.contains(&layer)) {
+        // Cached rows, then computed ones.
+        let join =
+            |c: Option<Tensor>, n: Option<&Tensor>| -> Result<Option<Tensor>, ProducerError> {
+                Ok(match (c, n) {
+                    (Some(c), Some(n)) => Some(Tensor::cat(&[&c, n], 0)?),
+                    (c, n) => c.or_else(|| n.cloned()),
+                })
+            };
+        let n = computed.as_ref();
+        let k = join(k_cached, n.and_then(|c| c.k_pre_rope.as_ref()))?;
+        let v = join(v_cached, n.and_then(|c| c.v.as_ref()))?;
+        let h_in = join(from_cache(|r| &r.h_in)?, n.and_then(|c| c.h_in.as_ref()))?;
+        let x = join(
+            from_cache(|r| &r.hidden)?,
+            n.and_then(|c| c.hidden.as_ref()),
+        )?;
+        if !pending.is_empty() {
+            let (Some(k), Some(v), Some(h_in), Some(x)) = (&k, &v, &h_in, &x) else {
+                return Err(ProducerError::Internal(format!(
+                    "layer {layer}: a capture the prefix cache keeps is missing"
+                )));
+            };
+            for (j, rows) in pending.iter_mut().enumerate() {
+                let at = (run.len() + j) * block;
+                rows.push(LayerRows {
+                    k_pre_rope: k.narrow(0, at, block)?,
+                    v: v.narrow(0, at, block)?,
+                    h_in: h_in.narrow(0, at, block)?,
+                    hidden: x.narrow(0, at, block)?,
+                });
+            }
+        }
+        if sends {
             let c = LayerCapture {
                 layer,
-                k_pre_rope: wanted.k_pre_rope.then_some(full.k_pre_rope),
-                v: wanted.v.then_some(full.v),
-                h_in: wanted.h_in.then_some(full.h_in),
-                hidden: wanted.hidden.then_some(full.hidden),
+                k_pre_rope: k.filter(|_| wanted.k_pre_rope),
+                v: v.filter(|_| wanted.v),
+                h_in: h_in.filter(|_| wanted.h_in),
+                hidden: x.filter(|_| wanted.hidden),
             };
             send(rt, &captures, c, &cancel)?;
         }
     }
-    let new = pending
-        .into_iter()
-        .enumerate()
-        .map(|(j, layers)| (run.len() + j, Block { layers }))
-        .collect();
-    cache.insert_chain(&chain, new);
+    if let Some(cache) = cache {
+        let new = pending
+            .into_iter()
+            .enumerate()
+            .map(|(j, layers)| (run.len() + j, Block { layers }))
+            .collect();
+        cache.insert_chain(&chain, new);
+    }
     Ok(Some(Prefilled {
         span: Span {
             start,
