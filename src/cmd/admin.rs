@@ -595,6 +595,9 @@ fn describe(s: &serde_json::Value) -> String {
     if let Some(b) = s["payload_bytes"].as_u64().filter(|b| *b > 0) {
         parts.push(format!("{b} bytes on the wire"));
     }
+    if let Some(n) = s["cached_prefix_tokens"].as_u64().filter(|n| *n > 0) {
+        parts.push(format!("{n} prompt tokens from the prefix cache"));
+    }
     if let (Some(p), Some(c)) = (s["producer"].as_str(), s["consumer"].as_str()) {
         parts.push(format!("{p} -> {c}"));
     }

@@ -379,6 +379,8 @@ fn summary(job: &JobRecord) -> String {
         "stop": job.output.as_ref().map(|o| o.stop.clone()),
         "tokens": job.output.as_ref().map_or(0, |o| o.tokens.len()),
         "payload_bytes": job.payload_bytes,
+        "cached_prefix_tokens": job.cached_prefix_tokens,
+        "translator": job.translator.map(|h| h.to_string()),
         "timings_ms": job.timings_ms,
         "traceparent": job.trace.get("traceparent"),
     })
