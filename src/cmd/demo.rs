@@ -81,6 +81,10 @@ key = "unused.key"
 
 [codec]
 code_dtype = "{dtype}"
+
+# Off: every mode runs the same prompt, and each should pay for its own prefill.
+[limits]
+prefix_cache_mib = 0
 "#,
         model = model.display(),
         name = args.expert,
