@@ -9,10 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    config, config_with, models, prompt, reference, repo, request, Cluster, MAX_TOKENS, WAIT,
+    config, config_with, models, prompt, reference_for, repo, request, Cluster, MAX_TOKENS, WAIT,
 };
-use scd_actors::{ClientError, JobCodec};
-use scd_models::codec::CodecOptions;
+use scd_actors::ClientError;
 use scd_models::translator::Translator;
 use scd_scheduler::{JobState, Keys, Mode, TranslatorManifest, TranslatorRegistry};
 
@@ -24,15 +23,8 @@ async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_refere
     let (producer, consumer) = cluster.two_nodes().await;
 
     for mode in [Mode::Raw, Mode::Scd, Mode::Q4, Mode::Oracle] {
-        let (t, index) = &m.translator;
-        let codec = JobCodec::for_mode(mode, Some((t, *index)), &CodecOptions::default()).unwrap();
-        let want = reference(m, codec.codec.as_ref(), &prompt);
-        let id = cluster
-            .client
-            .submit("mail", mode, request(&prompt, MAX_TOKENS))
-            .await
-            .unwrap();
-        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        let want = reference_for(m, mode, &prompt);
+        let job = cluster.run_mail(mode, &prompt, MAX_TOKENS).await;
         assert_eq!(job.state, JobState::Done, "{mode}: {:?}", job.error);
         assert_eq!(job.producer.as_deref(), Some("prefill-0"));
         assert_eq!(job.consumer.as_deref(), Some("mail-0"));
@@ -266,17 +258,7 @@ async fn nodes_follow_the_live_translator_version_and_refuse_one_they_cannot_use
         pair[0].active.as_ref().map(|a| a.content_hash),
         Some(shipped)
     );
-    let run = |mode| {
-        let client = &cluster.client;
-        let prompt = &prompt;
-        async move {
-            let id = client
-                .submit("mail", mode, request(prompt, 4))
-                .await
-                .unwrap();
-            client.wait(id, WAIT).await.unwrap()
-        }
-    };
+    let run = |mode| cluster.run_mail(mode, &prompt, 4);
     let job = run(Mode::Scd).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     assert_eq!(job.translator, Some(shipped));
@@ -424,15 +406,8 @@ async fn a_repeated_prefix_comes_from_the_producers_cache() {
     assert!(whole > 0);
     let mut first_hashes = Vec::new();
     for (mode, cached) in [(Mode::Raw, 0), (Mode::Scd, whole), (Mode::Raw, whole)] {
-        let (t, index) = &m.translator;
-        let codec = JobCodec::for_mode(mode, Some((t, *index)), &CodecOptions::default()).unwrap();
-        let want = reference(m, codec.codec.as_ref(), &prompt);
-        let id = cluster
-            .client
-            .submit("mail", mode, request(&prompt, MAX_TOKENS))
-            .await
-            .unwrap();
-        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        let want = reference_for(m, mode, &prompt);
+        let job = cluster.run_mail(mode, &prompt, MAX_TOKENS).await;
         assert_eq!(job.state, JobState::Done, "{mode}: {:?}", job.error);
         assert_eq!(job.cached_prefix_tokens, cached as u64, "{mode}");
         assert_eq!(job.output.unwrap().tokens, want, "{mode}, {cached} cached");

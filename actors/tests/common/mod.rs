@@ -119,6 +119,14 @@ pub fn scd_codec(m: &Models) -> JobCodec {
     codec
 }
 
+/// [`reference`] for `mode` with the shipped mail translator.
+#[allow(dead_code)]
+pub fn reference_for(m: &Models, mode: Mode, prompt: &[u32]) -> Vec<u32> {
+    let (t, index) = &m.translator;
+    let codec = JobCodec::for_mode(mode, Some((t, *index)), &CodecOptions::default()).unwrap();
+    reference(m, codec.codec.as_ref(), prompt)
+}
+
 /// The same mode in one process, without actors or QUIC: the whole prefix's captures encoded,
 /// decoded with the codec's layer decoder, generated with the same function.
 pub fn reference(m: &Models, codec: &dyn Codec, prompt: &[u32]) -> Vec<u32> {
@@ -227,6 +235,21 @@ impl Cluster {
         )
         .await
         .unwrap()
+    }
+
+    /// Submits a mail job for `prompt` in `mode` and waits for its record to finish.
+    pub async fn run_mail(
+        &self,
+        mode: Mode,
+        prompt: &[u32],
+        max_tokens: usize,
+    ) -> scd_scheduler::JobRecord {
+        let id = self
+            .client
+            .submit("mail", mode, request(prompt, max_tokens))
+            .await
+            .unwrap();
+        self.client.wait(id, WAIT).await.unwrap()
     }
 
     /// The producer node (also the scheduler replica) and a consumer node serving mail.
