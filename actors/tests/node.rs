@@ -423,3 +423,55 @@ async fn a_repeated_prefix_comes_from_the_producers_cache() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// The scheduler's prefix affinity: a prompt whose blocks one producer holds goes to that
+/// producer, ahead of the one the load and id order would pick; another prompt does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prompt_goes_to_the_producer_holding_its_prefix() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let holder = cluster
+        .start(&config("prefill-1", "\"producer\", \"scheduler\"", true))
+        .await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let first = cluster.run_mail(Mode::Raw, &prompt, 4).await;
+    assert_eq!(first.producer.as_deref(), Some("prefill-1"));
+    // A second producer joins; with equal loads, the id order would pick it first.
+    let other = cluster
+        .start(&config("prefill-0", "\"producer\"", true))
+        .await;
+    let keys = Keys::default();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let pools = scd_scheduler::service::read_pools(cluster.store.as_ref(), &keys)
+            .await
+            .unwrap();
+        let nodes = cluster.client.nodes().await.unwrap();
+        let both = pools.get("mail").is_some_and(|p| p.len() == 2);
+        let advertised = nodes.get("prefill-1").is_some_and(|n| {
+            first
+                .prefix_hashes
+                .iter()
+                .all(|h| n.prefix_hashes.contains(h))
+        });
+        if both && advertised {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "pools {pools:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = cluster.run_mail(Mode::Raw, &prompt, 4).await;
+    assert_eq!(again.state, JobState::Done, "{:?}", again.error);
+    assert_eq!(again.producer.as_deref(), Some("prefill-1"));
+    assert!(again.cached_prefix_tokens > 0);
+    // A prompt none of whose blocks are held goes by load, then id.
+    let fresh: Vec<u32> = prompt.iter().rev().copied().collect();
+    let elsewhere = cluster.run_mail(Mode::Raw, &fresh, 4).await;
+    assert_eq!(elsewhere.state, JobState::Done, "{:?}", elsewhere.error);
+    assert_eq!(elsewhere.producer.as_deref(), Some("prefill-0"));
+    assert_eq!(elsewhere.cached_prefix_tokens, 0);
+    for node in [other, consumer, holder] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}
