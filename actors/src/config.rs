@@ -284,8 +284,8 @@ pub struct TracingConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
-    /// Jobs waiting for a worker on this node; past it a job is refused as busy, so that the
-    /// scheduler places it elsewhere. Default 64.
+    /// Job streams waiting for a decoder on this node (consumer role); past it a new one is
+    /// refused as busy. Default 64.
     pub queued_jobs: NonZeroUsize,
     /// Jobs worked on at once. Default 2: the models run on the CPU, so more would share the
     /// same cores without finishing sooner.

@@ -58,10 +58,6 @@ use translators::NodeTranslators;
 pub use translators::VersionError;
 use work::Work;
 
-/// Streams that arrived before any decoder took them, waiting for the node to look their job
-/// up; past this many, a new stream is refused as busy.
-const NEW_STREAMS_QUEUE: usize = 64;
-
 /// Errors starting or stopping a node.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -160,7 +156,9 @@ impl Node {
         let endpoint = Endpoint::bind(config.node.listen, identity, transport.clone())?;
         let addr = endpoint.local_addr().map_err(NodeError::Address)?;
 
-        let (new_streams_tx, new_streams) = mpsc::channel(NEW_STREAMS_QUEUE);
+        // Job streams that arrived before a decoder took them; past `[limits] queued_jobs`, a
+        // new stream is refused as busy.
+        let (new_streams_tx, new_streams) = mpsc::channel(config.limits.queued_jobs.get());
         let table: ActorTable = Arc::new(RwLock::new(Actors::default()));
         let inbound = Arc::new(StdMutex::new(Vec::new()));
         let restarts = Arc::new(AtomicU64::new(0));
