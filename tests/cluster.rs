@@ -349,13 +349,16 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         want_mail_scd.trim_end()
     );
     // The operator's views: nodes, pools, jobs, one job's record.
-    let admin_json = |args: &[&str]| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_scd"))
+    let admin_cmd = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_scd"))
             .args(args)
             .args(["--node", &admin, "--name", "ops", "--pki-dir"])
             .arg(pki)
             .output()
-            .unwrap();
+            .unwrap()
+    };
+    let admin_json = |args: &[&str]| -> serde_json::Value {
+        let out = admin_cmd(args);
         assert!(
             out.status.success(),
             "{args:?}: {}",
@@ -453,21 +456,17 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         scd_models::translator::Translator::load(&repo().join("experts/mail/translator")).unwrap();
     other.layers[0].k.eigenvalues[0] *= 1.0 + 1e-6;
     let other_hash = other.save(&other_dir).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
-        .args([
-            "translators",
-            "publish",
-            "--expert",
-            "mail",
-            "--version",
-            "v2",
-        ])
-        .args(["--activate", "--translator"])
-        .arg(&other_dir)
-        .args(["--node", &admin, "--name", "ops", "--pki-dir"])
-        .arg(pki)
-        .output()
-        .unwrap();
+    let out = admin_cmd(&[
+        "translators",
+        "publish",
+        "--expert",
+        "mail",
+        "--version",
+        "v2",
+        "--activate",
+        "--translator",
+        other_dir.to_str().unwrap(),
+    ]);
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -510,30 +509,23 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
     let job = scd_job(&client).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     assert_eq!(job.translator, Some(other_hash));
-    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
-        .args(["translators", "rollback", "--expert", "mail"])
-        .args(["--node", &admin, "--name", "ops", "--pki-dir"])
-        .arg(pki)
-        .output()
-        .unwrap();
+    let out = admin_cmd(&["translators", "rollback", "--expert", "mail"]);
     let said = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && said.contains("live: "), "{said}");
+    assert!(
+        out.status.success() && said.contains(&format!("({})", shipped.short())),
+        "{said}"
+    );
     let job = scd_job(&client).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     // A version nobody published: refused, exit code 5, saying which.
-    let out = Command::new(env!("CARGO_BIN_EXE_scd"))
-        .args([
-            "translators",
-            "activate",
-            "--expert",
-            "mail",
-            "--version",
-            "v9",
-        ])
-        .args(["--node", &admin, "--name", "ops", "--pki-dir"])
-        .arg(pki)
-        .output()
-        .unwrap();
+    let out = admin_cmd(&[
+        "translators",
+        "activate",
+        "--expert",
+        "mail",
+        "--version",
+        "v9",
+    ]);
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(5), "{said}");
     assert!(said.contains("v9"), "{said}");

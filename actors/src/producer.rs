@@ -261,14 +261,28 @@ fn prefill(
                     (c, n) => c.or_else(|| n.cloned()),
                 })
             };
+        // Only the rows that are cached now or sent on are put together.
+        let needed = |field: bool| !pending.is_empty() || (sends && field);
         let n = computed.as_ref();
-        let k = join(k_cached, n.and_then(|c| c.k_pre_rope.as_ref()))?;
-        let v = join(v_cached, n.and_then(|c| c.v.as_ref()))?;
-        let h_in = join(from_cache(|r| &r.h_in)?, n.and_then(|c| c.h_in.as_ref()))?;
-        let x = join(
-            from_cache(|r| &r.hidden)?,
-            n.and_then(|c| c.hidden.as_ref()),
-        )?;
+        let k = match needed(wanted.k_pre_rope) {
+            true => join(k_cached, n.and_then(|c| c.k_pre_rope.as_ref()))?,
+            false => None,
+        };
+        let v = match needed(wanted.v) {
+            true => join(v_cached, n.and_then(|c| c.v.as_ref()))?,
+            false => None,
+        };
+        let h_in = match needed(wanted.h_in) {
+            true => join(from_cache(|r| &r.h_in)?, n.and_then(|c| c.h_in.as_ref()))?,
+            false => None,
+        };
+        let x = match needed(wanted.hidden) {
+            true => join(
+                from_cache(|r| &r.hidden)?,
+                n.and_then(|c| c.hidden.as_ref()),
+            )?,
+            false => None,
+        };
         if !pending.is_empty() {
             let (Some(k), Some(v), Some(h_in), Some(x)) = (&k, &v, &h_in, &x) else {
                 return Err(ProducerError::Internal(format!(

@@ -380,15 +380,27 @@ pub(crate) fn print_json(v: &serde_json::Value) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
-/// `scd nodes`: the live nodes, what they serve and their load.
-pub fn nodes(args: ListArgs) -> anyhow::Result<ExitCode> {
+/// Asks a node for `topic` and prints its answer: as JSON with `json`, else with `table`.
+pub(crate) fn show(
+    target: &Target,
+    topic: &str,
+    json: bool,
+    table: impl FnOnce(&serde_json::Value),
+) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     exit(runtime.block_on(async {
-        let v = inspect(&args.target, "nodes".into()).await?;
-        if args.json {
-            print_json(&v);
-            return Ok(());
+        let v = inspect(target, topic.into()).await?;
+        match json {
+            true => print_json(&v),
+            false => table(&v),
         }
+        Ok(())
+    }))
+}
+
+/// `scd nodes`: the live nodes, what they serve and their load.
+pub fn nodes(args: ListArgs) -> anyhow::Result<ExitCode> {
+    show(&args.target, "nodes", args.json, |v| {
         println!(
             "{:<16} {:<22} {:>9} {:<34} experts",
             "node", "address", "load", "produces"
@@ -414,19 +426,12 @@ pub fn nodes(args: ListArgs) -> anyhow::Result<ExitCode> {
                 list("consumer_models")
             );
         }
-        Ok(())
-    }))
+    })
 }
 
 /// `scd pools`: the producers the scheduler assigned to each expert.
 pub fn pools(args: ListArgs) -> anyhow::Result<ExitCode> {
-    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    exit(runtime.block_on(async {
-        let v = inspect(&args.target, "pools".into()).await?;
-        if args.json {
-            print_json(&v);
-            return Ok(());
-        }
+    show(&args.target, "pools", args.json, |v| {
         println!("{:<16} producers", "expert");
         for (expert, producers) in v.as_object().into_iter().flatten() {
             let p: Vec<&str> = producers
@@ -437,8 +442,7 @@ pub fn pools(args: ListArgs) -> anyhow::Result<ExitCode> {
                 .collect();
             println!("{expert:<16} {}", p.join(", "));
         }
-        Ok(())
-    }))
+    })
 }
 
 pub fn jobs(args: JobsArgs) -> anyhow::Result<ExitCode> {

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use scd_transport::Control;
 
-use crate::cmd::admin::{ask, exit, print_json, Failure, Target};
+use crate::cmd::admin::{ask, exit, show, Failure, Target};
 
 /// Arguments of `scd translators`.
 #[derive(clap::Args)]
@@ -88,24 +88,14 @@ pub enum Command {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if let Command::List { target, json } = &args.command {
+        return show(target, "translators", *json, print_list);
+    }
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     exit(runtime.block_on(async {
         match args.command {
-            Command::List { target, json } => {
-                let v = ask(
-                    &target,
-                    Control::Inspect {
-                        topic: "translators".into(),
-                    },
-                )
-                .await?;
-                if json {
-                    print_json(&v);
-                } else {
-                    print_list(&v);
-                }
-                Ok(())
-            }
+            // Answered above, without the change machinery.
+            Command::List { .. } => Ok(()),
             Command::Publish {
                 target,
                 pair,
