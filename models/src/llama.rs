@@ -171,7 +171,10 @@ impl Linear {
 }
 
 /// The projections of a block that LoRA can adapt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum Proj {
     /// Query projection.
     Q,
@@ -200,6 +203,40 @@ impl Proj {
         Proj::Up,
         Proj::Down,
     ];
+
+    /// The four attention projections: an adapter on these alone edits K and V directly.
+    pub const ATTENTION: [Proj; 4] = [Proj::Q, Proj::K, Proj::V, Proj::O];
+
+    /// Parses a list of targets: `all`, `attention`, or comma-separated short names
+    /// (`q,k,v,o,gate,up,down`), in block order without repeats.
+    pub fn parse_list(s: &str) -> Option<Vec<Proj>> {
+        match s {
+            "all" => return Some(Proj::ALL.to_vec()),
+            "attention" => return Some(Proj::ATTENTION.to_vec()),
+            _ => {}
+        }
+        let mut out = Vec::new();
+        for name in s.split(',').map(str::trim) {
+            let p = Proj::ALL.into_iter().find(|p| p.short_name() == name)?;
+            out.push(p);
+        }
+        out.sort();
+        out.dedup();
+        (!out.is_empty()).then_some(out)
+    }
+
+    /// The short name (`q`, `gate`, ..), as in a target list.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Proj::Q => "q",
+            Proj::K => "k",
+            Proj::V => "v",
+            Proj::O => "o",
+            Proj::Gate => "gate",
+            Proj::Up => "up",
+            Proj::Down => "down",
+        }
+    }
 
     /// The Hugging Face module path inside a decoder layer (`self_attn.q_proj`, `mlp.up_proj`..).
     pub fn hf_name(self) -> &'static str {

@@ -41,6 +41,7 @@ fn tiny_cfg() -> TrainConfig {
         weight_decay: 0.01,
         clip_norm: Some(1.0),
         valid_windows: 2,
+        targets: Proj::ALL.to_vec(),
     }
 }
 
@@ -152,6 +153,49 @@ fn resumed_run_equals_uninterrupted_run_and_seeds_matter() {
         err.to_string().contains("different hyperparameters"),
         "{err}"
     );
+}
+
+#[test]
+fn an_attention_only_run_adapts_those_projections_and_resumes_as_one() {
+    let (model, _) = base();
+    let data = tiny_data();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        targets: Proj::parse_list("attention").unwrap(),
+        ..tiny_cfg()
+    };
+    let mut t = Trainer::new(model, cfg.clone()).unwrap();
+    t.train_step(&data).unwrap();
+    t.save_checkpoint(dir.path()).unwrap();
+    let adapter = t.adapter(model, DType::F32).unwrap();
+    let layers = model.config().num_layers;
+    let mut got: Vec<_> = adapter.targets().collect();
+    got.sort();
+    let want: Vec<_> = (0..layers)
+        .flat_map(|l| Proj::ATTENTION.map(|p| (l, p)))
+        .collect();
+    assert_eq!(got, want);
+
+    let resumed = Trainer::resume(model, &cfg, dir.path()).unwrap().unwrap();
+    assert_eq!(resumed.step(), 1);
+    let again = resumed.adapter(model, DType::F32).unwrap();
+    let (a0, b0) = adapter.get(5, Proj::V).unwrap();
+    let (a1, b1) = again.get(5, Proj::V).unwrap();
+    assert_eq!(max_abs_diff(a0, a1), 0.0);
+    assert_eq!(max_abs_diff(b0, b1), 0.0);
+    assert!(again.get(5, Proj::Up).is_none());
+    // An all-projection run cannot resume it.
+    let all = TrainConfig {
+        targets: Proj::ALL.to_vec(),
+        ..cfg
+    };
+    let err = Trainer::resume(model, &all, dir.path()).unwrap_err();
+    assert!(
+        err.to_string().contains("different hyperparameters"),
+        "{err}"
+    );
+    assert_eq!(Proj::parse_list("v,k,k"), Some(vec![Proj::K, Proj::V]));
+    assert_eq!(Proj::parse_list("k,mlp"), None);
 }
 
 #[test]

@@ -10,6 +10,7 @@ use crate::progress::Progress;
 use anyhow::{bail, Context};
 use candle_core::DType;
 use scd_models::corpus::Corpus;
+use scd_models::llama::Proj;
 use scd_models::train::{
     self, FinetuneOptions, FinetuneOutcome, Schedule, TrainConfig, TrainEvent,
 };
@@ -67,6 +68,10 @@ pub struct Args {
     /// Validation windows.
     #[arg(long, default_value_t = 16)]
     pub valid_windows: usize,
+    /// Projections to adapt in every layer: `all`, `attention` (q, k, v, o), or a list such as
+    /// `q,k,v,o,down`.
+    #[arg(long, default_value = "all")]
+    pub targets: String,
     /// Steps between checkpoints.
     #[arg(long, default_value_t = 25)]
     pub checkpoint_every: usize,
@@ -103,6 +108,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         weight_decay: args.weight_decay,
         clip_norm: (args.clip > 0.0).then_some(args.clip),
         valid_windows: args.valid_windows,
+        targets: Proj::parse_list(&args.targets).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--targets {}: expected all, attention, or a comma list of q,k,v,o,gate,up,down",
+                args.targets
+            )
+        })?,
     };
     let corpus = Corpus::open(&args.corpus, &args.dirs.data_dir).context("opening the corpus")?;
     let (base, tok) = super::generate::load(&args.model)?;

@@ -128,8 +128,12 @@ impl Trainer {
         };
         let mut parts = BTreeMap::new();
         let mut moments = Vec::new();
+        // The moments were saved in the trainer's (layer, projection) order.
+        let mut targets = cfg.targets.clone();
+        targets.sort();
+        targets.dedup();
         for layer in 0..base.config().num_layers {
-            for proj in Proj::ALL {
+            for &proj in &targets {
                 let mut pair = Vec::with_capacity(2);
                 for which in ["A", "B"] {
                     let key = tensor_key(layer, proj, which);

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
+use crate::llama::Proj;
 
 /// Learning-rate decay after warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,6 +44,14 @@ pub struct TrainConfig {
     pub clip_norm: Option<f64>,
     /// Validation windows (of `seq_len` tokens, spread over the validation split).
     pub valid_windows: usize,
+    /// The projections the adapter edits, in every layer (runs written before this field
+    /// existed adapted all seven).
+    #[serde(default = "all_projections")]
+    pub targets: Vec<Proj>,
+}
+
+fn all_projections() -> Vec<Proj> {
+    Proj::ALL.to_vec()
 }
 
 impl Default for TrainConfig {
@@ -60,6 +69,7 @@ impl Default for TrainConfig {
             weight_decay: 0.0,
             clip_norm: Some(1.0),
             valid_windows: 16,
+            targets: all_projections(),
         }
     }
 }
@@ -76,6 +86,9 @@ impl TrainConfig {
         }
         if self.clip_norm.is_some_and(|c| c.is_nan() || c <= 0.0) {
             return bad("clip norm must be positive");
+        }
+        if self.targets.is_empty() {
+            return bad("the adapter needs at least one target projection");
         }
         Ok(())
     }

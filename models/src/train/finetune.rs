@@ -13,7 +13,7 @@ use crate::corpus::{self, Corpus, CorpusError};
 use crate::expert::{
     save_adapter, BaseModelInfo, CorpusInfo, Manifest, ValidationInfo, MANIFEST_FILE,
 };
-use crate::llama::{Llama, Proj};
+use crate::llama::Llama;
 use crate::lora::{AdapterMode, LoraAdapter};
 use crate::perplexity::score_windows;
 use crate::tokenizer::Tokenizer;
@@ -136,7 +136,11 @@ pub fn finetune(
             valid_tokens: valid_tokens.len(),
         },
         hyperparameters: cfg.clone(),
-        targets: Proj::ALL.iter().map(|p| p.hf_name().to_string()).collect(),
+        targets: cfg
+            .targets
+            .iter()
+            .map(|p| p.hf_name().to_string())
+            .collect(),
         steps: trainer.step(),
         final_train_loss: tail_mean(trainer.losses(), 10),
         validation: ValidationInfo {

@@ -63,11 +63,11 @@ fn step_seed(seed: u64, step: usize) -> u64 {
 }
 
 impl Trainer {
-    /// A fresh run: an adapter on every projection of every layer (`A` random from the seed,
-    /// `B` zero) and a fresh optimiser.
+    /// A fresh run: an adapter on the configured projections of every layer (`A` random from
+    /// the seed, `B` zero) and a fresh optimiser.
     pub fn new(base: &Llama, cfg: TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
-        let init = LoraAdapter::init(base.config(), cfg.rank, cfg.alpha, &Proj::ALL, cfg.seed)?;
+        let init = LoraAdapter::init(base.config(), cfg.rank, cfg.alpha, &cfg.targets, cfg.seed)?;
         let mut parts = BTreeMap::new();
         for key in init.targets() {
             if let Some((a, b)) = init.get(key.0, key.1) {
