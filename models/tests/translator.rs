@@ -15,6 +15,7 @@ use scd_models::translator::calibrate::CalibrationText;
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::translator::{
     calibrate, AlignerConfig, CalibrationConfig, PatchChoice, Ranks, Translator, TranslatorError,
+    WeightsDtype,
 };
 use scd_models::{AdapterMode, Input, Llama, LogitsWanted, LoraAdapter, Proj};
 use scd_types::{CodeDType, CodeKind, Mode};
@@ -363,6 +364,61 @@ fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
         Translator::load(dir.path()),
         Err(TranslatorError::Io { .. })
     ));
+}
+
+/// bf16 storage: half the bytes, every weight within bf16's rounding of the f32 one, the saved
+/// translator computes what its loaded copy computes, and the held-out KL of its rebuilt caches
+/// stays where the f32 translator's is.
+#[test]
+fn weights_in_bf16_round_trip_within_their_precision() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let mut full = pair_translator().clone();
+    full.save(&dir.path().join("f32")).unwrap();
+    let mut half = pair_translator().clone();
+    half.manifest.weights_dtype = WeightsDtype::Bf16;
+    let hash = half.save(&dir.path().join("bf16")).unwrap();
+    let size = |d: &str| {
+        std::fs::metadata(dir.path().join(d).join("translator.safetensors"))
+            .unwrap()
+            .len() as f64
+    };
+    let ratio = size("bf16") / size("f32");
+    assert!((0.45..0.55).contains(&ratio), "bf16 file is {ratio} of f32");
+    let back = Translator::load(&dir.path().join("bf16")).unwrap();
+    assert_eq!(back.hash(), hash);
+    assert_eq!(back.manifest.weights_dtype, WeightsDtype::Bf16);
+    let (a, b) = (&full.layers[1].v.decs[0], &back.layers[1].v.decs[0]);
+    let scale = a
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff > 0.0 && diff <= scale / 256.0, "{diff} of {scale}");
+    // The in-memory translator took the stored weights back: same codes as the loaded one.
+    let opts = CodecOptions::default();
+    let (h, l) = (Arc::new(half), Arc::new(back));
+    let ch = codec_with(Mode::Scd, Some((&h, 0)), &opts).unwrap();
+    let cl = codec_with(Mode::Scd, Some((&l, 0)), &opts).unwrap();
+    let kl_half = held_out_kl(ch.as_ref(), &f.experts[0]);
+    assert_eq!(kl_half, held_out_kl(cl.as_ref(), &f.experts[0]));
+    let full = Arc::new(full);
+    let cf = codec_with(Mode::Scd, Some((&full, 0)), &opts).unwrap();
+    let kl_full = held_out_kl(cf.as_ref(), &f.experts[0]);
+    assert!(
+        (kl_half - kl_full).abs() <= 0.05 * kl_full + 1e-6,
+        "KL bf16 {kl_half} vs f32 {kl_full}"
+    );
 }
 
 #[test]

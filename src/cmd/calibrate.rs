@@ -10,7 +10,7 @@ use scd_models::corpus::{self, Corpus};
 use scd_models::expert::expert_files;
 use scd_models::translator::{
     calibrate, calibrate::CalibrationText, AlignerConfig, CalibrateEvent, CalibrationConfig,
-    PatchChoice, Ranks,
+    PatchChoice, Ranks, WeightsDtype,
 };
 use scd_models::{AdapterMode, Llama, LoraAdapter};
 
@@ -88,6 +88,10 @@ pub struct Args {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Storage type of the weights file: bf16 (half the bytes; BENCHMARKS.md measures what the
+    /// rounding costs) or f32.
+    #[arg(long, default_value = "bf16")]
+    pub weights_dtype: String,
     /// A label for the version (the content hash identifies it).
     #[arg(long, default_value = "cal")]
     pub version: String,
@@ -215,6 +219,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
     .context("calibrating")?;
     bar.finish();
+    translator.manifest.weights_dtype = match args.weights_dtype.as_str() {
+        "bf16" => WeightsDtype::Bf16,
+        "f32" => WeightsDtype::F32,
+        other => bail!("--weights-dtype {other}: expected bf16 or f32"),
+    };
     let hash = translator
         .save(&args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;

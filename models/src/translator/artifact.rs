@@ -158,6 +158,30 @@ pub struct TranslatorManifest {
     /// What calibration measured (curves, aligner losses), free-form for people and docs.
     #[serde(default)]
     pub metrics: serde_json::Value,
+    /// How the weights file stores its tensors (they are f32 in memory either way).
+    #[serde(default)]
+    pub weights_dtype: WeightsDtype,
+}
+
+/// The storage type of a translator's weights file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightsDtype {
+    /// Full precision (translators written before this field existed).
+    #[default]
+    F32,
+    /// Half the bytes; the rounding (relative 2^-9) is far below the codes' own error, which
+    /// `weights_in_bf16_round_trip_within_their_precision` and BENCHMARKS.md measure.
+    Bf16,
+}
+
+impl WeightsDtype {
+    fn dtype(self) -> DType {
+        match self {
+            WeightsDtype::F32 => DType::F32,
+            WeightsDtype::Bf16 => DType::BF16,
+        }
+    }
 }
 
 /// One Patch layer: the code of `H_in` and an aligner per consumer.
@@ -299,8 +323,10 @@ impl Translator {
         Ok(())
     }
 
-    /// Writes `dir/translator.safetensors` and `dir/translator.json`, filling in the manifest's
-    /// content hash. Returns the hash.
+    /// Writes `dir/translator.safetensors` (in the manifest's `weights_dtype`) and
+    /// `dir/translator.json`, filling in the manifest's content hash, and takes the weights
+    /// back as stored, so that this translator computes what a loaded copy computes. Returns
+    /// the hash.
     pub fn save(&mut self, dir: &Path) -> Result<TranslatorHash, TranslatorError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let mut tensors = Vec::new();
@@ -316,7 +342,13 @@ impl Translator {
         }
         let tensors = tensors
             .into_iter()
-            .map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?.contiguous()?)))
+            .map(|(n, t)| {
+                Ok((
+                    n,
+                    t.to_dtype(self.manifest.weights_dtype.dtype())?
+                        .contiguous()?,
+                ))
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n, t)), None)
             .map_err(|e| TranslatorError::Corrupt(e.to_string()))?;
@@ -328,6 +360,9 @@ impl Translator {
         self.manifest.content_hash = hash;
         json_file::write_atomic(&dir.join(MANIFEST_FILE), &self.manifest)
             .map_err(|e| TranslatorError::Corrupt(e.to_string()))?;
+        if self.manifest.weights_dtype != WeightsDtype::F32 {
+            *self = Self::load(dir)?;
+        }
         Ok(hash)
     }
 

@@ -25,7 +25,7 @@ use serde_json::json;
 use super::aligner::{self, AlignerConfig, AlignerReport};
 use super::artifact::{
     CalibrationInfo, ConsumerRef, LayerTranslator, ModelRef, PatchLayer, Ranks, Translator,
-    TranslatorManifest, FORMAT,
+    TranslatorManifest, WeightsDtype, FORMAT,
 };
 use super::low_rank::{fit, FitOptions, LowRankCode};
 use super::moments::Moments;
@@ -679,6 +679,7 @@ pub fn calibrate(
             seconds: started.elapsed().as_secs_f64(),
         },
         metrics,
+        weights_dtype: WeightsDtype::F32,
     };
     Ok(Translator {
         manifest,

@@ -27,7 +27,7 @@ pub mod select;
 pub use aligner::{Aligner, AlignerConfig};
 pub use artifact::{
     CalibrationInfo, ConsumerRef, LayerTranslator, ModelRef, PatchLayer, Ranks, Translator,
-    TranslatorManifest,
+    TranslatorManifest, WeightsDtype,
 };
 pub use calibrate::{calibrate, CalibrateEvent, CalibrationConfig, PatchChoice};
 pub use low_rank::{FitOptions, LowRankCode};
