@@ -134,15 +134,59 @@ fn admin_address(node: &NodeProc) -> String {
     rest[..rest.find(')').unwrap()].to_owned()
 }
 
+/// A node's id, roles and experts (name, whether it loads the adapter).
+type NodeSpec<'a> = (&'a str, &'a str, Vec<(&'a str, bool)>);
+
+/// Starts a node process per spec on the etcd at `endpoint` and waits until all have
+/// registered; returns them with a client of the cluster.
+async fn start_cluster(
+    pki: &Path,
+    endpoint: &str,
+    prefix: &str,
+    specs: &[NodeSpec<'_>],
+) -> (Vec<NodeProc>, ClusterClient) {
+    let mut nodes: Vec<NodeProc> = specs
+        .iter()
+        .map(|(id, roles, experts)| {
+            let cfg = write_config(pki, id, roles, experts, endpoint, prefix);
+            spawn_node(pki, id, &cfg)
+        })
+        .collect();
+    let store: Arc<dyn MetaStore> =
+        Arc::new(EtcdStore::connect(&[endpoint.to_owned()]).await.unwrap());
+    let client = ClusterClient::new(store, Keys::new(prefix));
+    let started = Instant::now();
+    loop {
+        for n in &mut nodes {
+            n.check_alive();
+        }
+        let live = client.nodes().await.unwrap();
+        if live.len() == specs.len() {
+            return (nodes, client);
+        }
+        assert!(
+            started.elapsed() < START_WITHIN,
+            "only {:?} registered after {START_WITHIN:?}",
+            live.keys()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// What `scd generate --transfer MODE` gives in one process for the same prompt.
 fn in_process(expert: &str, mode: Mode) -> String {
+    in_process_for(expert, mode, PROMPT)
+}
+
+/// [`in_process`] for another prompt.
+fn in_process_for(expert: &str, mode: Mode, prompt: &str) -> String {
     let e = repo().join("experts").join(expert);
     let out = Command::new(env!("CARGO_BIN_EXE_scd"))
         .args(["generate", "--model"])
         .arg(model_path())
         .arg("--adapter")
         .arg(e.join("adapter.safetensors"))
-        .args(["--prompt", PROMPT, "--raw", "--max-tokens"])
+        .args(["--prompt", prompt, "--raw", "--max-tokens"])
         .arg(MAX_TOKENS.to_string())
         .args(["--transfer", &mode.to_string(), "--code-dtype", "f16"])
         .arg("--translator")
@@ -184,36 +228,7 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
             vec![("sotu", true)],
         ),
     ];
-    let mut nodes: Vec<NodeProc> = configs
-        .iter()
-        .map(|(id, roles, experts)| {
-            let cfg = write_config(pki, id, roles, experts, &endpoint, prefix);
-            spawn_node(pki, id, &cfg)
-        })
-        .collect();
-
-    let store: Arc<dyn MetaStore> = Arc::new(
-        EtcdStore::connect(std::slice::from_ref(&endpoint))
-            .await
-            .unwrap(),
-    );
-    let client = ClusterClient::new(store, Keys::new(prefix));
-    let started = Instant::now();
-    loop {
-        for n in &mut nodes {
-            n.check_alive();
-        }
-        let live = client.nodes().await.unwrap();
-        if live.len() == 3 {
-            break;
-        }
-        assert!(
-            started.elapsed() < START_WITHIN,
-            "only {:?} registered after {START_WITHIN:?}",
-            live.keys()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (mut nodes, client) = start_cluster(pki, &endpoint, prefix, &configs).await;
 
     let file = GgufFile::open(model_path()).unwrap();
     let tok = Tokenizer::from_gguf(file.content()).unwrap();
@@ -586,4 +601,225 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         err.to_string().contains("no consumer serves expert sotu"),
         "{err}"
     );
+}
+
+/// The prompt of fault-test job `i`: distinct from its first block on, so that prefix affinity
+/// spreads the jobs over both producers instead of sending them all to one cache.
+fn numbered_prompt(i: usize) -> String {
+    format!("Note {i}. {PROMPT}")
+}
+
+/// Waits until `pick` finds a job of `ids` that is in one of `states` on the node it names,
+/// and returns that job's id.
+async fn job_in_flight(
+    client: &ClusterClient,
+    ids: &[scd_scheduler::JobId],
+    states: &[JobState],
+    on: impl Fn(&scd_scheduler::JobRecord) -> bool,
+) -> scd_scheduler::JobId {
+    let started = Instant::now();
+    loop {
+        for &id in ids {
+            // The store may be restarting: an error is a miss, not a failure.
+            let Ok(job) = client.get(id).await else {
+                continue;
+            };
+            if states.contains(&job.state) && on(&job) {
+                return id;
+            }
+        }
+        assert!(
+            started.elapsed() < JOB_WITHIN,
+            "no job reached {states:?} on the node in time"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Kill -9 under load, against real processes and a real etcd: two producers that are both
+/// scheduler replicas and two consumers of the mail expert run 20 jobs; the producer that
+/// leads the schedulers is killed with a job of its own in flight, etcd is restarted while
+/// jobs are running, and a consumer is killed while decoding. Every job ends done, exactly once,
+/// its record shows the abandoned attempts and whom they blamed, the jobs re-run elsewhere
+/// answer what one process answers, and exactly one scheduler leads at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
+    let mut etcd = EtcdServer::start()
+        .await
+        .expect("etcd is needed: `make setup` installs it");
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path();
+    init_ca_dir(pki, "test").unwrap();
+    for id in ["p1", "p2", "c1", "c2"] {
+        issue_in_dir(pki, id, Role::Node).unwrap();
+    }
+    let prefix = "/scd-faults";
+    let endpoint = etcd.endpoint();
+    let specs: [NodeSpec; 4] = [
+        ("p1", "\"producer\", \"scheduler\"", vec![("mail", false)]),
+        ("p2", "\"producer\", \"scheduler\"", vec![("mail", false)]),
+        ("c1", "\"consumer\"", vec![("mail", true)]),
+        ("c2", "\"consumer\"", vec![("mail", true)]),
+    ];
+    let (mut nodes, client) = start_cluster(pki, &endpoint, prefix, &specs).await;
+    let file = GgufFile::open(model_path()).unwrap();
+    let tok = Tokenizer::from_gguf(file.content()).unwrap();
+    let submit = |i: usize| {
+        let client = client.clone();
+        let request = JobRequest {
+            prompt: tok.encode(&numbered_prompt(i), false).unwrap(),
+            max_tokens: MAX_TOKENS,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            stop_tokens: tok.stop_ids().to_vec(),
+        };
+        async move { client.submit("mail", Mode::Raw, request).await.unwrap() }
+    };
+    let store = etcd.store().await.unwrap();
+    let election = Keys::new(prefix).election("scheduler").unwrap();
+    let leader = || async {
+        store
+            .get(&election)
+            .await
+            .ok()
+            .flatten()
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+    };
+
+    // Wave one: 12 jobs. The leading scheduler's producer dies with one of its jobs running.
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        ids.push(submit(i).await);
+    }
+    let first_leader = loop {
+        if let Some(l) = leader().await {
+            break l;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let victim = first_leader.clone();
+    let caught = job_in_flight(
+        &client,
+        &ids,
+        &[JobState::Prefilling, JobState::Transferring],
+        |j| j.producer.as_deref() == Some(victim.as_str()),
+    )
+    .await;
+    let at = nodes.iter().position(|n| n.id == victim).unwrap();
+    let mut dead = nodes.remove(at);
+    dead.child.kill().unwrap();
+    dead.child.wait().unwrap();
+    let killed = Instant::now();
+    // The other replica takes over once the dead leader's lease runs out (a bound, not a
+    // speed claim: the lease is 10 s).
+    let survivor = loop {
+        match leader().await {
+            Some(l) if l != first_leader => break l,
+            _ => {}
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(90),
+            "no new scheduler leader after the leader was killed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+
+    // Wave two, then etcd restarts under it.
+    for i in 12..20 {
+        ids.push(submit(i).await);
+    }
+    etcd.restart().await.unwrap();
+    // The nodes come back to the restarted store: exactly the three live ones are listed.
+    let mut want = vec![survivor.clone(), "c1".to_string(), "c2".to_string()];
+    want.sort();
+    let restarted = Instant::now();
+    loop {
+        if let Ok(live) = client.nodes().await {
+            if live.keys().cloned().collect::<Vec<_>>() == want {
+                break;
+            }
+        }
+        assert!(
+            restarted.elapsed() < START_WITHIN,
+            "the nodes did not re-register after etcd restarted"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A consumer dies while decoding one of the remaining jobs.
+    let consumer_victim = job_in_flight(
+        &client,
+        &ids,
+        &[JobState::Transferring, JobState::Decoding],
+        |j| j.consumer.as_deref() == Some("c2"),
+    )
+    .await;
+    let at = nodes.iter().position(|n| n.id == "c2").unwrap();
+    let mut dead_consumer = nodes.remove(at);
+    dead_consumer.child.kill().unwrap();
+    dead_consumer.child.wait().unwrap();
+
+    let mut finished = Vec::new();
+    for &id in &ids {
+        let job = match client.wait(id, JOB_WITHIN * 2).await {
+            Ok(job) => job,
+            Err(e) => {
+                let logs: Vec<String> = nodes.iter().map(NodeProc::log).collect();
+                panic!("job {id}: {e}\n{}", logs.join("\n----\n"));
+            }
+        };
+        assert_eq!(job.state, JobState::Done, "{id}: {:?}", job.error);
+        let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
+        // Done once; every assignment is one attempt, each from the queue (never assigned
+        // twice at once).
+        assert_eq!(
+            states.iter().filter(|s| **s == JobState::Done).count(),
+            1,
+            "{states:?}"
+        );
+        let assigned: Vec<usize> = (0..states.len())
+            .filter(|&k| states[k] == JobState::Assigned)
+            .collect();
+        assert_eq!(assigned.len() as u32, job.attempts, "{states:?}");
+        assert!(
+            assigned.iter().all(|&k| states[k - 1] == JobState::Queued),
+            "{states:?}"
+        );
+        finished.push(job);
+    }
+    let record = |id| finished.iter().find(|j| j.id == id).unwrap();
+    let caught_job = record(caught);
+    assert!(caught_job.attempts >= 2, "{caught_job:?}");
+    assert!(
+        caught_job.failed_producers.contains(&victim),
+        "{:?}",
+        caught_job.failed_producers
+    );
+    let lost_consumer = record(consumer_victim);
+    assert!(lost_consumer.attempts >= 2);
+    assert!(
+        lost_consumer.failed_consumers.contains(&"c2".to_string()),
+        "{:?}",
+        lost_consumer.failed_consumers
+    );
+    // Re-run jobs answer what one process answers for their prompts.
+    for (job, i) in [caught, consumer_victim]
+        .into_iter()
+        .map(|id| (record(id), ids.iter().position(|x| *x == id).unwrap()))
+    {
+        let text = tok
+            .decode(&job.output.as_ref().unwrap().tokens, true)
+            .unwrap();
+        let want = in_process_for("mail", Mode::Raw, &numbered_prompt(i));
+        assert_eq!(text.trim_end(), want.trim_end(), "job {i}");
+    }
+    // One leader, the survivor, and it still schedules: a new job runs.
+    assert_eq!(leader().await.as_deref(), Some(survivor.as_str()));
+    let last = submit(20).await;
+    let job = client.wait(last, JOB_WITHIN).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    for n in &mut nodes {
+        n.check_alive();
+    }
 }

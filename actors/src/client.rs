@@ -36,6 +36,10 @@ pub enum ClientError {
         /// Its base model.
         base: String,
     },
+    /// The cluster holds its limit of unfinished jobs: nothing was created; try again after
+    /// the hint.
+    #[error(transparent)]
+    Busy(scd_scheduler::Busy),
     /// The prompt cannot be a job.
     #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
     PromptTooShort(usize),
@@ -172,8 +176,10 @@ impl ClusterClient {
             .with_request(request)
             .with_trace(trace);
         record.prefix_hashes = prefix_hashes;
-        self.jobs.create(&record).await?;
-        Ok(())
+        match self.jobs.create_admitted(&record).await {
+            Err(RecordError::Busy(busy)) => Err(ClientError::Busy(busy)),
+            other => Ok(other?),
+        }
     }
 
     /// The job's record now.

@@ -183,6 +183,25 @@ pub struct ModelsConfig {
     /// plus the expert's adapter. Required on both, refused on nodes that are neither.
     #[serde(default)]
     pub base: Option<PathBuf>,
+    /// How a consumer applies its experts' adapters: `merge` (a weight copy per expert, no
+    /// cost per token), `on-the-fly` (the base weights shared by every expert, each adapter's
+    /// low-rank term added per token), or `auto` (default): merge for one expert, on the fly
+    /// for several, so that a node's memory grows by the adapters, not by whole models.
+    #[serde(default)]
+    pub adapter_mode: AdapterModeConfig,
+}
+
+/// `[models] adapter_mode`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdapterModeConfig {
+    /// Merge for one expert, on the fly for several.
+    #[default]
+    Auto,
+    /// Each expert's own merged weights.
+    Merge,
+    /// The base's weights shared, adapters applied per token.
+    OnTheFly,
 }
 
 /// One `[[experts]]` entry: an expert of the base model this node serves.
@@ -297,6 +316,10 @@ pub struct Limits {
     /// every layer's K, V, `H_in` and residual rows, about 180 KiB for SmolLM2-135M, so the
     /// default 256 MiB holds some 1,400 prompt tokens. Default 256.
     pub prefix_cache_mib: usize,
+    /// Unfinished jobs the whole cluster may hold; a submission past it is answered busy with
+    /// a retry hint. Read by the scheduler role (the leader's value is the one in force).
+    /// Default 256.
+    pub unfinished_jobs: NonZeroUsize,
 }
 
 impl Default for Limits {
@@ -307,6 +330,7 @@ impl Default for Limits {
             concurrent_jobs: nonzero(2),
             frames_in_flight: nonzero(TransportOptions::default().send_queue_frames),
             prefix_cache_mib: 256,
+            unfinished_jobs: nonzero(256),
         }
     }
 }

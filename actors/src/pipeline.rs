@@ -53,7 +53,9 @@ pub struct PipelineOptions {
     /// Layer captures the producer may run ahead of the encoder.
     pub capture_queue: usize,
     /// Frames the encoder may run ahead of the transfer (the transport's own send queue comes
-    /// on top).
+    /// on top). The default holds a whole job's codes (30 layers of K, V and `H_in` codes fit
+    /// four times over), so that a slow link holds up only its own job's stream, never the
+    /// encoder that the producer's other jobs need; a job's codes are bounded by its prompt.
     pub frame_queue: usize,
     /// Frames the consumer node's transfer may read ahead of the decoder.
     pub arrival_queue: usize,
@@ -66,7 +68,7 @@ impl Default for PipelineOptions {
         Self {
             transport: TransportOptions::default(),
             capture_queue: 2,
-            frame_queue: 4,
+            frame_queue: 384,
             arrival_queue: 4,
             token_queue: 16,
         }
@@ -132,6 +134,27 @@ pub enum JobError {
 }
 
 impl JobError {
+    /// Whether the error says the producer vanished while its codes were arriving (connection
+    /// lost, stream reset or cut inside a frame): the attempt can run again on another
+    /// producer, and this consumer is not to blame.
+    pub fn producer_lost(&self) -> bool {
+        matches!(
+            self,
+            JobError::Decoder(DecoderError::Transfer(
+                RecvError::PeerGone(_) | RecvError::Aborted(_) | RecvError::Truncated
+            ))
+        )
+    }
+
+    /// Whether the error says the consumer vanished while the codes were going out: the
+    /// attempt can run again on another consumer, and this producer is not to blame.
+    pub fn consumer_lost(&self) -> bool {
+        matches!(
+            self,
+            JobError::Transfer(TransferError::Send(SendError::PeerGone(_)))
+        )
+    }
+
     /// Whether the error only says that another stage of the job stopped first (a closed
     /// channel, a cancelled stream): never the cause of a failure.
     pub fn is_knock_on(&self) -> bool {

@@ -475,3 +475,90 @@ async fn a_prompt_goes_to_the_producer_holding_its_prefix() {
         node.shutdown(Duration::ZERO).await;
     }
 }
+
+/// Overload: a burst of four times the cluster's bound of unfinished jobs. The excess is
+/// answered busy with a retry hint and creates no record, every admitted job finishes, and
+/// once they have, the leader's recount lets new jobs in again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_past_the_admission_bound_is_answered_busy_and_loses_nothing() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let producer = cluster
+        .start(&config_with(
+            "prefill-0",
+            "\"producer\", \"scheduler\"",
+            true,
+            &repo().join("experts/mail/translator"),
+            "\n[limits]\nunfinished_jobs = 3\n",
+        ))
+        .await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let keys = Keys::default();
+    let started = std::time::Instant::now();
+    while scd_scheduler::admission::current(cluster.store.as_ref(), &keys)
+        .await
+        .unwrap()
+        .limit
+        != 3
+    {
+        assert!(
+            started.elapsed() < WAIT,
+            "the leader never published its limit"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let mut admitted = Vec::new();
+    let mut busy = 0;
+    for _ in 0..12 {
+        match cluster
+            .client
+            .submit("mail", Mode::Raw, request(&prompt, 2))
+            .await
+        {
+            Ok(id) => admitted.push(id),
+            Err(ClientError::Busy(refusal)) => {
+                assert_eq!(refusal.limit, 3);
+                assert!(refusal.retry_after >= Duration::from_secs(1));
+                assert!(refusal.to_string().contains("retry after"), "{refusal}");
+                busy += 1;
+            }
+            Err(e) => panic!("unexpected refusal: {e}"),
+        }
+    }
+    // Jobs finishing during the burst may free a slot or two; most of the burst is refused.
+    assert!(
+        admitted.len() >= 3 && busy >= 6,
+        "{} admitted",
+        admitted.len()
+    );
+    let records = scd_scheduler::JobStore::new(cluster.store.clone(), keys.clone())
+        .list()
+        .await
+        .unwrap();
+    assert_eq!(records.len(), admitted.len(), "a refusal wrote a record");
+    for id in &admitted {
+        let job = cluster.client.wait(*id, WAIT).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    }
+    // All finished: the next pass recounts, and a new job gets in and runs.
+    let started = std::time::Instant::now();
+    let id = loop {
+        match cluster
+            .client
+            .submit("mail", Mode::Raw, request(&prompt, 2))
+            .await
+        {
+            Ok(id) => break id,
+            Err(ClientError::Busy(_)) if started.elapsed() < WAIT => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("still refused after the jobs finished: {e}"),
+        }
+    };
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

@@ -319,11 +319,17 @@ pub fn choose_producer(
         })
 }
 
-/// Picks the consumer for an expert: a live node that decodes it, least loaded first.
-pub fn choose_consumer(expert: &str, nodes: &NodeMap) -> Option<String> {
-    nodes
-        .values()
-        .filter(|n| n.consumer_models.iter().any(|m| m == expert))
+/// Picks the consumer for an expert: a live node that decodes it, least loaded first, avoiding
+/// the `excluded` ones (consumers that lost the job before) while another hosts the expert.
+pub fn choose_consumer(expert: &str, nodes: &NodeMap, excluded: &[String]) -> Option<String> {
+    let hosts = || {
+        nodes
+            .values()
+            .filter(|n| n.consumer_models.iter().any(|m| m == expert))
+    };
+    let fresh = hosts().any(|n| !excluded.contains(&n.id));
+    hosts()
+        .filter(|n| !fresh || !excluded.contains(&n.id))
         .min_by(|a, b| {
             load_ratio(a)
                 .total_cmp(&load_ratio(b))
@@ -551,7 +557,14 @@ mod tests {
         let mut c2 = NodeInfo::new("c2", "x", 2);
         c2.consumer_models = vec!["sotu".into(), "law".into()];
         let ns = nodes(vec![c1, c2, producer("p", 1, &["base"])]);
-        assert_eq!(choose_consumer("sotu", &ns).as_deref(), Some("c2"));
-        assert_eq!(choose_consumer("none", &ns), None);
+        assert_eq!(choose_consumer("sotu", &ns, &[]).as_deref(), Some("c2"));
+        assert_eq!(choose_consumer("none", &ns, &[]), None);
+        // A consumer that lost the job is avoided while another hosts the expert, and used
+        // when it is the only one.
+        let c2 = vec!["c2".to_string()];
+        assert_eq!(choose_consumer("sotu", &ns, &c2).as_deref(), Some("c1"));
+        let both = vec!["c1".to_string(), "c2".to_string()];
+        assert_eq!(choose_consumer("sotu", &ns, &both).as_deref(), Some("c2"));
+        assert_eq!(choose_consumer("law", &ns, &c2).as_deref(), Some("c2"));
     }
 }

@@ -66,6 +66,9 @@ pub struct JobRecord {
     /// Producers that lost this job; a retry avoids them while others exist.
     #[serde(default)]
     pub failed_producers: Vec<String>,
+    /// Consumers that lost this job; a retry avoids them while others host the expert.
+    #[serde(default)]
+    pub failed_consumers: Vec<String>,
     /// The prompt's chained block hashes, for prefix affinity.
     #[serde(default)]
     pub prefix_hashes: Vec<String>,
@@ -146,6 +149,29 @@ pub enum JobError {
     /// A leader-only write found that this replica no longer leads.
     #[error("not the leader any more; write to job {0} dropped")]
     NotLeader(JobId),
+    /// The cluster holds its limit of unfinished jobs; nothing was written.
+    #[error(transparent)]
+    Busy(#[from] crate::admission::Busy),
+}
+
+/// Store errors a job update waits out before failing: about 10 s in all, longer than an etcd
+/// restart takes.
+const STORE_OUTAGE_RETRIES: u32 = 8;
+
+/// The wait after the `n`th store error of one update: 250 ms doubling, at most 2 s.
+fn outage_backoff(n: u32) -> Duration {
+    Duration::from_millis((250u64 << n.min(3)).min(2_000))
+}
+
+/// Which node lost an abandoned attempt (see [`JobRecord::retry`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blame {
+    /// The producer died, left or dropped the stream.
+    Producer,
+    /// The consumer died or left.
+    Consumer,
+    /// Neither (a node handing its work back as it drains, an actor restarting).
+    Nobody,
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -172,6 +198,7 @@ impl JobRecord {
             attempts: 0,
             max_attempts: max_attempts.max(1),
             failed_producers: Vec::new(),
+            failed_consumers: Vec::new(),
             prefix_hashes: Vec::new(),
             history: vec![StateEntry {
                 state: JobState::Queued,
@@ -239,14 +266,9 @@ impl JobRecord {
     }
 
     /// Abandons the current attempt (its producer or consumer was lost): back to queued, or
-    /// failed when no attempts are left. With `producer_failed`, the producer is remembered so
-    /// the next attempt avoids it while others are available.
-    pub fn retry(
-        &mut self,
-        reason: &str,
-        producer_failed: bool,
-        at_ms: u64,
-    ) -> Result<(), JobError> {
+    /// failed when no attempts are left. The node `blame` names is remembered so that the next
+    /// attempt avoids it while others are available.
+    pub fn retry(&mut self, reason: &str, blame: Blame, at_ms: u64) -> Result<(), JobError> {
         if !self.state.is_running() {
             return Err(JobError::InvalidTransition {
                 id: self.id,
@@ -255,11 +277,15 @@ impl JobRecord {
             });
         }
         if let Some(p) = self.producer.take() {
-            if producer_failed && !self.failed_producers.contains(&p) {
+            if blame == Blame::Producer && !self.failed_producers.contains(&p) {
                 self.failed_producers.push(p);
             }
         }
-        self.consumer = None;
+        if let Some(c) = self.consumer.take() {
+            if blame == Blame::Consumer && !self.failed_consumers.contains(&c) {
+                self.failed_consumers.push(c);
+            }
+        }
         self.error = Some(reason.to_string());
         if self.attempts >= self.max_attempts {
             let reason = format!("{reason}; gave up after {} attempts", self.attempts);
@@ -341,6 +367,14 @@ impl JobStore {
         }
     }
 
+    /// Creates a job record if the cluster's admission bound has room (see
+    /// [`crate::admission`]); fails with [`JobError::Busy`] when it has none and
+    /// [`JobError::AlreadyExists`] if the id is taken.
+    pub async fn create_admitted(&self, job: &JobRecord) -> Result<(), JobError> {
+        crate::admission::create_admitted(self.store.as_ref(), &self.keys, job, self.max_attempts)
+            .await
+    }
+
     /// Reads a job.
     pub async fn get(&self, id: JobId) -> Result<Option<JobRecord>, JobError> {
         let key = self.keys.job(id);
@@ -408,8 +442,20 @@ impl JobStore {
         mut change: impl FnMut(&mut JobRecord) -> Result<(), JobError>,
     ) -> Result<JobRecord, JobError> {
         let key = self.keys.job(id);
+        let mut outages = 0;
         for attempt in 0..self.max_attempts {
-            let Some(kv) = self.store.get(&key).await? else {
+            // etcd briefly away (a restart, a leader change) is waited out: a write lost here
+            // could leave a job running for ever. Retrying is safe because `change` runs on the
+            // fresh record, where a write whose answer was lost is already visible.
+            let read = match self.store.get(&key).await {
+                Err(e) if e.is_transient() && outages < STORE_OUTAGE_RETRIES => {
+                    outages += 1;
+                    tokio::time::sleep(outage_backoff(outages)).await;
+                    continue;
+                }
+                other => other?,
+            };
+            let Some(kv) = read else {
                 return Err(JobError::NotFound(id));
             };
             let before: JobRecord = codec::decode(&kv.key, &kv.value)?;
@@ -425,8 +471,15 @@ impl JobStore {
             let txn = Txn::new()
                 .when(compares)
                 .and_then([TxnOp::put(key.clone(), codec::encode(&job)?)]);
-            if self.store.txn(txn).await?.succeeded {
-                return Ok(job);
+            match self.store.txn(txn).await {
+                Ok(outcome) if outcome.succeeded => return Ok(job),
+                Ok(_) => {}
+                Err(e) if e.is_transient() && outages < STORE_OUTAGE_RETRIES => {
+                    outages += 1;
+                    tokio::time::sleep(outage_backoff(outages)).await;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
             }
             if let Some(guard) = guard {
                 if !self.still_leader(guard).await? {
@@ -635,19 +688,19 @@ mod tests {
         let mut job = job(2);
         job.assign("p1", "c1", 1).unwrap();
         job.transition(Prefilling, 2).unwrap();
-        job.retry("producer p1 lost", true, 3).unwrap();
+        job.retry("producer p1 lost", Blame::Producer, 3).unwrap();
         assert_eq!(job.state, Queued);
         assert_eq!(job.failed_producers, vec!["p1".to_string()]);
         assert!(job.producer.is_none());
         job.assign("p2", "c1", 4).unwrap();
         assert_eq!(job.attempts, 2);
-        job.retry("producer p2 lost", true, 5).unwrap();
+        job.retry("producer p2 lost", Blame::Producer, 5).unwrap();
         assert_eq!(job.state, Failed);
         assert!(job
             .error
             .as_deref()
             .unwrap_or("")
             .contains("gave up after 2 attempts"));
-        assert!(job.retry("again", true, 6).is_err());
+        assert!(job.retry("again", Blame::Producer, 6).is_err());
     }
 }

@@ -66,6 +66,11 @@ impl Keys {
         &self.root
     }
 
+    /// `<root>/admission`, the count of unfinished jobs and its bound.
+    pub fn admission(&self) -> String {
+        format!("{}/admission", self.root)
+    }
+
     /// `<root>/nodes/`
     pub fn nodes_prefix(&self) -> String {
         format!("{}/nodes/", self.root)

@@ -11,6 +11,8 @@
 //!   prefix affinity) and the prompt-prefix block hashes it matches on.
 //! * [`translators`]: translator versions per model pair (publish, activate, roll back, watch,
 //!   and the stale-hash guard), named by their [`TranslatorHash`].
+//! * [`admission`]: the cluster-wide bound on unfinished jobs (submissions past it are answered
+//!   busy, with a retry hint), kept exact by transactions.
 //! * [`jobs`]: durable job records keyed by [`JobId`], moved through the [`JobState`] machine
 //!   (cancelling included) by compare-and-swap; each record carries its [`Mode`] and the
 //!   [`TraceContext`] that joins its spans across nodes.
@@ -26,6 +28,7 @@
 //! models.
 #![warn(missing_docs)]
 
+pub mod admission;
 pub mod assign;
 pub mod codec;
 #[cfg(feature = "test-util")]
@@ -40,12 +43,13 @@ pub mod service;
 pub mod store;
 pub mod translators;
 
+pub use admission::{AdmissionRecord, Busy};
 pub use assign::{
     choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools, ProducerChoice,
 };
 #[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError};
-pub use jobs::{JobError, JobRecord, JobStore, StageSpan};
+pub use jobs::{Blame, JobError, JobRecord, JobStore, StageSpan};
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 pub use membership::{

@@ -11,9 +11,10 @@ use scd_types::JobState;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
+use crate::admission;
 use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
 use crate::codec::{self, CodecError};
-use crate::jobs::{now_ms, JobError, JobStore};
+use crate::jobs::{now_ms, Blame, JobError, JobRecord, JobStore};
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, LeaderGuard, Leadership};
 use crate::membership::{LiveNodes, MembershipError, NodeMap};
@@ -44,6 +45,11 @@ pub struct SchedulerConfig {
     pub reconcile_every: Duration,
     /// How long finished job records are kept.
     pub retention: Duration,
+    /// The bound on unfinished jobs in the cluster (see [`crate::admission`]).
+    pub max_unfinished_jobs: u64,
+    /// How long a queued job may wait while no live node hosts its expert before it fails
+    /// with that reason (its consumers died or left and none came back).
+    pub orphan_grace: Duration,
     /// Election timing.
     pub election: ElectionConfig,
 }
@@ -55,6 +61,8 @@ impl Default for SchedulerConfig {
             default_pool_size: 2,
             reconcile_every: Duration::from_secs(2),
             retention: Duration::from_secs(24 * 3600),
+            max_unfinished_jobs: crate::admission::DEFAULT_LIMIT,
+            orphan_grace: Duration::from_secs(30),
             election: ElectionConfig::default(),
         }
     }
@@ -104,6 +112,8 @@ pub struct ReconcileReport {
     pub jobs_failed: usize,
     /// Finished records removed.
     pub jobs_swept: usize,
+    /// Unfinished jobs counted for admission.
+    pub unfinished_jobs: u64,
 }
 
 /// Reads every pool.
@@ -126,7 +136,7 @@ pub async fn reconcile(
     guard: &LeaderGuard,
     nodes: &NodeMap,
     experts: &[ExpertSpec],
-    retention: Duration,
+    config: &SchedulerConfig,
 ) -> Result<ReconcileReport, SchedulerError> {
     let mut report = ReconcileReport::default();
 
@@ -174,7 +184,22 @@ pub async fn reconcile(
         JobError::NotLeader(_) => SchedulerError::NotLeader,
         e => SchedulerError::Job(e),
     };
-    for (job, _) in jobs.list().await? {
+    // The admission record is read before the listing, so that a submission landing in between
+    // moves it and the recount below does not overwrite that submission's count.
+    let admission_before = admission::read_before_listing(store.as_ref(), keys).await?;
+    let listing = jobs.list().await?;
+    let records: Vec<JobRecord> = listing.iter().map(|(j, _)| j.clone()).collect();
+    let recount = admission::recount(
+        store.as_ref(),
+        keys,
+        guard,
+        admission_before,
+        &records,
+        config.max_unfinished_jobs,
+    )
+    .await?;
+    report.unfinished_jobs = recount.unfinished;
+    for (job, _) in listing {
         let lost = lost_party(
             &job.state,
             job.producer.as_deref(),
@@ -191,9 +216,7 @@ pub async fn reconcile(
                         j.consumer.as_deref(),
                         nodes,
                     ) {
-                        Some((reason, producer_failed)) => {
-                            j.retry(&reason, producer_failed, now_ms())
-                        }
+                        Some((reason, blame)) => j.retry(&reason, blame, now_ms()),
                         None => Ok(()),
                     }
                 })
@@ -214,14 +237,40 @@ pub async fn reconcile(
         let Some(pool) = pools.get(&job.expert) else {
             continue;
         };
-        let Some(consumer) = choose_consumer(&job.expert, &view) else {
+        if choose_consumer(&job.expert, &view, &[]).is_none() {
+            let waited = Duration::from_millis(now_ms().saturating_sub(job.updated_at_ms));
+            if waited >= config.orphan_grace {
+                let reason = format!(
+                    "no live node hosts expert {} (waited {}s); start a consumer with it and submit again",
+                    job.expert,
+                    waited.as_secs()
+                );
+                let failed = jobs
+                    .update_as_leader(job.id, guard, |j| {
+                        let hosted = choose_consumer(&j.expert, nodes, &[]).is_some();
+                        if j.state == JobState::Queued && !hosted {
+                            j.fail(&reason, now_ms())?;
+                        }
+                        Ok(())
+                    })
+                    .await
+                    .map_err(leader_only)?;
+                if failed.state == JobState::Failed {
+                    tracing::info!(job = %job.id, reason, "queued job failed");
+                    report.jobs_failed += 1;
+                }
+            }
             continue;
-        };
+        }
         let assigned = jobs
             .update_as_leader(job.id, guard, |j| {
                 if j.state != JobState::Queued {
                     return Ok(());
                 }
+                // On the fresh record: a retry in this pass may have just added to the list.
+                let Some(consumer) = choose_consumer(&j.expert, &view, &j.failed_consumers) else {
+                    return Ok(());
+                };
                 let excluded = if pool
                     .iter()
                     .any(|p| !j.failed_producers.contains(p) && nodes.contains_key(p))
@@ -251,17 +300,17 @@ pub async fn reconcile(
         }
     }
 
-    report.jobs_swept = jobs.sweep_finished(now_ms(), retention).await?;
+    report.jobs_swept = jobs.sweep_finished(now_ms(), config.retention).await?;
     Ok(report)
 }
 
-/// Why a running job's attempt cannot finish, if it cannot, and whether the producer is to blame.
+/// Why a running job's attempt cannot finish, if it cannot, and which node is to blame.
 fn lost_party(
     state: &JobState,
     producer: Option<&str>,
     consumer: Option<&str>,
     nodes: &NodeMap,
-) -> Option<(String, bool)> {
+) -> Option<(String, Blame)> {
     // Once decoding, the consumer holds everything: the producer no longer matters.
     let needs_producer = matches!(
         state,
@@ -270,15 +319,15 @@ fn lost_party(
     if needs_producer {
         match producer {
             Some(p) if nodes.contains_key(p) => {}
-            Some(p) => return Some((format!("producer {p} left the cluster"), true)),
-            None => return Some(("no producer recorded".to_string(), false)),
+            Some(p) => return Some((format!("producer {p} left the cluster"), Blame::Producer)),
+            None => return Some(("no producer recorded".to_string(), Blame::Nobody)),
         }
     }
     if state.is_running() {
         match consumer {
             Some(c) if nodes.contains_key(c) => {}
-            Some(c) => return Some((format!("consumer {c} left the cluster"), false)),
-            None => return Some(("no consumer recorded".to_string(), false)),
+            Some(c) => return Some((format!("consumer {c} left the cluster"), Blame::Consumer)),
+            None => return Some(("no consumer recorded".to_string(), Blame::Nobody)),
         }
     }
     None
@@ -391,9 +440,7 @@ async fn run(
         }
         let snapshot = members.borrow_and_update().clone();
         let pass = match experts_for(&store, &keys, &config).await {
-            Ok(experts) => {
-                reconcile(&store, &keys, &guard, &snapshot, &experts, config.retention).await
-            }
+            Ok(experts) => reconcile(&store, &keys, &guard, &snapshot, &experts, &config).await,
             Err(e) => Err(e),
         };
         match pass {

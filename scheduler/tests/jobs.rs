@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{eventually, within, Backend, TTL};
+use scd_scheduler::admission;
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::service::read_pools;
 use scd_scheduler::{
@@ -305,6 +306,8 @@ fn scheduler_config(retention: Duration) -> SchedulerConfig {
         default_pool_size: 2,
         reconcile_every: Duration::from_millis(200),
         retention,
+        max_unfinished_jobs: 256,
+        orphan_grace: Duration::from_secs(30),
         election: ElectionConfig { ttl: TTL },
     }
 }
@@ -635,7 +638,105 @@ async fn a_burst_of_jobs_spreads_over_the_pool(b: Backend) {
     assert_eq!(on_p1, 2);
 }
 
+/// Racing submitters cannot push the cluster past its bound of unfinished jobs; refusals write
+/// nothing and say when to retry; the leader's recount frees the slots of finished jobs.
+async fn admission_bounds_unfinished_jobs_exactly(b: Backend) {
+    let _p = register(&b, producer("p1")).await;
+    let scheduler = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        SchedulerConfig {
+            max_unfinished_jobs: 5,
+            ..scheduler_config(Duration::from_secs(3600))
+        },
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    within("leading", async {
+        scheduler
+            .leadership()
+            .wait_for(|l| l.is_leader())
+            .await
+            .unwrap();
+    })
+    .await;
+    // The leader writes its limit into the admission record on its first pass.
+    eventually("the limit is published", || async {
+        admission::current(b.store.as_ref(), &b.keys)
+            .await
+            .unwrap()
+            .limit
+            == 5
+    })
+    .await;
+
+    // 16 submitters at once, each with its own store connection, for 5 slots.
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let jobs = JobStore::new(b.client().await, b.keys.clone());
+        tasks.push(tokio::spawn(async move {
+            let id = JobId::random();
+            (id, jobs.create_admitted(&sotu_job(id, 3)).await)
+        }));
+    }
+    let mut admitted = Vec::new();
+    let mut busy = 0;
+    for t in tasks {
+        let (id, result) = within("submit", t).await.unwrap();
+        match result {
+            Ok(()) => admitted.push(id),
+            Err(JobError::Busy(refusal)) => {
+                assert_eq!(refusal.limit, 5);
+                assert!(refusal.unfinished >= 5, "{refusal}");
+                assert!(refusal.retry_after >= Duration::from_secs(1), "{refusal}");
+                assert!(refusal.to_string().contains("retry after"), "{refusal}");
+                assert!(
+                    jobs.get(id).await.unwrap().is_none(),
+                    "a refusal wrote {id}"
+                );
+                busy += 1;
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    assert_eq!(admitted.len(), 5, "exactly the limit is admitted");
+    assert_eq!(busy, 11);
+    assert_eq!(jobs.list().await.unwrap().len(), 5);
+
+    // Two finish (no consumer: they wait until cancelled); the leader's recount frees their
+    // slots, and exactly two more get in.
+    for id in &admitted[..2] {
+        jobs.cancel(*id, "done with it").await.unwrap();
+    }
+    eventually("the recount frees two slots", || async {
+        admission::current(b.store.as_ref(), &b.keys)
+            .await
+            .unwrap()
+            .unfinished
+            == 3
+    })
+    .await;
+    for _ in 0..2 {
+        jobs.create_admitted(&sotu_job(JobId::random(), 3))
+            .await
+            .unwrap();
+    }
+    assert!(matches!(
+        jobs.create_admitted(&sotu_job(JobId::random(), 3)).await,
+        Err(JobError::Busy(_))
+    ));
+    // A retried submission of an admitted id is told it landed, not counted twice.
+    assert!(matches!(
+        jobs.create_admitted(&sotu_job(admitted[4], 3)).await,
+        Err(JobError::AlreadyExists(_)) | Err(JobError::Busy(_))
+    ));
+}
+
 on_both_stores!(
+    admission_bounds_unfinished_jobs_exactly,
+    a_job_nobody_can_decode_fails_after_the_grace,
     cancel_is_a_compare_and_swap,
     cancel_and_fail_racing_have_one_winner,
     a_cancelled_job_is_never_assigned_or_retried,
@@ -716,5 +817,53 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
     let job = jobs.get(dec).await.unwrap().unwrap();
     assert_eq!((job.attempts, job.producer.as_deref()), (2, Some("p1")));
     assert!(job.failed_producers.is_empty());
+    assert_eq!(job.failed_consumers, vec!["c1".to_string()]);
     assert!(job.error.unwrap().contains("consumer c1"));
+}
+
+/// A job whose only consumer dies is queued again; when no node hosts its expert for the
+/// grace period, it fails saying so instead of waiting for ever.
+async fn a_job_nobody_can_decode_fails_after_the_grace(b: Backend) {
+    let id = JobId::random();
+    let _p = register(&b, producer("p1")).await;
+    let c1 = register(&b, consumer("c1")).await;
+    let _s = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        SchedulerConfig {
+            orphan_grace: Duration::from_millis(600),
+            ..scheduler_config(Duration::from_secs(3600))
+        },
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&sotu_job(id, 3)).await.unwrap();
+    eventually("assigned", || async {
+        jobs.get(id).await.unwrap().unwrap().state == JobState::Assigned
+    })
+    .await;
+    c1.deregister().await.unwrap();
+    eventually("failed for want of a consumer", || async {
+        jobs.get(id).await.unwrap().unwrap().state == JobState::Failed
+    })
+    .await;
+    let job = jobs.get(id).await.unwrap().unwrap();
+    let reason = job.error.unwrap();
+    assert!(
+        reason.contains("no live node hosts expert sotu"),
+        "{reason}"
+    );
+    // It was queued again first (the attempt abandoned), then failed.
+    let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
+    assert_eq!(
+        states,
+        [
+            JobState::Queued,
+            JobState::Assigned,
+            JobState::Queued,
+            JobState::Failed
+        ]
+    );
 }

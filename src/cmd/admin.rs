@@ -5,7 +5,8 @@
 //! `SCD_NODE`; the certificate from `--pki-dir`/`--name` or `SCD_PKI_DIR`/`SCD_ADMIN_NAME`.
 //!
 //! Exit codes: 2 for usage errors (clap), 3 when the cluster cannot be reached, 4 when the job
-//! failed or was cancelled, 5 when the node refused the request.
+//! failed or was cancelled, 5 when the node refused the request, 6 when the cluster is busy (it
+//! holds its limit of unfinished jobs; the message says when to retry).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -25,6 +26,8 @@ const UNREACHABLE: u8 = 3;
 const JOB_FAILED: u8 = 4;
 /// Exit code: the node refused the request.
 const REFUSED: u8 = 5;
+/// Exit code: the cluster holds its limit of unfinished jobs; the message says when to retry.
+const BUSY: u8 = 6;
 
 /// Where the cluster is and who is asking: flags, then environment variables, then the client
 /// config file (`--client-config`, `$SCD_CLIENT_CONFIG`, else `~/.config/scd/client.toml`
@@ -539,6 +542,7 @@ async fn follow(mut call: AdminCall, json: bool, cancelling: bool) -> Result<(),
             Some(Control::Error { code, message, .. }) => {
                 let exit = match code {
                     error_code::REFUSED | error_code::NOT_FOUND | error_code::PROTOCOL => REFUSED,
+                    error_code::BUSY => BUSY,
                     _ => JOB_FAILED,
                 };
                 return Err(fail(exit, anyhow::anyhow!("{message}")));

@@ -46,6 +46,7 @@ impl From<ClientError> for Refused {
             ClientError::NoConsumer { .. }
             | ClientError::NoProducer { .. }
             | ClientError::PromptTooShort(_) => error_code::REFUSED,
+            ClientError::Busy(_) => error_code::BUSY,
             ClientError::Gone(_) | ClientError::Record(RecordError::NotFound(_)) => {
                 error_code::NOT_FOUND
             }

@@ -76,6 +76,8 @@ pub(crate) async fn serve(
 /// An OpenAI-shaped error.
 struct ApiError {
     status: StatusCode,
+    /// `Retry-After`, in seconds, on a 429.
+    retry_after: Option<u64>,
     kind: &'static str,
     code: Option<&'static str>,
     param: Option<&'static str>,
@@ -86,6 +88,7 @@ impl ApiError {
     fn bad_request(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
+            retry_after: None,
             kind: "invalid_request_error",
             code: None,
             param: None,
@@ -111,6 +114,7 @@ impl ApiError {
     fn server(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
+            retry_after: None,
             kind: "server_error",
             code: None,
             param: None,
@@ -130,7 +134,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -144,6 +154,15 @@ impl From<ClientError> for ApiError {
                     .param("model")
             }
             ClientError::PromptTooShort(_) => ApiError::bad_request(e.to_string()),
+            // OpenAI's own answer to overload: 429 with a hint that its clients honour.
+            ClientError::Busy(ref busy) => ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                retry_after: Some(busy.retry_after.as_secs().max(1)),
+                kind: "rate_limit_error",
+                code: Some("cluster_busy"),
+                param: None,
+                message: e.to_string(),
+            },
             e => ApiError::server(e.to_string()),
         }
     }
@@ -167,6 +186,7 @@ impl Gateway {
             Some(key) if self.api_keys.iter().any(|k| k == key) => Ok(()),
             _ => Err(ApiError {
                 status: StatusCode::UNAUTHORIZED,
+                retry_after: None,
                 kind: "invalid_request_error",
                 code: Some("invalid_api_key"),
                 param: None,
@@ -554,4 +574,21 @@ fn stream(
         rx,
         |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_cluster_is_a_429_with_retry_after() {
+        let busy = scd_scheduler::Busy {
+            unfinished: 9,
+            limit: 9,
+            retry_after: std::time::Duration::from_millis(2500),
+        };
+        let response = ApiError::from(ClientError::Busy(busy)).into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "2");
+    }
 }

@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use ractor::{ActorRef, SpawnErr};
 use scd_models::codec::CodecOptions;
-use scd_scheduler::jobs::now_ms;
+use scd_scheduler::jobs::{now_ms, Blame};
 use scd_scheduler::membership::MembershipError;
 use scd_scheduler::models::ModelError;
 use scd_scheduler::{
@@ -204,8 +204,16 @@ impl Node {
         let nodes = LiveNodes::start(store.clone(), &keys).await?;
         let scheduler = if config.has_role(NodeRole::Scheduler) {
             Some(
-                Scheduler::start(store.clone(), keys.clone(), &id, SchedulerConfig::default())
-                    .await?,
+                Scheduler::start(
+                    store.clone(),
+                    keys.clone(),
+                    &id,
+                    SchedulerConfig {
+                        max_unfinished_jobs: config.limits.unfinished_jobs.get() as u64,
+                        ..SchedulerConfig::default()
+                    },
+                )
+                .await?,
             )
         } else {
             None
@@ -395,8 +403,13 @@ impl Node {
                 .jobs
                 .update(job, |j| {
                     if j.state.is_running() {
-                        let producer_failed = j.producer.as_deref() == Some(self.id.as_str());
-                        j.retry(&reason, producer_failed, now_ms())?;
+                        // A draining node blames itself, so that the retry goes elsewhere.
+                        let blame = if j.producer.as_deref() == Some(self.id.as_str()) {
+                            Blame::Producer
+                        } else {
+                            Blame::Consumer
+                        };
+                        j.retry(&reason, blame, now_ms())?;
                     }
                     Ok(())
                 })

@@ -25,7 +25,7 @@ use std::time::Instant;
 use ractor::ActorRef;
 use scd_models::codec::CodecOptions;
 use scd_models::{GenerateParams, Sampling, StopReason};
-use scd_scheduler::jobs::now_ms;
+use scd_scheduler::jobs::{now_ms, Blame};
 use scd_scheduler::{
     JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore, StageSpan,
 };
@@ -230,9 +230,8 @@ impl Work {
             true => self.translators.current(&job.expert).ok().map(|v| v.hash()),
             false => None,
         };
-        let claimed = self
-            .jobs
-            .update(id, |j| {
+        let claim = || {
+            self.jobs.update(id, |j| {
                 let ours = j.state == JobState::Assigned
                     && j.attempts == attempt
                     && j.producer.as_deref() == Some(me.as_str());
@@ -242,7 +241,18 @@ impl Work {
                 }
                 Ok(())
             })
-            .await;
+        };
+        // A store error may hide a claim that landed (the answer lost as etcd restarts): the
+        // claim is idempotent, so try again; giving up would leave the job assigned to this
+        // node for ever, since nothing else moves an assigned job whose nodes are alive.
+        let mut claimed = claim().await;
+        for wait_ms in [100, 400, 1600, 6400] {
+            if claimed.is_ok() || cancel.is_cancelled() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+            claimed = claim().await;
+        }
         let job = match claimed {
             Ok(j) if j.state == JobState::Prefilling && j.attempts == attempt => j,
             Ok(_) => return,
@@ -258,7 +268,8 @@ impl Work {
             // to another consumer.
             Err(refusal @ (Refusal::ConsumerGone(_) | Refusal::Connect { .. })) => {
                 let reason = format!("producer {me}: {refusal}");
-                self.hand_back(id, attempt, Side::Producer, &reason).await;
+                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Consumer)
+                    .await;
                 return;
             }
             Err(refusal) => {
@@ -372,11 +383,25 @@ impl Work {
                     tracing::warn!(job = %id, error = %e, "recording the producer's timings failed");
                 }
             }
-            Err(e) if e.is_knock_on() => {
+            Err(e) if e.is_knock_on() && cancel.is_cancelled() => {
                 tracing::debug!(job = %id, error = %e, "producer side stopped");
             }
+            // The consumer dropped the stream and nobody cancelled the job: the attempt is lost
+            // (the consumer may not have been able to read the record); run it again rather
+            // than leave it running for ever.
+            Err(e) if e.is_knock_on() => {
+                let reason = format!("producer {me}: {e}");
+                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Nobody)
+                    .await
+            }
             Err(e @ JobError::ActorGone(_)) => {
-                self.hand_back(id, attempt, Side::Producer, &format!("producer {me}: {e}"))
+                let reason = format!("producer {me}: {e}");
+                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Nobody)
+                    .await
+            }
+            Err(e) if e.consumer_lost() => {
+                let reason = format!("producer {me}: {e}");
+                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Consumer)
                     .await
             }
             Err(e) => {
@@ -460,7 +485,17 @@ impl Work {
     pub async fn on_stream(self: &Arc<Self>, receiver: JobReceiver) {
         let id = receiver.job_id();
         let peer = receiver.peer().name.clone();
-        let job = match self.jobs.get(id).await {
+        // The store may be briefly away (an etcd restart): a few tries before refusing, since
+        // a refusal costs the job an attempt.
+        let mut read = self.jobs.get(id).await;
+        for wait_ms in [100, 400, 1600] {
+            if read.is_ok() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+            read = self.jobs.get(id).await;
+        }
+        let job = match read {
             Ok(Some(j)) => j,
             Ok(None) => {
                 receiver.cancel("no such job").await;
@@ -692,7 +727,13 @@ impl Work {
                 }
             }
             Err(e @ JobError::ActorGone(_)) => {
-                self.hand_back(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
+                let reason = format!("consumer {me}: {e}");
+                self.hand_back(id, attempt, Side::Consumer, &reason, Blame::Nobody)
+                    .await
+            }
+            Err(e) if e.producer_lost() => {
+                let reason = format!("consumer {me}: {e}");
+                self.hand_back(id, attempt, Side::Consumer, &reason, Blame::Producer)
                     .await
             }
             Err(e) if cancel.is_cancelled() && e.is_knock_on() => {
@@ -779,7 +820,7 @@ impl Work {
 
     /// Sends `job` back to the queue (its attempt was lost to a failed actor, not to the job
     /// itself), if it is still running the attempt this node worked on.
-    async fn hand_back(&self, job: JobId, attempt: u32, side: Side, reason: &str) {
+    async fn hand_back(&self, job: JobId, attempt: u32, side: Side, reason: &str, blame: Blame) {
         tracing::warn!(%job, reason, "job handed back to the queue");
         self.metrics.finished(side.name(), "handed_back");
         let back = self
@@ -788,7 +829,7 @@ impl Work {
                 if !j.state.is_running() || j.attempts != attempt {
                     return Ok(());
                 }
-                j.retry(reason, false, now_ms())
+                j.retry(reason, blame, now_ms())
             })
             .await;
         if let Err(e) = back {

@@ -274,6 +274,14 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether the error says the store was unreachable or slow, rather than that the request
+    /// was wrong: the same request may succeed once etcd is back.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Etcd { .. } | StoreError::Timeout { .. })
+    }
+}
+
 /// A stream of watch events, fed by a driver task through a bounded channel. The driver resumes
 /// from the last seen revision after a transport error; the only errors it yields are
 /// [`StoreError::Compacted`] and [`StoreError::HistoryReset`], after which the stream ends and
