@@ -1,9 +1,9 @@
 //! The transfer actors, the QUIC side of a job.
 //!
 //! - [`TransferOut`] (producer node): for each job it opens a job stream on the connection to
-//!   the job's consumer node and sends the encoder's frames as they come. The transport's
-//!   [`scd_transport::JobSender`] queue is bounded, so a slow link slows the encoder, which
-//!   slows the producer. Jobs are sent one at a time.
+//!   the job's consumer node and sends the encoder's frames as they come, each job on a task
+//!   of its own, so that a slow consumer holds up only its own job: QUIC's per-stream flow
+//!   control and the transport's bounded [`scd_transport::JobSender`] queue apply per job.
 //! - [`TransferIn`] (consumer node) accepts job streams on every connection from a producer
 //!   node it is given ([`TransferInMsg::Connection`]). A stream goes to the decoder channel
 //!   registered for its job ([`TransferInMsg::Expect`]), or, for a stream nobody expects, to the
@@ -94,11 +94,13 @@ impl Actor for TransferOut {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             TransferOutMsg::Send(job, reply) => {
-                let result = send_job(job).await;
-                if let Err(e) = &result {
-                    tracing::debug!(error = %e, "transfer failed");
-                }
-                let _ = reply.send(result);
+                tokio::spawn(async move {
+                    let result = send_job(job).await;
+                    if let Err(e) = &result {
+                        tracing::debug!(error = %e, "transfer failed");
+                    }
+                    let _ = reply.send(result);
+                });
             }
         }
         Ok(())

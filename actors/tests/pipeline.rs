@@ -244,3 +244,95 @@ async fn the_root_token_stops_a_running_job_and_shutdown_returns() {
     assert!(after.is_err(), "a job after cancellation ran");
     pipeline.shutdown().await;
 }
+
+/// A consumer that stops reading holds up only its own job: the producer node's transfer sends
+/// each job on its own, so another consumer's job goes through while the first is stuck behind
+/// QUIC's flow control, and the stuck one still ends when it is cancelled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_consumer_holds_up_only_its_own_job() {
+    use ractor::Actor;
+    use scd_actors::transfer::SendJob;
+    use scd_actors::{TransferError, TransferOut, TransferOutMsg};
+    use scd_transport::{
+        CodeDType, CodeFrame, CodeKind, Endpoint, Role, TraceContext, TransportOptions,
+    };
+
+    let ca = ClusterCa::generate("test").unwrap();
+    let local = || "127.0.0.1:0".parse().unwrap();
+    let opts = TransportOptions::default();
+    let producer = Endpoint::bind(
+        local(),
+        &ca.issue("producer", Role::Node).unwrap(),
+        opts.clone(),
+    )
+    .unwrap();
+    let mut consumers = Vec::new();
+    for name in ["stalled", "reader"] {
+        let ep =
+            Endpoint::bind(local(), &ca.issue(name, Role::Node).unwrap(), opts.clone()).unwrap();
+        let addr = ep.local_addr().unwrap();
+        let server = ep.clone();
+        let accept =
+            tokio::spawn(async move { server.accept().await.unwrap().complete().await.unwrap() });
+        let to_consumer = producer.connect(addr, name).await.unwrap();
+        let theirs = accept.await.unwrap();
+        consumers.push((ep, to_consumer, theirs));
+    }
+    let (transfer, _handle) = Actor::spawn(None, TransferOut, ()).await.unwrap();
+    // 48 frames of 1 MiB: far more than QUIC's windows and the send queue hold, so a stream
+    // nobody reads blocks its sender.
+    let send = |job: JobId, to: &scd_transport::Connection, cancel: &CancellationToken| {
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        for layer in 0..48u16 {
+            let code = LayerCode {
+                layer,
+                kind: CodeKind::RAW_K,
+                dtype: CodeDType::U8,
+                shape: vec![1 << 20],
+                bytes: vec![layer as u8; 1 << 20],
+            };
+            tx.try_send(CodeFrame::new(job, code)).unwrap();
+        }
+        drop(tx);
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        transfer
+            .send_message(TransferOutMsg::Send(
+                SendJob {
+                    job,
+                    connection: to.clone(),
+                    trace: TraceContext::new(),
+                    frames: rx,
+                    cancel: cancel.clone(),
+                },
+                reply.into(),
+            ))
+            .unwrap();
+        answer
+    };
+    let stalled_cancel = CancellationToken::new();
+    let stalled_job = JobId::random();
+    // Sent first, so that the reader's job comes after it in the actor's mailbox.
+    let stalled = tokio::spawn(send(stalled_job, &consumers[0].1, &stalled_cancel));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    // The reader's consumer reads its job to the end.
+    let reader_conn = consumers[1].2.clone();
+    let reading = tokio::spawn(async move {
+        let mut receiver = reader_conn.accept_job().await.unwrap();
+        let mut frames = 0;
+        while receiver.next_frame().await.unwrap().is_some() {
+            frames += 1;
+        }
+        frames
+    });
+    let report = send(JobId::random(), &consumers[1].1, &CancellationToken::new())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(report.wire_bytes > 48 << 20);
+    assert_eq!(reading.await.unwrap(), 48);
+    // The stalled job is still under way, and cancelling it ends it.
+    assert!(!stalled.is_finished());
+    stalled_cancel.cancel();
+    let ended = stalled.await.unwrap().unwrap();
+    assert!(matches!(ended, Err(TransferError::Cancelled)), "{ended:?}");
+}

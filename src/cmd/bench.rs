@@ -1,12 +1,13 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
-use super::{bench_model, bench_transport};
+use super::{bench_memory, bench_model, bench_transport};
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
     scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
-    scd bench transport")]
+    scd bench transport\n  \
+    scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -22,11 +23,17 @@ enum Command {
     #[command(after_help = "Example:\n  \
         scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --llama-python .cache/llama-cpp/bin/python")]
     Model(bench_model::Args),
+    /// Resident memory of the base and its experts: one expert against several, adapters
+    /// merged or applied on the fly.
+    #[command(after_help = "Example:\n  \
+        scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    Memory(bench_memory::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         Command::Transport(a) => bench_transport::run(a),
         Command::Model(a) => bench_model::run(a),
+        Command::Memory(a) => bench_memory::run(a),
     }
 }

@@ -11,7 +11,7 @@ use scd_models::translator::{Translator, TranslatorError};
 use scd_models::{AdapterError, AdapterMode, GgufFile, Llama, LoadError, LoraAdapter};
 use scd_scheduler::ModelRecord;
 
-use crate::config::{NodeConfig, NodeRole};
+use crate::config::{AdapterModeConfig, NodeConfig, NodeRole};
 
 /// Why a node's models could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -114,12 +114,18 @@ impl Served {
         let base = file.load_model().map_err(base_err)?;
         let base = Arc::new(base);
         let consumer = config.has_role(NodeRole::Consumer);
+        let mode = match config.models.adapter_mode {
+            AdapterModeConfig::Merge => AdapterMode::Merge,
+            AdapterModeConfig::OnTheFly => AdapterMode::OnTheFly,
+            AdapterModeConfig::Auto if config.experts.len() > 1 => AdapterMode::OnTheFly,
+            AdapterModeConfig::Auto => AdapterMode::Merge,
+        };
         let mut experts = BTreeMap::new();
         for e in &config.experts {
             let model = match (consumer, e.adapter_file()) {
                 (false, _) => None,
                 (true, None) => return Err(ServeError::NoAdapter(e.name.clone())),
-                (true, Some(file)) => Some(Arc::new(expert_model(&base, &e.name, &file)?)),
+                (true, Some(file)) => Some(Arc::new(expert_model(&base, &e.name, &file, mode)?)),
             };
             let translator = load_translator(&e.name, &e.translator, &base, model.as_deref())?;
             experts.insert(
@@ -179,14 +185,19 @@ pub fn model_id(model: &Llama) -> String {
         .unwrap_or_else(|| "base".into())
 }
 
-fn expert_model(base: &Llama, name: &str, file: &Path) -> Result<Llama, ServeError> {
+fn expert_model(
+    base: &Llama,
+    name: &str,
+    file: &Path,
+    mode: AdapterMode,
+) -> Result<Llama, ServeError> {
     let err = |source| ServeError::Adapter {
         expert: name.to_owned(),
         path: file.to_owned(),
         source: Box::new(source),
     };
     let adapter = LoraAdapter::load(file, base.config()).map_err(err)?;
-    base.with_adapter(&adapter, AdapterMode::Merge).map_err(err)
+    base.with_adapter(&adapter, mode).map_err(err)
 }
 
 /// The translator of `name`, checked: against the base and the expert model where the node has
