@@ -148,11 +148,11 @@ pub async fn recount(
         .count() as u64;
     // One slot frees up every window / recent on average; wait about that, within bounds a
     // client can act on.
-    let retry_after_ms = if recent == 0 {
-        DEFAULT_RETRY_AFTER.as_millis() as u64
-    } else {
-        (RATE_WINDOW_MS / recent).clamp(1_000, 60_000)
-    };
+    let retry_after_ms = RATE_WINDOW_MS
+        .checked_div(recent)
+        .map_or(DEFAULT_RETRY_AFTER.as_millis() as u64, |ms| {
+            ms.clamp(1_000, 60_000)
+        });
     let new = AdmissionRecord {
         unfinished,
         limit,
