@@ -1,11 +1,14 @@
 //! `scd translators list|publish|activate|rollback`: the translator versions of each (base,
 //! expert) pair in the cluster's store, through a node's admin endpoint. Nodes follow the live
-//! version of their pairs on their own, without a restart.
+//! version of their pairs on their own, without a restart. `scd translators convert` works on a
+//! folder, offline: it rewrites a translator's weights in another storage type.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
+use scd_models::translator::artifact::WEIGHTS_FILE;
+use scd_models::translator::{Translator, WeightsDtype};
 use scd_transport::Control;
 
 use crate::cmd::admin::{ask, exit, show, Failure, Target};
@@ -76,6 +79,21 @@ pub enum Command {
         #[arg(long)]
         version: String,
     },
+    /// Rewrite a translator folder's weights in another storage type (a new version: its
+    /// content hash changes). Offline; publish the result to use it in a cluster.
+    #[command(after_help = "Example:\n  \
+        scd translators convert --translator experts/mail/translator --out /tmp/mail-bf16 --weights-dtype bf16")]
+    Convert {
+        /// The translator folder to read.
+        #[arg(long)]
+        translator: PathBuf,
+        /// Where to write the converted folder (may be the same folder).
+        #[arg(long)]
+        out: PathBuf,
+        /// bf16 or f32.
+        #[arg(long, default_value = "bf16")]
+        weights_dtype: String,
+    },
     /// Make the version that was live before the current one live again.
     #[command(after_help = "Example:\n  \
         scd translators rollback --node producer@127.0.0.1:7101 --expert mail")]
@@ -88,14 +106,23 @@ pub enum Command {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    if let Command::List { target, json } = &args.command {
-        return show(target, "translators", *json, print_list);
+    match &args.command {
+        Command::List { target, json } => return show(target, "translators", *json, print_list),
+        Command::Convert {
+            translator,
+            out,
+            weights_dtype,
+        } => {
+            convert(translator, out, weights_dtype)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        _ => {}
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     exit(runtime.block_on(async {
         match args.command {
             // Answered above, without the change machinery.
-            Command::List { .. } => Ok(()),
+            Command::List { .. } | Command::Convert { .. } => Ok(()),
             Command::Publish {
                 target,
                 pair,
@@ -144,6 +171,29 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }))
+}
+
+fn convert(from: &Path, to: &Path, dtype: &str) -> anyhow::Result<()> {
+    let mut t = Translator::load(from).with_context(|| format!("loading {}", from.display()))?;
+    let before = t.hash();
+    t.manifest.weights_dtype = match dtype {
+        "bf16" => WeightsDtype::Bf16,
+        "f32" => WeightsDtype::F32,
+        other => anyhow::bail!("--weights-dtype {other}: expected bf16 or f32"),
+    };
+    let after = t
+        .save(to)
+        .with_context(|| format!("writing {}", to.display()))?;
+    let size = |d: &Path| std::fs::metadata(d.join(WEIGHTS_FILE)).map_or(0, |m| m.len());
+    println!(
+        "{} ({}) -> {} ({}, {dtype}): {:.1} MB",
+        from.display(),
+        before.short(),
+        to.display(),
+        after.short(),
+        size(to) as f64 / 1e6
+    );
+    Ok(())
 }
 
 async fn change(
