@@ -42,6 +42,7 @@ fn tiny_cfg() -> TrainConfig {
         clip_norm: Some(1.0),
         valid_windows: 2,
         targets: Proj::ALL.to_vec(),
+        layers: None,
     }
 }
 
@@ -195,6 +196,19 @@ fn an_attention_only_run_adapts_those_projections_and_resumes_as_one() {
         "{err}"
     );
     assert_eq!(Proj::parse_list("v,k,k"), Some(vec![Proj::K, Proj::V]));
+    // A run on the first layer only adapts that layer, and resumes as such.
+    let first = TrainConfig {
+        layers: Some(vec![0]),
+        ..tiny_cfg()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(model, first.clone()).unwrap();
+    t.train_step(&data).unwrap();
+    t.save_checkpoint(dir.path()).unwrap();
+    let only: Vec<_> = t.adapter(model, DType::F32).unwrap().targets().collect();
+    assert!(!only.is_empty() && only.iter().all(|&(l, _)| l == 0), "{only:?}");
+    let back = Trainer::resume(model, &first, dir.path()).unwrap().unwrap();
+    assert_eq!(back.adapter(model, DType::F32).unwrap().targets().count(), only.len());
     assert_eq!(Proj::parse_list("k,mlp"), None);
 }
 

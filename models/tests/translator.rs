@@ -389,21 +389,7 @@ fn weights_in_bf16_round_trip_within_their_precision() {
     assert_eq!(back.hash(), hash);
     assert_eq!(back.manifest.weights_dtype, WeightsDtype::Bf16);
     let (a, b) = (&full.layers[1].v.decs[0], &back.layers[1].v.decs[0]);
-    let scale = a
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let diff = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let (scale, diff) = (common::max_abs(a), common::max_abs_diff(a, b));
     assert!(diff > 0.0 && diff <= scale / 256.0, "{diff} of {scale}");
     // The in-memory translator took the stored weights back: same codes as the loaded one.
     let opts = CodecOptions::default();

@@ -14,6 +14,14 @@ use scd_scheduler::{
     ModelRegistry, NodeInfo, Registration, RegistrationConfig, Scheduler, SchedulerConfig,
 };
 
+/// Waits (bounded) until the job is in `state`.
+async fn reaches(jobs: &JobStore, id: JobId, state: JobState) {
+    eventually(state.as_str(), || async {
+        jobs.get(id).await.unwrap().unwrap().state == state
+    })
+    .await;
+}
+
 /// A queued job for the expert `sotu`.
 fn sotu_job(id: JobId, max_attempts: u32) -> JobRecord {
     JobRecord::new(id, "sotu", Mode::Scd, max_attempts)
@@ -258,10 +266,7 @@ async fn a_cancelled_job_is_never_assigned_or_retried(b: Backend) {
     .await
     .unwrap();
     // Both were written before the scheduler started, so the pass that assigns one reads both.
-    eventually("the queued job is assigned", || async {
-        jobs.get(queued).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, queued, JobState::Assigned).await;
     let job = jobs.get(cancelled).await.unwrap().unwrap();
     assert_eq!(
         (job.state, job.attempts, job.producer),
@@ -410,15 +415,9 @@ async fn a_job_fails_when_attempts_run_out(b: Backend) {
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
     jobs.create(&sotu_job(once, 1)).await.unwrap();
-    eventually("assigned", || async {
-        jobs.get(once).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, once, JobState::Assigned).await;
     p.deregister().await.unwrap();
-    eventually("failed", || async {
-        jobs.get(once).await.unwrap().unwrap().state == JobState::Failed
-    })
-    .await;
+    reaches(&jobs, once, JobState::Failed).await;
     let job = jobs.get(once).await.unwrap().unwrap();
     assert!(job.error.unwrap().contains("gave up after 1 attempts"));
 }
@@ -511,10 +510,7 @@ async fn two_schedulers_and_an_assigned_job(
         .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
     jobs.create(&sotu_job(before, 3)).await.unwrap();
-    eventually("assigned", || async {
-        jobs.get(before).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, before, JobState::Assigned).await;
     (nodes, [s1, s2], jobs, before)
 }
 
@@ -529,10 +525,7 @@ async fn scheduler_failover_keeps_assigning(b: Backend) {
     })
     .await;
     jobs.create(&sotu_job(after, 3)).await.unwrap();
-    eventually("assigned by the new leader", || async {
-        jobs.get(after).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, after, JobState::Assigned).await;
 }
 
 async fn experts_come_from_model_records_too(b: Backend) {
@@ -662,13 +655,10 @@ async fn admission_bounds_unfinished_jobs_exactly(b: Backend) {
             .unwrap();
     })
     .await;
+    let record = || async { admission::current(b.store.as_ref(), &b.keys).await.unwrap() };
     // The leader writes its limit into the admission record on its first pass.
     eventually("the limit is published", || async {
-        admission::current(b.store.as_ref(), &b.keys)
-            .await
-            .unwrap()
-            .limit
-            == 5
+        record().await.limit == 5
     })
     .await;
 
@@ -711,11 +701,7 @@ async fn admission_bounds_unfinished_jobs_exactly(b: Backend) {
         jobs.cancel(*id, "done with it").await.unwrap();
     }
     eventually("the recount frees two slots", || async {
-        admission::current(b.store.as_ref(), &b.keys)
-            .await
-            .unwrap()
-            .unfinished
-            == 3
+        record().await.unfinished == 3
     })
     .await;
     for _ in 0..2 {
@@ -774,10 +760,7 @@ async fn etcd_restart_keeps_jobs_and_scheduling_resumes() {
     })
     .await;
     jobs.create(&sotu_job(after, 3)).await.unwrap();
-    eventually("assigned after the restart", || async {
-        jobs.get(after).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, after, JobState::Assigned).await;
     assert_eq!(jobs.get(before).await.unwrap().unwrap().attempts, 1);
 }
 
@@ -795,10 +778,7 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
     jobs.create(&sotu_job(dec, 3)).await.unwrap();
-    eventually("assigned", || async {
-        jobs.get(dec).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, dec, JobState::Assigned).await;
     for s in [
         JobState::Prefilling,
         JobState::Transferring,
@@ -840,15 +820,9 @@ async fn a_job_nobody_can_decode_fails_after_the_grace(b: Backend) {
     .unwrap();
     let jobs = JobStore::new(b.store.clone(), b.keys.clone());
     jobs.create(&sotu_job(id, 3)).await.unwrap();
-    eventually("assigned", || async {
-        jobs.get(id).await.unwrap().unwrap().state == JobState::Assigned
-    })
-    .await;
+    reaches(&jobs, id, JobState::Assigned).await;
     c1.deregister().await.unwrap();
-    eventually("failed for want of a consumer", || async {
-        jobs.get(id).await.unwrap().unwrap().state == JobState::Failed
-    })
-    .await;
+    reaches(&jobs, id, JobState::Failed).await;
     let job = jobs.get(id).await.unwrap().unwrap();
     let reason = job.error.unwrap();
     assert!(

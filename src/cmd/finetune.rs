@@ -72,6 +72,9 @@ pub struct Args {
     /// `q,k,v,o,down`.
     #[arg(long, default_value = "all")]
     pub targets: String,
+    /// Layers to adapt: `all`, or a range such as `0-9` (the first ten).
+    #[arg(long, default_value = "all")]
+    pub layers: String,
     /// Steps between checkpoints.
     #[arg(long, default_value_t = 25)]
     pub checkpoint_every: usize,
@@ -108,6 +111,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         weight_decay: args.weight_decay,
         clip_norm: (args.clip > 0.0).then_some(args.clip),
         valid_windows: args.valid_windows,
+        layers: parse_layers(&args.layers)?,
         targets: Proj::parse_list(&args.targets).ok_or_else(|| {
             anyhow::anyhow!(
                 "--targets {}: expected all, attention, or a comma list of q,k,v,o,gate,up,down",
@@ -200,4 +204,19 @@ fn watch_ctrl_c(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
         })
         .context("starting the signal watcher")?;
     Ok(())
+}
+
+/// `all`, or `A-B` (inclusive).
+fn parse_layers(s: &str) -> anyhow::Result<Option<Vec<usize>>> {
+    if s == "all" {
+        return Ok(None);
+    }
+    let range = s.split_once('-').and_then(|(a, b)| {
+        let (a, b) = (a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?);
+        (a <= b).then(|| (a..=b).collect())
+    });
+    match range {
+        Some(layers) => Ok(Some(layers)),
+        None => bail!("--layers {s}: expected all or a range such as 0-9"),
+    }
 }

@@ -132,7 +132,7 @@ impl Trainer {
         let mut targets = cfg.targets.clone();
         targets.sort();
         targets.dedup();
-        for layer in 0..base.config().num_layers {
+        for layer in (0..base.config().num_layers).filter(|&l| cfg.adapts_layer(l)) {
             for &proj in &targets {
                 let mut pair = Vec::with_capacity(2);
                 for which in ["A", "B"] {

@@ -48,6 +48,10 @@ pub struct TrainConfig {
     /// existed adapted all seven).
     #[serde(default = "all_projections")]
     pub targets: Vec<Proj>,
+    /// The layers the adapter edits, ascending; `None` for every layer. An edit of the first
+    /// layers reaches every later layer's K and V through the residual stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Vec<usize>>,
 }
 
 fn all_projections() -> Vec<Proj> {
@@ -70,6 +74,7 @@ impl Default for TrainConfig {
             clip_norm: Some(1.0),
             valid_windows: 16,
             targets: all_projections(),
+            layers: None,
         }
     }
 }
@@ -90,7 +95,15 @@ impl TrainConfig {
         if self.targets.is_empty() {
             return bad("the adapter needs at least one target projection");
         }
+        if self.layers.as_ref().is_some_and(Vec::is_empty) {
+            return bad("the adapter needs at least one layer");
+        }
         Ok(())
+    }
+
+    /// Whether the adapter edits `layer`.
+    pub fn adapts_layer(&self, layer: usize) -> bool {
+        self.layers.as_ref().is_none_or(|l| l.contains(&layer))
     }
 
     /// The learning rate of step `step` (0-based).

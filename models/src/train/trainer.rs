@@ -69,7 +69,7 @@ impl Trainer {
         cfg.validate()?;
         let init = LoraAdapter::init(base.config(), cfg.rank, cfg.alpha, &cfg.targets, cfg.seed)?;
         let mut parts = BTreeMap::new();
-        for key in init.targets() {
+        for key in init.targets().filter(|&(layer, _)| cfg.adapts_layer(layer)) {
             if let Some((a, b)) = init.get(key.0, key.1) {
                 parts.insert(key, (a.clone(), b.clone()));
             }
