@@ -231,11 +231,11 @@ async fn nodes_follow_the_live_translator_version_and_refuse_one_they_cannot_use
     let m = models();
     let prompt = prompt(m);
     let shipped = m.translator.0.hash();
-    // Another version of the mail translator: the same fit with one eigenvalue nudged, so its
-    // content hash differs while it still matches the model pair.
+    // Another version of the mail translator: the same weights stored in f32 instead of bf16,
+    // so its content hash differs while it computes the same codes for the same pair.
     let dir = tempfile::tempdir().unwrap();
     let mut other = Translator::load(&repo().join("experts/mail/translator")).unwrap();
-    other.layers[0].k.eigenvalues[0] *= 1.0 + 1e-6;
+    other.manifest.weights_dtype = scd_models::translator::WeightsDtype::F32;
     let other_hash = other.save(dir.path()).unwrap();
     assert_ne!(other_hash, shipped);
 

@@ -206,9 +206,15 @@ fn an_attention_only_run_adapts_those_projections_and_resumes_as_one() {
     t.train_step(&data).unwrap();
     t.save_checkpoint(dir.path()).unwrap();
     let only: Vec<_> = t.adapter(model, DType::F32).unwrap().targets().collect();
-    assert!(!only.is_empty() && only.iter().all(|&(l, _)| l == 0), "{only:?}");
+    assert!(
+        !only.is_empty() && only.iter().all(|&(l, _)| l == 0),
+        "{only:?}"
+    );
     let back = Trainer::resume(model, &first, dir.path()).unwrap().unwrap();
-    assert_eq!(back.adapter(model, DType::F32).unwrap().targets().count(), only.len());
+    assert_eq!(
+        back.adapter(model, DType::F32).unwrap().targets().count(),
+        only.len()
+    );
     assert_eq!(Proj::parse_list("k,mlp"), None);
 }
 

@@ -212,7 +212,10 @@ fn parse_layers(s: &str) -> anyhow::Result<Option<Vec<usize>>> {
         return Ok(None);
     }
     let range = s.split_once('-').and_then(|(a, b)| {
-        let (a, b) = (a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?);
+        let (a, b) = (
+            a.trim().parse::<usize>().ok()?,
+            b.trim().parse::<usize>().ok()?,
+        );
         (a <= b).then(|| (a..=b).collect())
     });
     match range {
