@@ -55,7 +55,7 @@ impl Default for AdmissionRecord {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "the cluster is busy: {unfinished} jobs unfinished, limit {limit}; retry after {}s",
-    retry_after.as_secs().max(1)
+    self.retry_after_secs()
 )]
 pub struct Busy {
     /// Unfinished jobs counted.
@@ -64,6 +64,13 @@ pub struct Busy {
     pub limit: u64,
     /// When to try again.
     pub retry_after: Duration,
+}
+
+impl Busy {
+    /// The retry hint in whole seconds, at least one (what `Retry-After` carries).
+    pub fn retry_after_secs(&self) -> u64 {
+        self.retry_after.as_secs().max(1)
+    }
 }
 
 /// Reads the admission record and its modification revision (0 when it does not exist yet).
@@ -119,33 +126,27 @@ pub async fn create_admitted(
     })
 }
 
-/// What the leader's recount found and did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Recount {
-    /// Unfinished jobs among the records read.
-    pub unfinished: u64,
-    /// Whether the record was rewritten.
-    pub written: bool,
-}
-
-/// The leader's half: the record as read before the job listing, the listing, and the
-/// configured limit. Writes the true count, the limit and the retry hint unless the record
-/// moved since `read_before` (a submission landed: the next pass recounts).
-pub async fn recount(
+/// The leader's half: from the record as read before the job listing and the listing, writes
+/// the true count, the configured limit and the retry hint, unless the record moved since it
+/// was read (a submission landed: the next pass recounts).
+pub async fn recount<'a>(
     store: &dyn MetaStore,
     keys: &Keys,
     guard: &LeaderGuard,
     before: (AdmissionRecord, i64),
-    jobs: &[JobRecord],
+    jobs: impl Iterator<Item = &'a JobRecord>,
     limit: u64,
-) -> Result<Recount, JobError> {
+) -> Result<(), JobError> {
     let (old, revision) = before;
     let now = now_ms();
-    let unfinished = jobs.iter().filter(|j| !j.state.is_finished()).count() as u64;
-    let recent = jobs
-        .iter()
-        .filter(|j| j.state.is_finished() && j.updated_at_ms + RATE_WINDOW_MS > now)
-        .count() as u64;
+    let (mut unfinished, mut recent) = (0u64, 0u64);
+    for j in jobs {
+        if !j.state.is_finished() {
+            unfinished += 1;
+        } else if j.updated_at_ms + RATE_WINDOW_MS > now {
+            recent += 1;
+        }
+    }
     // One slot frees up every window / recent on average; wait about that, within bounds a
     // client can act on.
     let retry_after_ms = RATE_WINDOW_MS
@@ -159,10 +160,7 @@ pub async fn recount(
         retry_after_ms,
     };
     if new == old && revision != 0 {
-        return Ok(Recount {
-            unfinished,
-            written: false,
-        });
+        return Ok(());
     }
     let key = keys.admission();
     let txn = Txn::new()
@@ -171,11 +169,10 @@ pub async fn recount(
             guard.compare(),
         ])
         .and_then([TxnOp::put(key, codec::encode(&new)?)]);
-    let written = store.txn(txn).await?.succeeded;
-    Ok(Recount {
-        unfinished,
-        written,
-    })
+    // A failed compare is a submission that landed meanwhile (or lost leadership): nothing to
+    // do until the next pass.
+    store.txn(txn).await?;
+    Ok(())
 }
 
 /// The admission record now (the defaults before anyone wrote it): what `scd` shows and tests

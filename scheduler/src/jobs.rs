@@ -154,13 +154,28 @@ pub enum JobError {
     Busy(#[from] crate::admission::Busy),
 }
 
-/// Store errors a job update waits out before failing: about 10 s in all, longer than an etcd
+/// Store errors a job read or update waits out before failing: about 10 s in all, longer than an etcd
 /// restart takes.
 const STORE_OUTAGE_RETRIES: u32 = 8;
 
-/// The wait after the `n`th store error of one update: 250 ms doubling, at most 2 s.
-fn outage_backoff(n: u32) -> Duration {
-    Duration::from_millis((250u64 << n.min(3)).min(2_000))
+/// Runs one store call, waiting out transient errors: after the `n`th, 250 ms doubling, at
+/// most 2 s, [`STORE_OUTAGE_RETRIES`] times.
+async fn patiently<T, F, Fut>(mut call: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut outages = 0;
+    loop {
+        match call().await {
+            Err(e) if e.is_transient() && outages < STORE_OUTAGE_RETRIES => {
+                outages += 1;
+                tokio::time::sleep(Duration::from_millis((250u64 << outages.min(3)).min(2_000)))
+                    .await;
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Which node lost an abandoned attempt (see [`JobRecord::retry`]).
@@ -375,10 +390,10 @@ impl JobStore {
             .await
     }
 
-    /// Reads a job.
+    /// Reads a job, waiting out a brief store outage.
     pub async fn get(&self, id: JobId) -> Result<Option<JobRecord>, JobError> {
         let key = self.keys.job(id);
-        match self.store.get(&key).await? {
+        match patiently(|| self.store.get(&key)).await? {
             Some(kv) => Ok(Some(codec::decode(&kv.key, &kv.value)?)),
             None => Ok(None),
         }
@@ -442,20 +457,12 @@ impl JobStore {
         mut change: impl FnMut(&mut JobRecord) -> Result<(), JobError>,
     ) -> Result<JobRecord, JobError> {
         let key = self.keys.job(id);
-        let mut outages = 0;
         for attempt in 0..self.max_attempts {
             // etcd briefly away (a restart, a leader change) is waited out: a write lost here
             // could leave a job running for ever. Retrying is safe because `change` runs on the
-            // fresh record, where a write whose answer was lost is already visible.
-            let read = match self.store.get(&key).await {
-                Err(e) if e.is_transient() && outages < STORE_OUTAGE_RETRIES => {
-                    outages += 1;
-                    tokio::time::sleep(outage_backoff(outages)).await;
-                    continue;
-                }
-                other => other?,
-            };
-            let Some(kv) = read else {
+            // fresh record, where a write whose answer was lost is already visible (its
+            // compare then fails, and the re-read finds nothing left to change).
+            let Some(kv) = patiently(|| self.store.get(&key)).await? else {
                 return Err(JobError::NotFound(id));
             };
             let before: JobRecord = codec::decode(&kv.key, &kv.value)?;
@@ -471,15 +478,8 @@ impl JobStore {
             let txn = Txn::new()
                 .when(compares)
                 .and_then([TxnOp::put(key.clone(), codec::encode(&job)?)]);
-            match self.store.txn(txn).await {
-                Ok(outcome) if outcome.succeeded => return Ok(job),
-                Ok(_) => {}
-                Err(e) if e.is_transient() && outages < STORE_OUTAGE_RETRIES => {
-                    outages += 1;
-                    tokio::time::sleep(outage_backoff(outages)).await;
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
+            if patiently(|| self.store.txn(txn.clone())).await?.succeeded {
+                return Ok(job);
             }
             if let Some(guard) = guard {
                 if !self.still_leader(guard).await? {

@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use crate::admission;
 use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
 use crate::codec::{self, CodecError};
-use crate::jobs::{now_ms, Blame, JobError, JobRecord, JobStore};
+use crate::jobs::{now_ms, Blame, JobError, JobStore};
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, LeaderGuard, Leadership};
 use crate::membership::{LiveNodes, MembershipError, NodeMap};
@@ -112,8 +112,6 @@ pub struct ReconcileReport {
     pub jobs_failed: usize,
     /// Finished records removed.
     pub jobs_swept: usize,
-    /// Unfinished jobs counted for admission.
-    pub unfinished_jobs: u64,
 }
 
 /// Reads every pool.
@@ -188,17 +186,15 @@ pub async fn reconcile(
     // moves it and the recount below does not overwrite that submission's count.
     let admission_before = admission::read_before_listing(store.as_ref(), keys).await?;
     let listing = jobs.list().await?;
-    let records: Vec<JobRecord> = listing.iter().map(|(j, _)| j.clone()).collect();
-    let recount = admission::recount(
+    admission::recount(
         store.as_ref(),
         keys,
         guard,
         admission_before,
-        &records,
+        listing.iter().map(|(j, _)| j),
         config.max_unfinished_jobs,
     )
     .await?;
-    report.unfinished_jobs = recount.unfinished;
     for (job, _) in listing {
         let lost = lost_party(
             &job.state,

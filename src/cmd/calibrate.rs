@@ -91,7 +91,7 @@ pub struct Args {
     /// Storage type of the weights file: bf16 (half the bytes; BENCHMARKS.md measures what the
     /// rounding costs) or f32.
     #[arg(long, default_value = "bf16")]
-    pub weights_dtype: String,
+    pub weights_dtype: WeightsDtype,
     /// A label for the version (the content hash identifies it).
     #[arg(long, default_value = "cal")]
     pub version: String,
@@ -219,11 +219,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
     .context("calibrating")?;
     bar.finish();
-    translator.manifest.weights_dtype = match args.weights_dtype.as_str() {
-        "bf16" => WeightsDtype::Bf16,
-        "f32" => WeightsDtype::F32,
-        other => bail!("--weights-dtype {other}: expected bf16 or f32"),
-    };
+    translator.manifest.weights_dtype = args.weights_dtype;
     let hash = translator
         .save(&args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;

@@ -92,7 +92,7 @@ pub enum Command {
         out: PathBuf,
         /// bf16 or f32.
         #[arg(long, default_value = "bf16")]
-        weights_dtype: String,
+        weights_dtype: WeightsDtype,
     },
     /// Make the version that was live before the current one live again.
     #[command(after_help = "Example:\n  \
@@ -113,7 +113,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out,
             weights_dtype,
         } => {
-            convert(translator, out, weights_dtype)?;
+            convert(translator, out, *weights_dtype)?;
             return Ok(ExitCode::SUCCESS);
         }
         _ => {}
@@ -173,20 +173,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }))
 }
 
-fn convert(from: &Path, to: &Path, dtype: &str) -> anyhow::Result<()> {
+fn convert(from: &Path, to: &Path, dtype: WeightsDtype) -> anyhow::Result<()> {
     let mut t = Translator::load(from).with_context(|| format!("loading {}", from.display()))?;
     let before = t.hash();
-    t.manifest.weights_dtype = match dtype {
-        "bf16" => WeightsDtype::Bf16,
-        "f32" => WeightsDtype::F32,
-        other => anyhow::bail!("--weights-dtype {other}: expected bf16 or f32"),
-    };
+    t.manifest.weights_dtype = dtype;
     let after = t
         .save(to)
         .with_context(|| format!("writing {}", to.display()))?;
     let size = |d: &Path| std::fs::metadata(d.join(WEIGHTS_FILE)).map_or(0, |m| m.len());
     println!(
-        "{} ({}) -> {} ({}, {dtype}): {:.1} MB",
+        "{} ({}) -> {} ({}, {dtype:?}): {:.1} MB",
         from.display(),
         before.short(),
         to.display(),

@@ -157,7 +157,7 @@ impl From<ClientError> for ApiError {
             // OpenAI's own answer to overload: 429 with a hint that its clients honour.
             ClientError::Busy(ref busy) => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
-                retry_after: Some(busy.retry_after.as_secs().max(1)),
+                retry_after: Some(busy.retry_after_secs()),
                 kind: "rate_limit_error",
                 code: Some("cluster_busy"),
                 param: None,

@@ -230,8 +230,11 @@ impl Work {
             true => self.translators.current(&job.expert).ok().map(|v| v.hash()),
             false => None,
         };
-        let claim = || {
-            self.jobs.update(id, |j| {
+        // The job store waits out a brief etcd outage, so a claim whose answer was lost is
+        // found applied on its retry rather than left assigned to this node for ever.
+        let claimed = self
+            .jobs
+            .update(id, |j| {
                 let ours = j.state == JobState::Assigned
                     && j.attempts == attempt
                     && j.producer.as_deref() == Some(me.as_str());
@@ -241,18 +244,7 @@ impl Work {
                 }
                 Ok(())
             })
-        };
-        // A store error may hide a claim that landed (the answer lost as etcd restarts): the
-        // claim is idempotent, so try again; giving up would leave the job assigned to this
-        // node for ever, since nothing else moves an assigned job whose nodes are alive.
-        let mut claimed = claim().await;
-        for wait_ms in [100, 400, 1600, 6400] {
-            if claimed.is_ok() || cancel.is_cancelled() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
-            claimed = claim().await;
-        }
+            .await;
         let job = match claimed {
             Ok(j) if j.state == JobState::Prefilling && j.attempts == attempt => j,
             Ok(_) => return,
@@ -485,16 +477,9 @@ impl Work {
     pub async fn on_stream(self: &Arc<Self>, receiver: JobReceiver) {
         let id = receiver.job_id();
         let peer = receiver.peer().name.clone();
-        // The store may be briefly away (an etcd restart): a few tries before refusing, since
-        // a refusal costs the job an attempt.
-        let mut read = self.jobs.get(id).await;
-        for wait_ms in [100, 400, 1600] {
-            if read.is_ok() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
-            read = self.jobs.get(id).await;
-        }
+        // The job store waits out a brief etcd outage before this refuses (a refusal costs the
+        // job an attempt).
+        let read = self.jobs.get(id).await;
         let job = match read {
             Ok(Some(j)) => j,
             Ok(None) => {

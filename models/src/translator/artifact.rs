@@ -175,6 +175,18 @@ pub enum WeightsDtype {
     Bf16,
 }
 
+impl std::str::FromStr for WeightsDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bf16" => Ok(WeightsDtype::Bf16),
+            "f32" => Ok(WeightsDtype::F32),
+            other => Err(format!("{other}: expected bf16 or f32")),
+        }
+    }
+}
+
 impl WeightsDtype {
     fn dtype(self) -> DType {
         match self {
