@@ -163,6 +163,14 @@ pub enum ForwardError {
         /// Rows in the tensor.
         rows: usize,
     },
+    /// A batch mixed models of different bases (or configurations).
+    #[error("a batch must share one base model: {first} and {other} differ")]
+    MixedBases {
+        /// The first sequence's base (hex SHA-256).
+        first: String,
+        /// Another sequence's.
+        other: String,
+    },
     /// The tensor library failed.
     #[error("tensor error: {0}")]
     Tensor(#[from] candle_core::Error),

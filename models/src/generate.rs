@@ -80,6 +80,45 @@ pub fn generate_with_cache(
     params: &GenerateParams,
     mut on_token: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<Generation, GenerateError> {
+    let prompt = check_room(model, cache, pending, params)?;
+    let mut stepper = Stepper::new(params);
+    let t0 = Instant::now();
+    let out = model.forward(Input::new(pending).with_cache(cache))?;
+    let mut logits = last_row(out.logits)?;
+    let prefill = t0.elapsed();
+    let t1 = Instant::now();
+    let stop = loop {
+        match stepper.next(&logits) {
+            Next::Stop(reason) => break reason,
+            Next::Emit(token) => {
+                if on_token(token).is_break() {
+                    break StopReason::Cancelled;
+                }
+                if let Some(reason) = stepper.exhausted() {
+                    break reason;
+                }
+                let out = model.forward(Input::new(&[token]).with_cache(cache))?;
+                logits = last_row(out.logits)?;
+            }
+        }
+    };
+    Ok(Generation {
+        tokens: stepper.tokens,
+        stop,
+        prompt_tokens: prompt,
+        prefill,
+        decode: t1.elapsed(),
+    })
+}
+
+/// The context a generation will reach (prompt plus budget) checked against the model's:
+/// returns the prompt's length.
+pub(crate) fn check_room(
+    model: &Llama,
+    cache: &KvCache,
+    pending: &[u32],
+    params: &GenerateParams,
+) -> Result<usize, GenerateError> {
     if pending.is_empty() {
         return Err(GenerateError::EmptyPrompt);
     }
@@ -95,38 +134,52 @@ pub fn generate_with_cache(
             context,
         });
     }
-    let mut sampler = Sampler::new(params.sampling, params.seed);
-    let t0 = Instant::now();
-    let out = model.forward(Input::new(pending).with_cache(cache))?;
-    let mut logits = last_row(out.logits)?;
-    let prefill = t0.elapsed();
-    let t1 = Instant::now();
-    let mut tokens = Vec::new();
-    let stop = loop {
-        if tokens.len() == params.max_tokens {
-            break StopReason::MaxTokens;
+    Ok(prompt)
+}
+
+/// What a generation does with the logits of its last position.
+pub(crate) enum Next {
+    /// Emit this token, then (unless [`Stepper::exhausted`]) run it through the model.
+    Emit(u32),
+    /// Stop.
+    Stop(StopReason),
+}
+
+/// One generation's choices: sampling, stop tokens and the budget, the same whether it decodes
+/// alone ([`generate_with_cache`]) or in a [`crate::batch::Batch`].
+pub(crate) struct Stepper {
+    sampler: Sampler,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
+}
+
+impl Stepper {
+    pub(crate) fn new(params: &GenerateParams) -> Self {
+        Self {
+            sampler: Sampler::new(params.sampling, params.seed),
+            max_tokens: params.max_tokens,
+            stop_tokens: params.stop_tokens.clone(),
+            tokens: Vec::new(),
         }
-        let next = sampler.sample(&logits);
-        if params.stop_tokens.contains(&next) {
-            break StopReason::StopToken(next);
+    }
+
+    pub(crate) fn next(&mut self, logits: &[f32]) -> Next {
+        if let Some(reason) = self.exhausted() {
+            return Next::Stop(reason);
         }
-        tokens.push(next);
-        if on_token(next).is_break() {
-            break StopReason::Cancelled;
+        let next = self.sampler.sample(logits);
+        if self.stop_tokens.contains(&next) {
+            return Next::Stop(StopReason::StopToken(next));
         }
-        if tokens.len() == params.max_tokens {
-            break StopReason::MaxTokens;
-        }
-        let out = model.forward(Input::new(&[next]).with_cache(cache))?;
-        logits = last_row(out.logits)?;
-    };
-    Ok(Generation {
-        tokens,
-        stop,
-        prompt_tokens: prompt,
-        prefill,
-        decode: t1.elapsed(),
-    })
+        self.tokens.push(next);
+        Next::Emit(next)
+    }
+
+    /// `Some(MaxTokens)` once the budget is spent (no forward pass is needed for the last one).
+    pub(crate) fn exhausted(&self) -> Option<StopReason> {
+        (self.tokens.len() == self.max_tokens).then_some(StopReason::MaxTokens)
+    }
 }
 
 fn last_row(logits: Option<candle_core::Tensor>) -> Result<Vec<f32>, GenerateError> {

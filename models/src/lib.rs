@@ -16,7 +16,7 @@
 //! inference, candle's differentiable ops while gradients are recorded), `cache` (the per-layer
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
 //! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
-//! `generate`; `codec` (the transfer modes: producer-side
+//! `generate` (and `batch`, several generations decoded together); `codec` (the transfer modes: producer-side
 //! encode into layer codes, consumer-side rebuild of a KV cache) and `translator` (SCD's
 //! calibrated translators: low-rank codes, Patch aligners, calibration); `optim` (AdamW), `train`
 //! (LoRA fine-tuning) and `expert` (an expert folder and its manifest); `corpus` (training
@@ -27,6 +27,7 @@
 #![warn(missing_docs)]
 
 pub mod baseline;
+pub mod batch;
 pub mod bench;
 pub mod cache;
 pub mod codec;
@@ -59,7 +60,9 @@ pub use config::{HfLlamaConfig, LlamaConfig, RopeVariant};
 pub use error::{AdapterError, ForwardError, GenerateError, LoadError};
 pub use generate::{generate, generate_with_cache, GenerateParams, Generation, StopReason};
 pub use gguf::GgufFile;
-pub use llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity, Output, Proj};
+pub use llama::{
+    Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity, Output, Proj, Sequence,
+};
 pub use lora::{AdapterMode, LoraAdapter};
 pub use rope::Rope;
 pub use sampling::{Sampler, Sampling};

@@ -41,7 +41,7 @@ pub(crate) struct LoraDelta {
 
 impl LoraDelta {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(&self.a.t()?)?.matmul(&self.b.t()?)? * self.scale
+        ops::linear(&ops::linear(x, &self.a)?, &self.b)? * self.scale
     }
 }
 
@@ -150,8 +150,17 @@ impl Linear {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = ops::linear(x, &self.weight)?;
+        match self.lora_delta(x)? {
+            Some(delta) => y + delta,
+            None => Ok(y),
+        }
+    }
+
+    /// The adapter terms of all parts for `x` `(T, in)`, side by side `(T, out)`; `None`
+    /// without an adapter on the fly.
+    fn lora_delta(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
         if self.parts.iter().all(|p| p.lora.is_none()) {
-            return Ok(y);
+            return Ok(None);
         }
         let t = x.dim(0)?;
         let deltas = self
@@ -162,12 +171,56 @@ impl Linear {
                 None => Tensor::zeros((t, p.rows), DType::F32, &Device::Cpu),
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let delta = match deltas.as_slice() {
+        Ok(Some(match deltas.as_slice() {
             [one] => one.clone(),
             many => Tensor::cat(many, 1)?,
-        };
-        y + delta
+        }))
     }
+}
+
+/// The same projection of several sequences' models over their rows of `x`, stacked in
+/// `parts` order (`(linear, rows)` each). Models that share the base weight (experts applied on
+/// the fly over one base) share one matmul over all their rows, the way Punica and S-LoRA batch
+/// LoRA experts; each model's own adapter term is then added to its rows only. Decode is
+/// bound by streaming the weights, so one pass over them for many rows is the whole gain.
+fn forward_rows(parts: &[(&Linear, usize)], x: &Tensor) -> candle_core::Result<Tensor> {
+    let Some(&(first, _)) = parts.first() else {
+        candle_core::bail!("no rows to project");
+    };
+    if parts.iter().all(|&(l, _)| std::ptr::eq(l, first)) {
+        return first.forward(x);
+    }
+    let mut outs = Vec::with_capacity(parts.len());
+    let (mut i, mut row) = (0, 0);
+    while i < parts.len() {
+        let weight = &parts[i].0.weight;
+        let run = parts[i..]
+            .iter()
+            .take_while(|(l, _)| l.weight.id() == weight.id())
+            .count();
+        let rows: usize = parts[i..i + run].iter().map(|&(_, n)| n).sum();
+        let y = ops::linear(&x.narrow(0, row, rows)?, weight)?;
+        // Within the run, consecutive rows of one model add one adapter term.
+        let (mut j, mut r) = (i, 0);
+        while j < i + run {
+            let lin = parts[j].0;
+            let same = parts[j..i + run]
+                .iter()
+                .take_while(|(l, _)| std::ptr::eq(*l, lin))
+                .count();
+            let n: usize = parts[j..j + same].iter().map(|&(_, n)| n).sum();
+            let ys = y.narrow(0, r, n)?;
+            outs.push(match lin.lora_delta(&x.narrow(0, row + r, n)?)? {
+                Some(d) => (ys + d)?,
+                None => ys,
+            });
+            j += same;
+            r += n;
+        }
+        i += run;
+        row += rows;
+    }
+    Tensor::cat(&outs, 0)
 }
 
 /// The projections of a block that LoRA can adapt.
@@ -479,6 +532,17 @@ pub struct Output {
     pub final_hidden: Option<Tensor>,
 }
 
+/// One sequence of [`Llama::forward_batch`].
+#[derive(Debug)]
+pub struct Sequence<'a> {
+    /// Its model: the base or an expert of it.
+    pub model: &'a Llama,
+    /// The new tokens (at least one), placed from the cache's next position on.
+    pub tokens: &'a [u32],
+    /// Its cache, extended by `tokens`.
+    pub cache: &'a mut KvCache,
+}
+
 impl Output {
     /// The capture of `layer`, if recorded.
     pub fn layer(&self, layer: usize) -> Option<&LayerCapture> {
@@ -565,11 +629,16 @@ impl Llama {
         let ids = Tensor::new(tokens, &Device::Cpu)?;
         let x = self.embed.index_select(&ids, 0)?;
         let mut captured = Vec::new();
+        let mut seqs = [Rows {
+            model: self,
+            rows: tokens.len(),
+            start_pos,
+            cache,
+        }];
         let x = self.run_layers(
             x,
             0..self.cfg.num_layers,
-            start_pos,
-            cache,
+            &mut seqs,
             &capture,
             &mut captured,
         )?;
@@ -579,6 +648,86 @@ impl Llama {
             captured,
             final_hidden: capture.hidden.then_some(x),
         })
+    }
+
+    /// One step of several sequences at once: each sequence's `tokens` go on top of its cache,
+    /// and the logits of each sequence's last token come back as the rows of a
+    /// `(seqs.len(), vocab)` matrix, in `seqs` order.
+    ///
+    /// The sequences may sit at different positions and use different models, as long as the
+    /// models are the same base (experts of it, adapters merged or on the fly): each weight is
+    /// streamed once per step for all the rows that share it, which is what makes decoding
+    /// several jobs together cheaper than one after another. Each sequence computes what
+    /// [`Llama::forward`] computes for it alone, up to the order of float sums in the matmuls.
+    pub fn forward_batch(seqs: &mut [Sequence<'_>]) -> Result<Tensor, ForwardError> {
+        let Some(base) = seqs.first().map(|s| s.model) else {
+            return Err(ForwardError::EmptyInput);
+        };
+        for s in seqs.iter() {
+            if s.model.cfg != base.cfg || s.model.identity.sha256 != base.identity.sha256 {
+                return Err(ForwardError::MixedBases {
+                    first: base.identity.sha256.clone(),
+                    other: s.model.identity.sha256.clone(),
+                });
+            }
+            if s.tokens.is_empty() {
+                return Err(ForwardError::EmptyInput);
+            }
+            if let Some(&id) = s
+                .tokens
+                .iter()
+                .find(|&&id| id as usize >= base.cfg.vocab_size)
+            {
+                return Err(ForwardError::TokenOutOfRange {
+                    id,
+                    vocab: base.cfg.vocab_size,
+                });
+            }
+        }
+        // Rows of models sharing a base weight go next to each other (one matmul), and rows of
+        // one model next to each other within that (one adapter term); the sort is stable.
+        let group = |m: &Llama| {
+            let id = m.blocks.first().map(|b| b.qkv.weight.id());
+            let by_weight = seqs
+                .iter()
+                .position(|t| t.model.blocks.first().map(|b| b.qkv.weight.id()) == id);
+            let by_model = seqs.iter().position(|t| std::ptr::eq(t.model, m));
+            (by_weight, by_model)
+        };
+        let keys: Vec<_> = seqs.iter().map(|s| group(s.model)).collect();
+        let mut order: Vec<usize> = (0..seqs.len()).collect();
+        order.sort_by_key(|&i| keys[i]);
+        let mut ids = Vec::new();
+        let mut last_rows = vec![0u32; seqs.len()];
+        for &i in &order {
+            ids.extend_from_slice(seqs[i].tokens);
+            last_rows[i] = (ids.len() - 1) as u32;
+        }
+        let mut by_slot: Vec<Option<&mut Sequence<'_>>> = seqs.iter_mut().map(Some).collect();
+        let mut rows = Vec::with_capacity(order.len());
+        for &i in &order {
+            if let Some(s) = by_slot[i].take() {
+                rows.push(Rows {
+                    model: s.model,
+                    rows: s.tokens.len(),
+                    start_pos: s.cache.next_position(),
+                    cache: Some(&mut *s.cache),
+                });
+            }
+        }
+        let x = base
+            .embed
+            .index_select(&Tensor::new(ids.as_slice(), &Device::Cpu)?, 0)?;
+        let x = base.run_layers(
+            x,
+            0..base.cfg.num_layers,
+            &mut rows,
+            &Capture::none(),
+            &mut Vec::new(),
+        )?;
+        let last = x.index_select(&Tensor::new(last_rows.as_slice(), &Device::Cpu)?, 0)?;
+        base.logits(&last, LogitsWanted::All)?
+            .ok_or_else(|| candle_core::Error::Msg("no logits".into()).into())
     }
 
     /// Runs `layers` from the residual stream `hidden` `(T, hidden_size)` whose first row sits at
@@ -623,7 +772,13 @@ impl Llama {
                 })
             }
         }
-        self.run_layers(hidden.clone(), layers, start_pos, cache, capture, captured)
+        let mut seqs = [Rows {
+            model: self,
+            rows: hidden.dim(0)?,
+            start_pos,
+            cache,
+        }];
+        self.run_layers(hidden.clone(), layers, &mut seqs, capture, captured)
     }
 
     /// One projection of `layer` applied to `x` `(T, in)`, with the model's adapter if any:
@@ -662,12 +817,15 @@ impl Llama {
         Ok(Some(ops::linear(&x, &self.lm_head)?))
     }
 
+    /// The layers of `layers` over the rows of `x`: one sequence's, or several sequences'
+    /// stacked (`seqs` in row order, each with its model, positions and cache). Norms, RoPE and
+    /// the embedding are the base's (`self`'s), which every sequence's model shares; the
+    /// projections are each sequence's model's ([`forward_rows`]); attention is per sequence.
     fn run_layers(
         &self,
         mut x: Tensor,
         layers: Range<usize>,
-        start_pos: usize,
-        mut cache: Option<&mut KvCache>,
+        seqs: &mut [Rows<'_, '_>],
         capture: &Capture,
         captured: &mut Vec<LayerCapture>,
     ) -> Result<Tensor, ForwardError> {
@@ -678,15 +836,17 @@ impl Llama {
                 layers: self.cfg.num_layers,
             });
         }
-        let t = x.dim(0)?;
-        let needed = start_pos + t;
-        if needed > self.cfg.context_length {
-            return Err(ForwardError::ContextOverflow {
-                needed,
-                context: self.cfg.context_length,
-            });
+        let mut positions = Vec::with_capacity(x.dim(0)?);
+        for s in seqs.iter() {
+            let needed = s.start_pos + s.rows;
+            if needed > self.cfg.context_length {
+                return Err(ForwardError::ContextOverflow {
+                    needed,
+                    context: self.cfg.context_length,
+                });
+            }
+            positions.extend((s.start_pos..needed).map(|p| p as u32));
         }
-        let positions: Vec<u32> = (start_pos..needed).map(|p| p as u32).collect();
         let (cos, sin) = self.rope.cos_sin(&positions, &Device::Cpu)?;
         let eps = self.cfg.rms_norm_eps;
         for l in layers {
@@ -700,11 +860,10 @@ impl Llama {
             });
             let h = ops::rms_norm(&x, &block.attn_norm, eps)?;
             let attn = self.attention(
-                block,
                 l,
                 &h,
                 (&cos, &sin),
-                cache.as_deref_mut(),
+                seqs,
                 rec.as_mut().map(|r| (r, capture)),
             )?;
             if let Some(r) = rec.as_mut() {
@@ -714,38 +873,33 @@ impl Llama {
             }
             x = (x + attn)?;
             let h = ops::rms_norm(&x, &block.ffn_norm, eps)?;
-            let act = ops::swiglu(&block.gate_up.forward(&h)?)?;
-            x = (x + block.down.forward(&act)?)?;
+            let act = ops::swiglu(&project_rows(seqs, l, |b| &b.gate_up, &h)?)?;
+            x = (x + project_rows(seqs, l, |b| &b.down, &act)?)?;
             if let Some(r) = rec {
                 captured.push(r);
             }
         }
-        if let Some(c) = cache {
-            c.set_next_position(c.next_position().max(needed));
+        for s in seqs.iter_mut() {
+            if let Some(c) = s.cache.as_deref_mut() {
+                c.set_next_position(c.next_position().max(s.start_pos + s.rows));
+            }
         }
         Ok(x)
     }
 
-    /// Grouped-query attention of one block over `h` `(T, hidden)`.
-    ///
-    /// Queries of the heads that share a key/value head are stacked into one matrix per KV head,
-    /// `(kv_heads, groups * T, head_dim)`, so keys and values are never repeated per query head.
-    /// Query rows go in chunks of [`ATTN_CHUNK`], each multiplying only the keys its causal mask
-    /// lets it see.
+    /// Grouped-query attention of layer `layer` over `h` (the rows of `seqs`), each sequence
+    /// attending to its own cache.
     fn attention(
         &self,
-        block: &Block,
         layer: usize,
         h: &Tensor,
         (cos, sin): (&Tensor, &Tensor),
-        cache: Option<&mut KvCache>,
+        seqs: &mut [Rows<'_, '_>],
         rec: Option<(&mut LayerCapture, &Capture)>,
     ) -> Result<Tensor, ForwardError> {
         let cfg = &self.cfg;
-        let (t, _) = h.dims2()?;
         let (n_h, n_kv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let groups = n_h / n_kv;
-        let qkv = block.qkv.forward(h)?;
+        let qkv = project_rows(seqs, layer, |b| &b.qkv, h)?;
         if let Some((r, c)) = rec {
             let (q_dim, kv_dim) = (n_h * d, n_kv * d);
             if c.k_pre_rope {
@@ -758,6 +912,48 @@ impl Llama {
         // Scaling q before the product costs T * q_dim multiplications instead of one per score.
         let q_scale = 1.0 / (d as f32).sqrt();
         let heads = ops::split_qkv_rope(&qkv, cos, sin, (n_h, n_kv, d), q_scale)?;
+        let mut outs = Vec::new();
+        if let [one] = seqs {
+            self.attend(layer, heads, one.cache.as_deref_mut(), &mut outs)?;
+        } else {
+            let mut row = 0;
+            for s in seqs.iter_mut() {
+                let rows = |x: &Tensor| x.narrow(1, row, s.rows)?.contiguous();
+                let own = ops::Heads {
+                    q: rows(&heads.q)?,
+                    k_rot: rows(&heads.k_rot)?,
+                    v: rows(&heads.v)?,
+                };
+                self.attend(layer, own, s.cache.as_deref_mut(), &mut outs)?;
+                row += s.rows;
+            }
+        }
+        Ok(project_rows(
+            seqs,
+            layer,
+            |b| &b.o,
+            &ops::merge_heads(&outs)?,
+        )?)
+    }
+
+    /// One sequence's attention outputs, pushed onto `outs` as `(n_heads, rows, head_dim)`
+    /// chunks.
+    ///
+    /// Queries of the heads that share a key/value head are stacked into one matrix per KV head,
+    /// `(kv_heads, groups * T, head_dim)`, so keys and values are never repeated per query head.
+    /// Query rows go in chunks of [`ATTN_CHUNK`], each multiplying only the keys its causal mask
+    /// lets it see.
+    fn attend(
+        &self,
+        layer: usize,
+        heads: ops::Heads,
+        cache: Option<&mut KvCache>,
+        outs: &mut Vec<Tensor>,
+    ) -> Result<(), ForwardError> {
+        let cfg = &self.cfg;
+        let (n_h, n_kv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let groups = n_h / n_kv;
+        let t = heads.q.dim(1)?;
         let (keys, values, past) = match cache {
             Some(cache) => {
                 let past = cache.layer_len(layer);
@@ -772,7 +968,6 @@ impl Llama {
         // (n_h, T, d) -> (n_kv, groups, T, d): head h uses KV head h / groups.
         let q = heads.q.reshape((n_kv, groups, t, d))?;
         let keys_t = keys.transpose(1, 2)?;
-        let mut outs = Vec::with_capacity(t.div_ceil(ATTN_CHUNK));
         let mut start = 0;
         while start < t {
             let rows = ATTN_CHUNK.min(t - start);
@@ -793,8 +988,32 @@ impl Llama {
             outs.push(probs.matmul(&vc)?.reshape((n_h, rows, d))?);
             start += rows;
         }
-        Ok(block.o.forward(&ops::merge_heads(&outs)?)?)
+        Ok(())
     }
+}
+
+/// One sequence's rows in a pass of [`Llama::run_layers`].
+struct Rows<'m, 'c> {
+    /// The base or an expert of it.
+    model: &'m Llama,
+    rows: usize,
+    /// Position of the first row.
+    start_pos: usize,
+    cache: Option<&'c mut KvCache>,
+}
+
+/// Projection `which` of layer `layer` over the stacked rows of `seqs`, each with its model's.
+fn project_rows(
+    seqs: &[Rows<'_, '_>],
+    layer: usize,
+    which: fn(&Block) -> &Linear,
+    x: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let parts: Vec<(&Linear, usize)> = seqs
+        .iter()
+        .map(|s| (which(&s.model.blocks[layer]), s.rows))
+        .collect();
+    forward_rows(&parts, x)
 }
 
 /// Checks a loaded weight's shape against what the configuration implies.

@@ -19,9 +19,22 @@ use crate::kernels;
 /// candle's matmul backward would still compute the weight's gradient, as large as the weight,
 /// and throw it away: the [`FrozenMatmul`] op returns the input's gradient only, which halves
 /// the backward pass of fine-tuning.
+///
+/// Without gradients, a few rows (a decode step, one row per job) go to
+/// [`kernels::linear_few_rows`], which streams the weight once instead of packing it first.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     if x.track_op() && !w.track_op() {
         x.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })
+    } else if !x.track_op()
+        && !w.track_op()
+        && x.dims2()?.0 <= kernels::MAX_ROWS
+        && x.dims2()?.1 >= kernels::MIN_DEPTH
+        && x.is_contiguous()
+        && w.is_contiguous()
+        && x.dtype() == candle_core::DType::F32
+        && w.dtype() == candle_core::DType::F32
+    {
+        kernels::linear_few_rows(x, w)
     } else {
         x.matmul(&w.t()?)
     }

@@ -319,3 +319,237 @@ fn sampling_is_seeded_greedy_is_argmax_and_top_p_restricts_support() {
     assert!(Sampling::from_params(0.7, 0.0).is_err());
     assert_eq!(Sampling::from_params(0.0, 0.9).unwrap(), Sampling::Greedy);
 }
+
+/// A cache holding `prefix` for `model`.
+fn cache_of(model: &Llama, prefix: &[u32]) -> scd_models::KvCache {
+    let mut cache = model.new_cache();
+    if !prefix.is_empty() {
+        model
+            .forward(Input::new(prefix).with_cache(&mut cache))
+            .unwrap();
+    }
+    cache
+}
+
+#[test]
+fn a_batch_of_sequences_at_different_positions_and_experts_equals_each_alone() {
+    let (_dir, base) = tiny_model(3);
+    let a = random_adapter(11, 4);
+    let b = random_adapter_on(12, 2, &[Proj::Q, Proj::V, Proj::Down]);
+    let a_fly = base.with_adapter(&a, AdapterMode::OnTheFly).unwrap();
+    let b_fly = base.with_adapter(&b, AdapterMode::OnTheFly).unwrap();
+    let a_merged = base.with_adapter(&a, AdapterMode::Merge).unwrap();
+    // (model, cached prefix, new tokens): interleaved so that rows of one weight are not
+    // adjacent in the caller's order; one sequence with no cached prefix, one with 3 new tokens.
+    let cases: Vec<(&Llama, &[u32], &[u32])> = vec![
+        (&a_fly, &TOKENS[..5], &[7]),
+        (&base, &TOKENS[..9], &[2]),
+        (&b_fly, &TOKENS[..2], &[40, 41, 42]),
+        (&a_merged, &TOKENS[..7], &[1]),
+        (&a_fly, &[], &[9]),
+        (&b_fly, &TOKENS[..11], &[13]),
+    ];
+    let mut alone = Vec::new();
+    for &(model, prefix, tokens) in &cases {
+        let mut cache = cache_of(model, prefix);
+        let out = model
+            .forward(Input::new(tokens).with_cache(&mut cache))
+            .unwrap();
+        alone.push((out.logits.unwrap(), cache));
+    }
+    let mut caches: Vec<_> = cases
+        .iter()
+        .map(|&(model, prefix, _)| cache_of(model, prefix))
+        .collect();
+    let mut seqs: Vec<scd_models::Sequence<'_>> = cases
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(&(model, _, tokens), cache)| scd_models::Sequence {
+            model,
+            tokens,
+            cache,
+        })
+        .collect();
+    let batched = Llama::forward_batch(&mut seqs).unwrap();
+    assert_eq!(batched.dims(), &[cases.len(), 64]);
+    for (i, ((logits, cache_alone), cache)) in alone.iter().zip(&caches).enumerate() {
+        let row = batched.narrow(0, i, 1).unwrap();
+        let d = max_abs_diff(&row, logits);
+        assert!(d < 1e-4, "sequence {i}: logits differ by {d}");
+        assert_eq!(cache.next_position(), cache_alone.next_position(), "{i}");
+        for layer in 0..2 {
+            let (k, v) = cache.layer(layer).unwrap().unwrap();
+            let (k1, v1) = cache_alone.layer(layer).unwrap().unwrap();
+            assert!(max_abs_diff(&k, &k1) < 1e-4 && max_abs_diff(&v, &v1) < 1e-4);
+        }
+    }
+    // The experts' rows really differ from the base's (the batch did not apply one model).
+    let (base_row, a_row) = (batched.narrow(0, 1, 1).unwrap(), alone[0].0.clone());
+    assert!(max_abs_diff(&base_row, &a_row) > 1e-2);
+}
+
+#[test]
+fn a_batch_refuses_models_of_different_bases_and_empty_input() {
+    let (_d1, one) = tiny_model(3);
+    let (_d2, other) = tiny_model(4);
+    let (mut c1, mut c2) = (one.new_cache(), other.new_cache());
+    let mut seqs = vec![
+        scd_models::Sequence {
+            model: &one,
+            tokens: &[1],
+            cache: &mut c1,
+        },
+        scd_models::Sequence {
+            model: &other,
+            tokens: &[1],
+            cache: &mut c2,
+        },
+    ];
+    let err = Llama::forward_batch(&mut seqs).unwrap_err();
+    assert!(
+        matches!(err, scd_models::ForwardError::MixedBases { .. }),
+        "{err}"
+    );
+    assert!(matches!(
+        Llama::forward_batch(&mut []).unwrap_err(),
+        scd_models::ForwardError::EmptyInput
+    ));
+    // Nothing was written to the caches of a refused batch.
+    assert_eq!((c1.next_position(), c2.next_position()), (0, 0));
+}
+
+#[test]
+fn batched_generations_equal_each_alone_even_when_one_sits_out_steps() {
+    use scd_models::batch::{Batch, Event};
+    use scd_models::{generate_with_cache, GenerateParams};
+    use std::sync::Arc;
+    let (_dir, base) = tiny_model(5);
+    let base = Arc::new(base);
+    let expert = Arc::new(
+        base.with_adapter(&random_adapter(21, 4), AdapterMode::OnTheFly)
+            .unwrap(),
+    );
+    let params = |max_tokens, sampling, seed| GenerateParams {
+        max_tokens,
+        sampling,
+        seed,
+        stop_tokens: vec![63],
+    };
+    let jobs = [
+        (
+            Arc::clone(&base),
+            &TOKENS[..6],
+            params(12, Sampling::Greedy, 0),
+        ),
+        (
+            Arc::clone(&expert),
+            &TOKENS[..9],
+            params(8, Sampling::Greedy, 0),
+        ),
+        (
+            Arc::clone(&expert),
+            &TOKENS[..3],
+            params(
+                16,
+                Sampling::TopP {
+                    temperature: 0.9,
+                    top_p: 0.9,
+                },
+                7,
+            ),
+        ),
+    ];
+    let mut expected = Vec::new();
+    for (model, prompt, p) in &jobs {
+        let (last, prefix) = prompt.split_last().unwrap();
+        let mut cache = cache_of(model, prefix);
+        expected.push(
+            generate_with_cache(model, &mut cache, &[*last], p, |_| {
+                std::ops::ControlFlow::Continue(())
+            })
+            .unwrap(),
+        );
+    }
+    let mut batch = Batch::new();
+    for (key, (model, prompt, p)) in jobs.iter().enumerate() {
+        let (last, prefix) = prompt.split_last().unwrap();
+        let cache = cache_of(model, prefix);
+        batch
+            .join(key, Arc::clone(model), cache, vec![*last], p)
+            .unwrap();
+    }
+    let mut got = vec![Vec::new(); jobs.len()];
+    let mut done = vec![None; jobs.len()];
+    let mut step = 0;
+    while !batch.is_empty() {
+        // Job 1 sits out every other step (its client is slow).
+        for event in batch.step(|&k| k != 1 || step % 2 == 0).unwrap() {
+            match event {
+                Event::Token(k, t) => got[k].push(t),
+                Event::Done(k, g) => done[k] = Some(g),
+            }
+        }
+        step += 1;
+        assert!(step < 100, "the batch does not finish");
+    }
+    for (k, want) in expected.iter().enumerate() {
+        let g = done[k].as_ref().unwrap();
+        assert_eq!(got[k], want.tokens, "job {k}");
+        assert_eq!(g.tokens, want.tokens, "job {k}");
+        assert_eq!(g.stop, want.stop, "job {k}");
+        assert_eq!(g.prompt_tokens, want.prompt_tokens, "job {k}");
+    }
+}
+
+#[test]
+fn a_generation_leaves_the_batch_with_what_it_made() {
+    use scd_models::batch::Batch;
+    use scd_models::GenerateParams;
+    use std::sync::Arc;
+    let (_dir, base) = tiny_model(6);
+    let base = Arc::new(base);
+    let params = GenerateParams {
+        max_tokens: 10,
+        ..GenerateParams::default()
+    };
+    let mut batch = Batch::new();
+    batch
+        .join(
+            "a",
+            Arc::clone(&base),
+            cache_of(&base, &TOKENS[..4]),
+            vec![5],
+            &params,
+        )
+        .unwrap();
+    batch
+        .join(
+            "b",
+            Arc::clone(&base),
+            cache_of(&base, &TOKENS[..2]),
+            vec![5],
+            &params,
+        )
+        .unwrap();
+    // One too many new tokens for the context (32) is refused at the door.
+    let too_long = GenerateParams {
+        max_tokens: 28,
+        ..GenerateParams::default()
+    };
+    assert!(batch
+        .join(
+            "c",
+            Arc::clone(&base),
+            cache_of(&base, &TOKENS[..4]),
+            vec![5],
+            &too_long
+        )
+        .is_err());
+    batch.step(|_| true).unwrap();
+    batch.step(|_| true).unwrap();
+    let left = batch.leave(&"a").unwrap();
+    assert_eq!(left.tokens.len(), 2);
+    assert_eq!(left.stop, scd_models::StopReason::Cancelled);
+    assert_eq!(batch.keys().collect::<Vec<_>>(), vec![&"b"]);
+    assert!(batch.leave(&"a").is_none());
+}

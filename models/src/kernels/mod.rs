@@ -1,4 +1,4 @@
-//! CPU kernels that candle lacks and a long prefill needs.
+//! CPU kernels that candle lacks and a long prefill or a decode step needs.
 //!
 //! Each one fuses a few of candle's element-wise passes into one, on the non-differentiable
 //! (inference) path only; training keeps candle's ops and their gradients. Rows are spread over
@@ -9,11 +9,13 @@
 
 mod exp;
 mod heads;
+mod rows;
 mod softmax;
 mod swiglu;
 
 pub(crate) use exp::exp;
 pub(crate) use heads::{merge_heads, split_qkv_rope};
+pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
 pub(crate) use swiglu::swiglu;
 
