@@ -1,9 +1,11 @@
-//! The decoder actor (consumer node): owns the expert model. For a job it builds the codec's
+//! The decoder actor (consumer node): owns an expert model. For a job it builds the codec's
 //! [`scd_models::LayerDecoder`] for the prefix, pushes codes as they arrive (a codec rebuilds
-//! layer `l` while layer `l + 1` is in flight), finishes the cache, then lets the expert decode
-//! greedily (or as the job's parameters say) from the prompt's last token, streaming tokens to
-//! the caller through a bounded channel. Model compute runs on a blocking thread; jobs run one
-//! at a time.
+//! layer `l` while layer `l + 1` is in flight) and finishes the cache, on a blocking thread;
+//! then it hands the cache to the node's [`DecodeLoop`], which decodes it together with every
+//! other job of the node (greedy, or as the job's parameters say) from the prompt's last token
+//! and streams the tokens to the caller through a bounded channel. The actor itself never
+//! waits: rebuilds of several jobs and the decoding of earlier ones overlap, and the actor
+//! answers each job when the loop reports its end.
 //!
 //! The aligner's work (a Patch layer's `Z_H` through the MLP, then the expert's own `W_k`,
 //! `W_v`) happens inside the `scd` codec's layer decoder today, so there is no separate aligner
@@ -12,20 +14,19 @@
 //! Frames are checked before they reach the codec: a frame of another job, or made with a
 //! translator other than the job's, fails the job.
 
-use std::ops::ControlFlow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use scd_models::{
-    generate_with_cache, CodecError, GenerateError, GenerateParams, Llama, Prefix, StopReason,
-};
+use scd_models::{CodecError, GenerateError, GenerateParams, KvCache, Llama, Prefix, StopReason};
 use scd_transport::{JobId, RecvError, TranslatorHash};
 use tokio::runtime::Handle;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::blocking::{self, run_and_reply, Interrupted};
+use crate::blocking;
+use crate::decode_loop::{DecodeLoop, Decoded, Joining};
 use crate::job::JobCodec;
 use crate::timeline::{FrameArrival, Span};
 use crate::transfer::Inbound;
@@ -105,11 +106,23 @@ pub struct Decoder;
 pub struct DecoderArgs {
     /// The expert model.
     pub model: Arc<Llama>,
+    /// The node's decode loop, shared by its decoders.
+    pub decode_loop: DecodeLoop,
 }
 
-/// A decoder's state: its model.
+/// A decoder's state: its model, the loop, and the jobs it has not answered yet.
 pub struct DecoderState {
     model: Arc<Llama>,
+    decode_loop: DecodeLoop,
+    /// Reply ports, and each job's rebuild once done. If the actor dies they drop with it, and
+    /// the jobs' callers see the decoder gone.
+    jobs: HashMap<u64, Waiting>,
+    next_key: u64,
+}
+
+struct Waiting {
+    reply: RpcReplyPort<Result<DecodeReport, DecoderError>>,
+    rebuilt: Option<(Vec<FrameArrival>, Span)>,
 }
 
 /// One job's decoding.
@@ -134,6 +147,27 @@ pub struct DecodeJob {
 pub enum DecoderMsg {
     /// Rebuild a job's cache from its codes and generate.
     Decode(DecodeJob, RpcReplyPort<Result<DecodeReport, DecoderError>>),
+    /// A stage of a job ended (sent by the decoder's own tasks).
+    Progress(Progress),
+}
+
+/// A stage of one of the decoder's jobs that ended: its rebuild, or its decoding.
+pub struct Progress(Stage);
+
+enum Stage {
+    Rebuilt(u64, Result<Rebuilt, DecoderError>),
+    Decoded(u64, Result<Decoded, DecoderError>),
+}
+
+/// A job's cache, rebuilt, and what decoding it needs.
+struct Rebuilt {
+    arrivals: Vec<FrameArrival>,
+    rebuild: Span,
+    cache: KvCache,
+    last: u32,
+    params: GenerateParams,
+    tokens: mpsc::Sender<u32>,
+    cancel: CancellationToken,
 }
 
 impl Actor for Decoder {
@@ -146,33 +180,118 @@ impl Actor for Decoder {
         _myself: ActorRef<Self::Msg>,
         args: DecoderArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(DecoderState { model: args.model })
+        Ok(DecoderState {
+            model: args.model,
+            decode_loop: args.decode_loop,
+            jobs: HashMap::new(),
+            next_key: 0,
+        })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             DecoderMsg::Decode(job, reply) => {
+                let key = state.next_key;
+                state.next_key += 1;
+                state.jobs.insert(
+                    key,
+                    Waiting {
+                        reply,
+                        rebuilt: None,
+                    },
+                );
                 let model = Arc::clone(&state.model);
-                run_and_reply("decoding", reply, DecoderError::Internal, move |rt| {
-                    decode(rt, &model, job)
-                })
-                .await;
+                tokio::spawn(async move {
+                    let rt = Handle::current();
+                    let rebuilt = tokio::task::spawn_blocking(move || rebuild(&rt, &model, job))
+                        .await
+                        .unwrap_or_else(|e| Err(DecoderError::Internal(e.to_string())));
+                    let _ = myself
+                        .send_message(DecoderMsg::Progress(Progress(Stage::Rebuilt(key, rebuilt))));
+                });
+            }
+            DecoderMsg::Progress(Progress(Stage::Rebuilt(key, Ok(r)))) => {
+                let Some(waiting) = state.jobs.get_mut(&key) else {
+                    return Ok(());
+                };
+                waiting.rebuilt = Some((r.arrivals, r.rebuild));
+                let (done, decoded) = oneshot::channel();
+                let joining = Joining {
+                    model: Arc::clone(&state.model),
+                    cache: r.cache,
+                    last: r.last,
+                    params: r.params,
+                    tokens: r.tokens,
+                    cancel: r.cancel,
+                    done,
+                };
+                if !state.decode_loop.join(joining) {
+                    answer(
+                        state,
+                        key,
+                        Err(DecoderError::Internal("the decode loop is gone".into())),
+                    );
+                    return Ok(());
+                }
+                tokio::spawn(async move {
+                    let result = decoded.await.unwrap_or_else(|_| {
+                        Err(DecoderError::Internal(
+                            "the decode loop dropped the job".into(),
+                        ))
+                    });
+                    let _ = myself
+                        .send_message(DecoderMsg::Progress(Progress(Stage::Decoded(key, result))));
+                });
+            }
+            DecoderMsg::Progress(Progress(Stage::Rebuilt(key, Err(e)))) => {
+                answer(state, key, Err(e));
+            }
+            DecoderMsg::Progress(Progress(Stage::Decoded(key, result))) => {
+                answer(state, key, result);
             }
         }
         Ok(())
     }
 }
 
+/// Answers job `key` with the loop's result and its rebuild's record.
+fn answer(state: &mut DecoderState, key: u64, result: Result<Decoded, DecoderError>) {
+    let Some(waiting) = state.jobs.remove(&key) else {
+        return;
+    };
+    let (arrivals, rebuild) = waiting.rebuilt.unwrap_or_else(|| {
+        let now = Instant::now();
+        (
+            Vec::new(),
+            Span {
+                start: now,
+                end: now,
+            },
+        )
+    });
+    let result = result.map(|d| DecodeReport {
+        arrivals,
+        rebuild,
+        first_token: d.first_token,
+        stop: d.stop,
+    });
+    if let Err(e) = &result {
+        tracing::debug!(error = %e, "decoding failed");
+    }
+    let _ = waiting.reply.send(result);
+}
+
 fn hash_name(h: Option<TranslatorHash>) -> String {
     h.map_or_else(|| "none".to_owned(), |h| h.short())
 }
 
-fn decode(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<DecodeReport, DecoderError> {
+/// Rebuilds `job`'s cache from its codes as they arrive.
+fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, DecoderError> {
     let DecodeJob {
         job,
         prompt,
@@ -223,31 +342,18 @@ fn decode(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<DecodeReport, De
             .push(&frame.code)
             .map_err(|source| DecoderError::Code { layer, source })?;
     }
-    let mut cache = decoder.finish().map_err(DecoderError::Finish)?;
+    let cache = decoder.finish().map_err(DecoderError::Finish)?;
     let rebuild = Span {
         start: rebuild_start.unwrap_or(made),
         end: Instant::now(),
     };
-    let mut first_token = None;
-    let mut refused = None;
-    let generation = generate_with_cache(model, &mut cache, &[last], &params, |t| {
-        first_token.get_or_insert_with(Instant::now);
-        match blocking::send(rt, &tokens, t, &cancel) {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(e) => {
-                refused = Some(e);
-                ControlFlow::Break(())
-            }
-        }
-    })?;
-    match refused {
-        Some(Interrupted::Cancelled) => Err(DecoderError::Cancelled),
-        Some(Interrupted::Closed) => Err(DecoderError::CallerGone),
-        None => Ok(DecodeReport {
-            arrivals,
-            rebuild,
-            first_token,
-            stop: generation.stop,
-        }),
-    }
+    Ok(Rebuilt {
+        arrivals,
+        rebuild,
+        cache,
+        last,
+        params,
+        tokens,
+        cancel,
+    })
 }

@@ -21,8 +21,9 @@
 //! - [`transfer`]: QUIC: the producer node's job streams out, the consumer node's accept loop
 //!   and per-job forwarding in.
 //! - [`decoder`]: the expert model: codes pushed into the codec's layer decoder as they arrive
-//!   (the aligner's Patch work happens inside the `scd` codec's decoder today), then generation,
-//!   tokens streamed back.
+//!   (the aligner's Patch work happens inside the `scd` codec's decoder today); the rebuilt
+//!   cache goes to the [`decode_loop`], which decodes all the node's jobs together in one batch
+//!   per step and streams each job's tokens back.
 //! - [`timeline`]: when each stage of a job ran, and the bytes per layer.
 //! - `stages`: a job's two halves (producer side, consumer side) as requests to a node's actors,
 //!   and how their replies settle into a result or a cause; both the pipeline and the node use
@@ -46,6 +47,7 @@
 mod blocking;
 pub mod client;
 pub mod config;
+pub mod decode_loop;
 pub mod decoder;
 pub mod encoder;
 pub mod follow;
@@ -62,6 +64,7 @@ pub mod transfer;
 
 pub use client::{ClientError, ClusterClient};
 pub use config::{ConfigError, NodeConfig, NodeRole};
+pub use decode_loop::{DecodeLoop, DecodeStats};
 pub use decoder::{Decoder, DecoderError, DecoderMsg};
 pub use encoder::{Encoder, EncoderError, EncoderMsg};
 pub use job::{JobCodec, JobSpec};

@@ -117,6 +117,8 @@ pub struct NodeMetrics {
     /// Jobs in the cluster by state, when last scraped.
     pub cluster_jobs: Family<StateLabels, Gauge>,
     restarts: Gauge<u64, AtomicU64>,
+    decode_steps: Gauge<u64, AtomicU64>,
+    decode_rows: Gauge<u64, AtomicU64>,
 }
 
 impl std::fmt::Debug for NodeMetrics {
@@ -226,7 +228,21 @@ impl NodeMetrics {
             "Actors the node's supervisor started again",
             restarts.clone(),
         );
+        let decode_steps = Gauge::<u64, AtomicU64>::default();
+        registry.register(
+            "decode_steps",
+            "Decode steps of the consumer's batch (forward passes), when scraped",
+            decode_steps.clone(),
+        );
+        let decode_rows = Gauge::<u64, AtomicU64>::default();
+        registry.register(
+            "decode_rows",
+            "Tokens the consumer's batch decoded, when scraped (rows / steps: jobs per step)",
+            decode_rows.clone(),
+        );
         Self {
+            decode_steps,
+            decode_rows,
             registry,
             jobs,
             active,
@@ -244,6 +260,12 @@ impl NodeMetrics {
             cluster_jobs,
             restarts,
         }
+    }
+
+    /// The decode loop's counts, at a scrape.
+    pub fn set_decode(&self, stats: crate::decode_loop::DecodeStats) {
+        self.decode_steps.set(stats.steps);
+        self.decode_rows.set(stats.rows);
     }
 
     /// Counts a finished job half.

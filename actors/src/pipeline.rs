@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::decode_loop::{DecodeLoop, DecodeStats};
 use crate::decoder::{Decoder, DecoderArgs, DecoderError, DecoderMsg};
 use crate::encoder::{Encoder, EncoderError};
 use crate::job::JobSpec;
@@ -102,6 +103,9 @@ pub enum StartError {
     /// An actor stopped while starting.
     #[error("the {0} actor stopped while starting")]
     ActorStopped(&'static str),
+    /// The decode loop's thread could not start.
+    #[error("starting the decode loop: {0}")]
+    DecodeLoop(std::io::Error),
 }
 
 /// Why a job failed: the stage that caused it, with its error.
@@ -228,6 +232,7 @@ struct ConsumerNode {
     endpoint: Endpoint,
     transfer: ActorRef<TransferInMsg>,
     decoder: ActorRef<DecoderMsg>,
+    decode_loop: DecodeLoop,
 }
 
 /// A producer node and a consumer node in one process, connected over QUIC on loopback.
@@ -257,6 +262,7 @@ async fn spawn_actors(
     base: Arc<Llama>,
     expert: Arc<Llama>,
     from_producer: Connection,
+    decode_loop: DecodeLoop,
     cancel: &CancellationToken,
 ) -> Result<Actors, StartError> {
     let (producer, h) = Actor::spawn(
@@ -282,7 +288,11 @@ async fn spawn_actors(
     transfer_in
         .send_message(TransferInMsg::Connection(from_producer))
         .map_err(|_| StartError::ActorStopped("consumer transfer"))?;
-    let (decoder, h) = Actor::spawn(None, Decoder, DecoderArgs { model: expert }).await?;
+    let args = DecoderArgs {
+        model: expert,
+        decode_loop,
+    };
+    let (decoder, h) = Actor::spawn(None, Decoder, args).await?;
     actors.push((decoder.get_cell(), h));
     let producer = ProducerActors {
         producer,
@@ -330,7 +340,16 @@ impl Pipeline {
         let (to_consumer, from_producer) = tokio::try_join!(connect, accept)?;
 
         let mut actors = Vec::new();
-        let spawned = spawn_actors(&mut actors, base, expert, from_producer, &cancel).await;
+        let decode_loop = DecodeLoop::start().map_err(StartError::DecodeLoop)?;
+        let spawned = spawn_actors(
+            &mut actors,
+            base,
+            expert,
+            from_producer,
+            decode_loop.clone(),
+            &cancel,
+        )
+        .await;
         let (producer, transfer_in, decoder) = match spawned {
             Ok(refs) => refs,
             Err(e) => {
@@ -350,12 +369,18 @@ impl Pipeline {
                 endpoint: consumer_ep,
                 transfer: transfer_in,
                 decoder,
+                decode_loop,
             },
             opts,
             cancel,
             actors,
             submit: Mutex::new(()),
         })
+    }
+
+    /// What the consumer's decode loop has done so far: how many jobs it decoded together.
+    pub fn decode_stats(&self) -> DecodeStats {
+        self.consumer.decode_loop.stats()
     }
 
     /// Runs one job to its end: the generated tokens and the timeline, or the error of the

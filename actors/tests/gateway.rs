@@ -185,6 +185,16 @@ async fn each_node_serves_metrics_a_prometheus_parser_reads() {
         Some(1.0)
     );
     assert_eq!(value(&c, "scd_actor_restarts", &[]), Some(0.0));
+    // One job decoded alone: one row per step, a step per token (and one for a stop token).
+    let tokens = job.output.as_ref().map_or(0, |o| o.tokens.len()) as f64;
+    let (steps, rows) = (
+        value(&c, "scd_decode_steps", &[]).unwrap(),
+        value(&c, "scd_decode_rows", &[]).unwrap(),
+    );
+    assert!(
+        steps == rows && (tokens..=tokens + 1.0).contains(&rows),
+        "{steps} {rows} {tokens}"
+    );
     // The producer's prefix cache looked once, found nothing, and now holds the prompt's
     // whole blocks.
     assert_eq!(

@@ -336,3 +336,57 @@ async fn a_stalled_consumer_holds_up_only_its_own_job() {
     let ended = stalled.await.unwrap().unwrap();
     assert!(matches!(ended, Err(TransferError::Cancelled)), "{ended:?}");
 }
+
+/// M10: the consumer decodes concurrent jobs in one batch (one forward pass per step for all of
+/// them), and each job's tokens are those it gets alone. Each caller takes its first token and
+/// then nothing until all three have one, so all three are in the decode loop together (a job
+/// whose caller is not reading waits in the batch); then all three are read at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_jobs_decode_in_one_batch_with_the_tokens_each_gets_alone() {
+    let m = models();
+    let ca = ClusterCa::generate("test").unwrap();
+    let opts = PipelineOptions {
+        token_queue: 1,
+        ..PipelineOptions::default()
+    };
+    let pipeline = Pipeline::start(
+        &ca,
+        Arc::clone(&m.base),
+        Arc::clone(&m.expert),
+        opts,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    let base = prompt(m);
+    // Three prompts of different lengths: the jobs sit at different positions.
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| base[..base.len() - 7 * i].to_vec())
+        .collect();
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| reference(m, raw_codec().codec.as_ref(), p))
+        .collect();
+    let before = pipeline.decode_stats();
+    let mut running = Vec::new();
+    for p in &prompts {
+        let mut job = pipeline.start_job(spec(p, raw_codec())).await.unwrap();
+        let first = job.tokens.recv().await.expect("a first token");
+        running.push((job, first));
+    }
+    let outputs = futures::future::join_all(running.into_iter().map(|(job, first)| async move {
+        let out = job.wait().await.unwrap();
+        std::iter::once(first).chain(out.tokens).collect::<Vec<_>>()
+    }))
+    .await;
+    for (i, (got, want)) in outputs.iter().zip(&alone).enumerate() {
+        assert_eq!(got, want, "job {i} ({} prompt tokens)", prompts[i].len());
+    }
+    let stats = pipeline.decode_stats();
+    assert_eq!(stats.rows - before.rows, 3 * MAX_TOKENS as u64);
+    assert!(
+        stats.widest >= 2 && stats.steps - before.steps < 3 * MAX_TOKENS as u64,
+        "the jobs were never decoded together: {stats:?}"
+    );
+    pipeline.shutdown().await;
+}

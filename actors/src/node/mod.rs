@@ -47,6 +47,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{NodeConfig, NodeRole};
+use crate::decode_loop::DecodeLoop;
 use crate::metrics::{NodeMetrics, QueueLabels, StateLabels};
 use crate::pipeline::PipelineOptions;
 use crate::prefix_cache::PrefixCache;
@@ -92,6 +93,9 @@ pub enum NodeError {
     /// An actor could not start.
     #[error("starting an actor: {0}")]
     Spawn(#[from] SpawnErr),
+    /// The decode loop's thread could not start.
+    #[error("starting the decode loop: {0}")]
+    DecodeLoop(std::io::Error),
     /// The HTTP API's address could not be bound.
     #[error("binding the HTTP API on {addr}: {source}")]
     HttpBind {
@@ -169,8 +173,14 @@ impl Node {
                 config.limits.prefix_cache_mib << 20,
             ))
         });
+        let decode_loop = if consumer_role {
+            Some(DecodeLoop::start().map_err(NodeError::DecodeLoop)?)
+        } else {
+            None
+        };
         let (supervisor, supervisor_task) = supervisor::start(SupervisorArgs {
             prefix_cache: prefix_cache.clone(),
+            decode_loop: decode_loop.clone(),
             served: served.clone(),
             producer_role,
             consumer_role,
@@ -231,6 +241,7 @@ impl Node {
             keys,
             served,
             prefix_cache,
+            decode_loop,
             translators,
             codec_options: CodecOptions {
                 code_dtype: config.codec.code_dtype.dtype(),
@@ -586,6 +597,9 @@ async fn serve_metrics(
                         let s = cache.stats();
                         m.prefix_cache_bytes.set(s.bytes as i64);
                         m.prefix_cache_blocks.set(s.blocks as i64);
+                    }
+                    if let Some(decode) = &work.decode_loop {
+                        m.set_decode(decode.stats());
                     }
                     let (producer, consumer) = work.waiting(jobs.iter().map(|(j, _)| j));
                     for (queue, n) in [("producer", producer), ("consumer", consumer)] {

@@ -16,6 +16,7 @@ use scd_transport::{Connection, JobReceiver};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::decode_loop::DecodeLoop;
 use crate::decoder::{Decoder, DecoderArgs, DecoderMsg};
 use crate::encoder::{Encoder, EncoderMsg};
 use crate::node::served::Served;
@@ -96,6 +97,8 @@ pub(crate) struct SupervisorArgs {
     pub restarts: Arc<AtomicU64>,
     /// The producer's prefix cache (kept across its restarts).
     pub prefix_cache: Option<Arc<crate::prefix_cache::PrefixCache>>,
+    /// The consumer's decode loop, shared by its decoders (and their replacements).
+    pub decode_loop: Option<DecodeLoop>,
 }
 
 /// The supervisor's state: its arguments and its children by actor id.
@@ -163,7 +166,11 @@ impl SupervisorState {
                             format!("expert {expert}: a consumer needs the expert's model").into(),
                         )
                     })?;
-                let (r, _) = Actor::spawn_linked(None, Decoder, DecoderArgs { model }, me).await?;
+                let decode_loop = a.decode_loop.clone().ok_or_else(|| {
+                    SpawnErr::StartupFailed("a decoder needs the consumer's decode loop".into())
+                })?;
+                let args = DecoderArgs { model, decode_loop };
+                let (r, _) = Actor::spawn_linked(None, Decoder, args, me).await?;
                 write(&a.table).decoders.insert(expert.clone(), r.clone());
                 r.get_cell()
             }

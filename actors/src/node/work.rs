@@ -53,6 +53,8 @@ pub(crate) struct Work {
     pub served: Arc<Served>,
     /// The producer's prefix cache (producer role, unless turned off).
     pub prefix_cache: Option<Arc<crate::prefix_cache::PrefixCache>>,
+    /// The consumer's decode loop (consumer role): its counts go into the metrics.
+    pub decode_loop: Option<crate::decode_loop::DecodeLoop>,
     /// The translator versions of its experts, following the cluster's live ones.
     pub translators: NodeTranslators,
     pub codec_options: CodecOptions,
