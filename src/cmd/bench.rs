@@ -1,13 +1,14 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
-use super::{bench_memory, bench_model, bench_transport};
+use super::{bench_decode, bench_memory, bench_model, bench_transport};
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
     scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
     scd bench transport\n  \
-    scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
+    scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -28,6 +29,11 @@ enum Command {
     #[command(after_help = "Example:\n  \
         scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     Memory(bench_memory::Args),
+    /// Several jobs decoding at once in one batch, over one expert or several sharing the
+    /// base: aggregate tokens/s and per-job ms/token next to one job alone.
+    #[command(after_help = "Example:\n  \
+        scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3")]
+    Decode(bench_decode::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -35,5 +41,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Command::Transport(a) => bench_transport::run(a),
         Command::Model(a) => bench_model::run(a),
         Command::Memory(a) => bench_memory::run(a),
+        Command::Decode(a) => bench_decode::run(a),
     }
 }
