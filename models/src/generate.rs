@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::cache::KvCache;
 use crate::error::GenerateError;
-use crate::llama::{Input, Llama};
+use crate::llama::{Input, Llama, LogitsWanted};
 use crate::sampling::{Sampler, Sampling};
 
 /// What to generate and when to stop.
@@ -68,7 +68,26 @@ pub fn generate(
     on_token: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<Generation, GenerateError> {
     let mut cache = model.new_cache();
-    generate_with_cache(model, &mut cache, prompt, params, on_token)
+    // The prompt's last token goes through the model as the first step, as it does on a
+    // consumer that receives the rest as a cache: a decode step runs on the narrow weights and
+    // a prefill on f32, so splitting it the same way everywhere gives the same reply locally and
+    // after any handover.
+    let Some((last, head)) = prompt.split_last() else {
+        return Err(GenerateError::EmptyPrompt);
+    };
+    check_room(model, &cache, prompt, params)?;
+    let t = Instant::now();
+    if !head.is_empty() {
+        model.forward(
+            Input::new(head)
+                .with_cache(&mut cache)
+                .logits(LogitsWanted::None),
+        )?;
+    }
+    let before = t.elapsed();
+    let mut g = generate_with_cache(model, &mut cache, &[*last], params, on_token)?;
+    g.prefill += before;
+    Ok(g)
 }
 
 /// Generates after `pending` tokens placed on top of `cache` (which may hold an injected prefix:

@@ -8,13 +8,15 @@ use std::fs::File;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::config::LlamaConfig;
+use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
-use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity};
+use crate::kernels::{Format, PackedWeight};
+use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
 
 /// An opened, validated GGUF file: its parsed header and its bytes.
 pub struct GgufFile {
@@ -140,9 +142,37 @@ impl GgufFile {
         q.dequantize(&Device::Cpu).map_err(wrap)
     }
 
-    /// Builds the f32 model.
+    /// One tensor's blocks packed for the decode kernels, when its type is one they take as it
+    /// is (Q4_1, Q8_0) and its rows are whole blocks; `None` otherwise (the model then
+    /// quantises the f32 values, see [`crate::decode_weights`]).
+    fn packed(&self, name: &str, rows: usize, cols: usize) -> Option<PackedWeight> {
+        let info = self.content.tensor_infos.get(name)?;
+        let format = match info.ggml_dtype {
+            GgmlDType::Q4_1 => Format::Q4_1,
+            GgmlDType::Q8_0 => Format::Q8_0,
+            _ => return None,
+        };
+        let elems = info.shape.elem_count();
+        let len = elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        // `open` checked that every tensor's data lies inside the file.
+        let start = self.content.tensor_data_offset as usize + info.offset as usize;
+        let bytes = self.map.get(start..start + len)?;
+        PackedWeight::from_gguf(format, bytes, rows, cols)
+    }
+
+    /// Builds the model: f32 weights, and the decode weights that `SCD_DECODE_WEIGHTS` asks
+    /// for (see [`crate::decode_weights`]).
     pub fn load_model(&self) -> Result<Llama, LoadError> {
+        self.load_model_with(DecodeWeights::from_env()?)
+    }
+
+    /// Builds the model with decode steps on `decode`.
+    pub fn load_model_with(&self, decode: DecodeWeights) -> Result<Llama, LoadError> {
         let cfg = self.config()?;
+        let narrow = decode == DecodeWeights::Narrow;
+        let packed = |name: &str, (rows, cols): (usize, usize)| {
+            narrow.then(|| self.packed(name, rows, cols)).flatten()
+        };
         let get = |name: &str, shape: &[usize]| -> Result<Tensor, LoadError> {
             let t = self.tensor(name)?;
             check_shape(name, &t, shape)?;
@@ -154,7 +184,17 @@ impl GgufFile {
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
             let lin = |s: &str, out: usize, inp: usize| get(&p(s), &[out, inp]);
+            let names = [
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ];
             blocks.push(BlockWeights {
+                packed: std::array::from_fn(|j| packed(&p(names[j]), Proj::ALL[j].shape(&cfg))),
                 attn_norm: get(&p("attn_norm"), &[h])?,
                 ffn_norm: get(&p("ffn_norm"), &[h])?,
                 projections: [
@@ -169,21 +209,32 @@ impl GgufFile {
             });
         }
         let norm = get("output_norm.weight", &[h])?;
-        let output = if cfg.tie_embeddings {
-            None
+        let (output, head) = if cfg.tie_embeddings {
+            (None, "token_embd.weight")
         } else {
-            Some(get("output.weight", &[cfg.vocab_size, h])?)
+            (
+                Some(get("output.weight", &[cfg.vocab_size, h])?),
+                "output.weight",
+            )
         };
+        let head_packed = packed(head, (cfg.vocab_size, h));
         let identity = ModelIdentity {
             adapter_sha256: None,
             sha256: self.sha256.clone(),
             source: self.path.clone(),
         };
-        Llama::assemble(cfg, embed, blocks, norm, output, identity).map_err(|source| {
-            LoadError::Tensor {
-                path: self.path.clone(),
-                source,
-            }
+        Llama::assemble(
+            cfg,
+            embed,
+            blocks,
+            norm,
+            (output, head_packed),
+            identity,
+            decode,
+        )
+        .map_err(|source| LoadError::Tensor {
+            path: self.path.clone(),
+            source,
         })
     }
 }

@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::config::{HfLlamaConfig, LlamaConfig};
+use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
 use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
 
@@ -127,6 +128,7 @@ impl Llama {
                 attn_norm: take(&p("input_layernorm"), &[h])?,
                 ffn_norm: take(&p("post_attention_layernorm"), &[h])?,
                 projections,
+                packed: Default::default(),
             });
         }
         let norm = take("model.norm.weight", &[h])?;
@@ -140,7 +142,8 @@ impl Llama {
             sha256: hex::encode(hasher.finalize()),
             source: dir.clone(),
         };
-        Llama::assemble(cfg, embed, blocks, norm, output, identity).map_err(wrap)
+        let decode = DecodeWeights::from_env()?;
+        Llama::assemble(cfg, embed, blocks, norm, (output, None), identity, decode).map_err(wrap)
     }
 
     /// Writes the model as a Hugging Face llama directory (`config.json`, `model.safetensors`

@@ -20,7 +20,9 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::cache::KvCache;
 use crate::config::LlamaConfig;
+use crate::decode_weights::{DecodeWeights, Narrow};
 use crate::error::ForwardError;
+use crate::kernels::{self, PackedWeight};
 use crate::ops;
 use crate::rope::Rope;
 
@@ -61,24 +63,34 @@ pub(crate) struct Part {
 /// This is the one place where the forward pass differs between inference, on-the-fly experts
 /// and training: the weight multiplies through [`ops::linear`] (frozen when gradients flow) and
 /// the parts' adapter terms are added when present. Everything else runs the same code.
+///
+/// A decode step's few rows multiply the weight's narrow copy when it has one
+/// ([`crate::decode_weights`]); everything else multiplies the f32 weight.
 #[derive(Debug, Clone)]
 pub(crate) struct Linear {
     /// `(out, in)`: the parts' rows, one part after another.
     pub weight: Tensor,
     pub parts: Vec<Part>,
+    /// `weight` in a block format, for decode steps.
+    pub narrow: Option<Narrow>,
 }
 
 impl Linear {
-    /// Fuses `(projection, weight (rows, in))` parts, in order.
-    fn fuse(parts: Vec<(Proj, Tensor)>) -> candle_core::Result<Self> {
+    /// Fuses `(projection, weight (rows, in), packed weight)` parts, in order. The packed copies
+    /// are fused when every part has one in one format.
+    fn fuse(parts: Vec<(Proj, Tensor, Option<PackedWeight>)>) -> candle_core::Result<Self> {
         let weight = if parts.len() == 1 {
             parts[0].1.clone()
         } else {
-            Tensor::cat(&parts.iter().map(|(_, w)| w).collect::<Vec<_>>(), 0)?
+            Tensor::cat(&parts.iter().map(|(_, w, _)| w).collect::<Vec<_>>(), 0)?
         };
+        let packed: Option<Vec<&PackedWeight>> = parts.iter().map(|(_, _, p)| p.as_ref()).collect();
+        let narrow = packed
+            .and_then(|p| PackedWeight::concat_rows(&p))
+            .map(|p| Narrow::new(p, &weight));
         let parts = parts
             .into_iter()
-            .map(|(proj, w)| {
+            .map(|(proj, w, _)| {
                 Ok(Part {
                     proj,
                     rows: w.dim(0)?,
@@ -86,7 +98,19 @@ impl Linear {
                 })
             })
             .collect::<candle_core::Result<_>>()?;
-        Ok(Self { weight, parts })
+        Ok(Self {
+            weight,
+            parts,
+            narrow,
+        })
+    }
+
+    /// `x W^T` with the base weight: the narrow copy when `narrow` (rows of decode-shaped
+    /// sequences, see [`decode_shaped`]) and it holds this weight's values, the f32 weight
+    /// otherwise.
+    fn base(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
+        let packed = self.narrow.as_ref().and_then(|n| n.of(&self.weight));
+        ops::linear_packed(x, &self.weight, packed.filter(|_| narrow))
     }
 
     /// The first row of `proj` and its part.
@@ -148,12 +172,25 @@ impl Linear {
         }
     }
 
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = ops::linear(x, &self.weight)?;
+    /// `x W^T` plus the adapter terms, `x` the rows of one sequence or of several that are all
+    /// decode-shaped (`narrow`) or all not.
+    fn forward(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
+        let y = self.base(x, narrow)?;
         match self.lora_delta(x)? {
             Some(delta) => y + delta,
             None => Ok(y),
         }
+    }
+
+    /// Whether `self` and `other` multiply by the same base weight the same way (so that their
+    /// rows can share one matmul).
+    fn same_base(&self, other: &Linear) -> bool {
+        self.weight.id() == other.weight.id()
+            && match (&self.narrow, &other.narrow) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.same(b),
+                _ => false,
+            }
     }
 
     /// The adapter terms of all parts for `x` `(T, in)`, side by side `(T, out)`; `None`
@@ -187,19 +224,25 @@ fn forward_rows(parts: &[(&Linear, usize)], x: &Tensor) -> candle_core::Result<T
     let Some(&(first, _)) = parts.first() else {
         candle_core::bail!("no rows to project");
     };
-    if parts.iter().all(|&(l, _)| std::ptr::eq(l, first)) {
-        return first.forward(x);
+    let narrow = |n: usize| decode_shaped(n);
+    let kind = narrow(parts[0].1);
+    if parts
+        .iter()
+        .all(|&(l, n)| std::ptr::eq(l, first) && narrow(n) == kind)
+    {
+        return first.forward(x, kind);
     }
     let mut outs = Vec::with_capacity(parts.len());
     let (mut i, mut row) = (0, 0);
     while i < parts.len() {
-        let weight = &parts[i].0.weight;
         let run = parts[i..]
             .iter()
-            .take_while(|(l, _)| l.weight.id() == weight.id())
+            .take_while(|&&(l, n)| l.same_base(parts[i].0) && narrow(n) == narrow(parts[i].1))
             .count();
         let rows: usize = parts[i..i + run].iter().map(|&(_, n)| n).sum();
-        let y = ops::linear(&x.narrow(0, row, rows)?, weight)?;
+        let y = parts[i]
+            .0
+            .base(&x.narrow(0, row, rows)?, narrow(parts[i].1))?;
         // Within the run, consecutive rows of one model add one adapter term.
         let (mut j, mut r) = (i, 0);
         while j < i + run {
@@ -221,6 +264,13 @@ fn forward_rows(parts: &[(&Linear, usize)], x: &Tensor) -> candle_core::Result<T
         row += rows;
     }
     Tensor::cat(&outs, 0)
+}
+
+/// Whether a sequence's `rows` in a pass are a decode step's (a few new tokens: the narrow
+/// decode weights) rather than a prefill's (the f32 weights). Decided per sequence, not per
+/// pass, so that a job's arithmetic is the same alone and batched with any number of others.
+pub(crate) fn decode_shaped(rows: usize) -> bool {
+    rows <= kernels::MAX_ROWS
 }
 
 /// The projections of a block that LoRA can adapt.
@@ -331,11 +381,13 @@ pub(crate) struct Block {
 }
 
 /// A block's weights as a checkpoint stores them: one `(out, in)` matrix per projection, in
-/// [`Proj::ALL`] order.
+/// [`Proj::ALL`] order, and each one's blocks when the checkpoint holds it in a format the
+/// decode kernels take as it is.
 pub(crate) struct BlockWeights {
     pub attn_norm: Tensor,
     pub ffn_norm: Tensor,
     pub projections: [Tensor; 7],
+    pub packed: [Option<PackedWeight>; 7],
 }
 
 impl Block {
@@ -343,13 +395,14 @@ impl Block {
     /// caller keeps them).
     pub(crate) fn new(w: BlockWeights) -> candle_core::Result<Self> {
         let [q, k, v, o, gate, up, down] = w.projections;
+        let [pq, pk, pv, po, pgate, pup, pdown] = w.packed;
         Ok(Self {
             attn_norm: w.attn_norm,
-            qkv: Linear::fuse(vec![(Proj::Q, q), (Proj::K, k), (Proj::V, v)])?,
-            o: Linear::fuse(vec![(Proj::O, o)])?,
+            qkv: Linear::fuse(vec![(Proj::Q, q, pq), (Proj::K, k, pk), (Proj::V, v, pv)])?,
+            o: Linear::fuse(vec![(Proj::O, o, po)])?,
             ffn_norm: w.ffn_norm,
-            gate_up: Linear::fuse(vec![(Proj::Gate, gate), (Proj::Up, up)])?,
-            down: Linear::fuse(vec![(Proj::Down, down)])?,
+            gate_up: Linear::fuse(vec![(Proj::Gate, gate, pgate), (Proj::Up, up, pup)])?,
+            down: Linear::fuse(vec![(Proj::Down, down, pdown)])?,
         })
     }
 
@@ -361,6 +414,16 @@ impl Block {
             Proj::Gate | Proj::Up => &self.gate_up,
             Proj::Down => &self.down,
         }
+    }
+
+    /// The block's projections, to change.
+    pub(crate) fn linears_mut(&mut self) -> [&mut Linear; 4] {
+        [
+            &mut self.qkv,
+            &mut self.o,
+            &mut self.gate_up,
+            &mut self.down,
+        ]
     }
 
     /// The [`Linear`] that computes `p`, to change.
@@ -396,6 +459,8 @@ pub struct Llama {
     pub(crate) norm: Tensor,
     /// `(vocab, hidden)`; shares the embedding's storage when tied.
     pub(crate) lm_head: Tensor,
+    /// `lm_head` in a block format, for decode steps.
+    pub(crate) head_narrow: Option<Narrow>,
     pub(crate) rope: Rope,
     pub(crate) identity: ModelIdentity,
 }
@@ -552,29 +617,36 @@ impl Output {
 
 impl Llama {
     /// Assembles a model from loaded weights; `output` is `None` when the checkpoint ties the
-    /// output head to the embedding (then both share one storage).
+    /// output head to the embedding (then both share one storage). `head_packed` is the output
+    /// head's (or the tied embedding's) blocks, when the checkpoint has them in a format the
+    /// decode kernels take. The decode weights are then made as `decode` says.
     pub(crate) fn assemble(
         cfg: LlamaConfig,
         embed: Tensor,
         blocks: Vec<BlockWeights>,
         norm: Tensor,
-        output: Option<Tensor>,
+        (output, head_packed): (Option<Tensor>, Option<PackedWeight>),
         identity: ModelIdentity,
+        decode: DecodeWeights,
     ) -> candle_core::Result<Self> {
         let blocks = blocks
             .into_iter()
             .map(Block::new)
             .collect::<candle_core::Result<Vec<_>>>()?;
         let lm_head = output.unwrap_or_else(|| embed.clone());
-        Ok(Llama {
+        let head_narrow = head_packed.map(|p| Narrow::new(p, &lm_head));
+        let mut model = Llama {
             rope: Rope::new(&cfg),
             cfg,
             embed,
             blocks,
             norm,
             lm_head,
+            head_narrow,
             identity,
-        })
+        };
+        model.set_decode_weights(decode)?;
+        Ok(model)
     }
 
     /// The configuration.
@@ -726,8 +798,8 @@ impl Llama {
             &mut Vec::new(),
         )?;
         let last = x.index_select(&Tensor::new(last_rows.as_slice(), &Device::Cpu)?, 0)?;
-        base.logits(&last, LogitsWanted::All)?
-            .ok_or_else(|| candle_core::Error::Msg("no logits".into()).into())
+        // One row per sequence, each its own decode step: the narrow head however many.
+        Ok(base.head(&last, true)?)
     }
 
     /// Runs `layers` from the residual stream `hidden` `(T, hidden_size)` whose first row sits at
@@ -813,8 +885,15 @@ impl Llama {
             LogitsWanted::Last => hidden.narrow(0, t - 1, 1)?,
             LogitsWanted::All => hidden.clone(),
         };
-        let x = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
-        Ok(Some(ops::linear(&x, &self.lm_head)?))
+        let narrow = decode_shaped(x.dim(0)?);
+        Ok(Some(self.head(&x, narrow)?))
+    }
+
+    /// Final norm and output projection of rows `x`, on the narrow head when `narrow`.
+    fn head(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
+        let x = ops::rms_norm(x, &self.norm, self.cfg.rms_norm_eps)?;
+        let packed = self.head_narrow.as_ref().and_then(|n| n.of(&self.lm_head));
+        ops::linear_packed(&x, &self.lm_head, packed.filter(|_| narrow))
     }
 
     /// The layers of `layers` over the rows of `x`: one sequence's, or several sequences'
@@ -965,6 +1044,11 @@ impl Llama {
             }
             None => (heads.k_rot, heads.v, 0),
         };
+        let plain = |x: &Tensor| !x.track_op();
+        if t <= kernels::MAX_QUERY_ROWS && plain(&heads.q) && plain(&keys) && plain(&values) {
+            outs.push(kernels::attend_few(&heads.q, &keys, &values, past)?);
+            return Ok(());
+        }
         // (n_h, T, d) -> (n_kv, groups, T, d): head h uses KV head h / groups.
         let q = heads.q.reshape((n_kv, groups, t, d))?;
         let keys_t = keys.transpose(1, 2)?;

@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 
 use crate::config::LlamaConfig;
+use crate::decode_weights::DecodeWeights;
 use crate::error::AdapterError;
 use crate::hf::{to_half_split_rows, to_interleaved_rows};
 use crate::llama::{Llama, LoraDelta, Proj};
@@ -365,6 +366,11 @@ impl Llama {
                     }),
                 ),
             }
+        }
+        // A merge replaced weights: their packed decode copies are stale, and are quantised
+        // again (to Q8_0, from the merged f32 values) unless the model decodes on f32.
+        if mode == AdapterMode::Merge && self.decode_weights() == DecodeWeights::Narrow {
+            model.set_decode_weights(DecodeWeights::Narrow)?;
         }
         Ok(model)
     }

@@ -40,6 +40,23 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// `x W^T` where `W` may also be held in a block format (`packed`, the same values, given for
+/// a decode step's rows): without gradients the rows multiply the packed copy
+/// ([`kernels::linear_narrow`]), which streams a quarter to an eighth of the f32 bytes;
+/// anything else goes to [`linear`].
+pub(crate) fn linear_packed(
+    x: &Tensor,
+    w: &Tensor,
+    packed: Option<&kernels::PackedWeight>,
+) -> candle_core::Result<Tensor> {
+    if let Some(p) = packed {
+        if !x.track_op() && x.dtype() == candle_core::DType::F32 {
+            return kernels::linear_narrow(&x.contiguous()?, p);
+        }
+    }
+    linear(x, w)
+}
+
 /// `x W^T` for a frozen `W` `(out, in)`: backward gives `dx = dy W` and nothing for `W`.
 struct FrozenMatmul {
     /// Shares the model's storage (a tensor clone is a reference).

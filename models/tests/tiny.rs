@@ -275,7 +275,10 @@ fn exported_hf_dir_loads_back_to_the_same_model() {
     let (_dir, model) = tiny_model(4);
     let out = tempfile::tempdir().unwrap();
     model.save_hf_dir(out.path()).unwrap();
-    let again = scd_models::Llama::from_hf_dir(out.path()).unwrap();
+    let again = scd_models::Llama::from_hf_dir(out.path())
+        .unwrap()
+        .with_decode_weights(scd_models::DecodeWeights::F32)
+        .unwrap();
     assert_eq!(again.config(), model.config());
     assert!(max_abs_diff(&all_logits(&again, &TOKENS), &all_logits(&model, &TOKENS)) < 1e-6);
 }

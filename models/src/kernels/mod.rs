@@ -7,14 +7,18 @@
 //! a second time for AVX2 + FMA and picks that copy at run time when the CPU has it, so the
 //! binary stays portable without giving up the wide registers.
 
+mod attend;
 mod exp;
 mod heads;
+mod narrow;
 mod rows;
 mod softmax;
 mod swiglu;
 
+pub(crate) use attend::{attend_few, MAX_QUERY_ROWS};
 pub(crate) use exp::exp;
 pub(crate) use heads::{merge_heads, split_qkv_rope};
+pub(crate) use narrow::{linear_narrow, Format, PackedWeight};
 pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
 pub(crate) use swiglu::swiglu;

@@ -64,7 +64,7 @@ impl InplaceOp1 for CausalSoftmax {
 
 multiversion! {
     /// Softmax of `row[..visible]`, zeros after it.
-    fn softmax_prefix(row: &mut [f32], visible: usize) {
+    pub(super) fn softmax_prefix(row: &mut [f32], visible: usize) {
         let (seen, hidden) = row.split_at_mut(visible);
         let mut acc = [f32::NEG_INFINITY; LANES];
         let mut chunks = seen.chunks_exact(LANES);

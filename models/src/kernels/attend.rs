@@ -1,0 +1,256 @@
+//! Attention of a few query rows over a cache: the shape of a decode step.
+//!
+//! Through candle, a decode step's attention is two batched matmuls per layer (scores, then
+//! values) that `gemm` packs and dispatches for a 1 x 64 by 64 x T product, plus the softmax in
+//! between: per-call costs that grow into milliseconds per token over 30 layers. Here each
+//! query head reads its KV head's keys and values once, straight from the cache's buffers:
+//! one dot product per visible key, the softmax of [`super::softmax`], then the weighted sum
+//! of the values.
+//!
+//! Each output row is the same computation whatever the other rows, so a job's tokens are the
+//! same alone and in a batch.
+
+use candle_core::{CpuStorage, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::softmax::softmax_prefix;
+
+/// Query rows per sequence this kernel takes; more (a prefill) go through candle's matmuls.
+pub(crate) const MAX_QUERY_ROWS: usize = 16;
+
+/// Attention outputs `(n_h, t, d)` of queries `q` `(n_h, t, d)` (scaled and rotated) over keys
+/// `k` and values `v` `(n_kv, n_keys, d)` (views of the cache, rows `d` apart), query `i` at
+/// key index `past + i` (it sees keys `0..=past + i`); query head `h` uses KV head
+/// `h / (n_h / n_kv)`.
+pub(crate) fn attend_few(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+) -> candle_core::Result<Tensor> {
+    let (n_h, t, d) = q.dims3()?;
+    let (n_kv, n_keys, d_k) = k.dims3()?;
+    if v.dims3()? != (n_kv, n_keys, d_k) || d_k != d || n_kv == 0 || n_h % n_kv != 0 {
+        candle_core::bail!(
+            "attend_few: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if past + t > n_keys || t > MAX_QUERY_ROWS {
+        candle_core::bail!("attend_few: {t} queries from key {past} over {n_keys} keys");
+    }
+    let groups = n_h / n_kv;
+    let q = q.contiguous()?;
+    let mut out = vec![0f32; n_h * t * d];
+    heads_view(&q, |qs, _| {
+        heads_view(k, |ks, k_head| {
+            heads_view(v, |vs, v_head| {
+                out.par_chunks_mut(t * d).enumerate().for_each(|(h, out)| {
+                    let g = h / groups;
+                    let keys = &ks[g * k_head..][..n_keys * d];
+                    let values = &vs[g * v_head..][..n_keys * d];
+                    let queries = &qs[h * t * d..][..t * d];
+                    let mut probs = vec![0f32; n_keys];
+                    for (i, (q, o)) in queries
+                        .chunks_exact(d)
+                        .zip(out.chunks_exact_mut(d))
+                        .enumerate()
+                    {
+                        let seen = past + i + 1;
+                        query_row(q, &keys[..seen * d], &values[..seen * d], &mut probs, o);
+                    }
+                });
+                Ok(())
+            })
+        })
+    })?;
+    Tensor::from_vec(out, (n_h, t, d), &Device::Cpu)
+}
+
+/// Calls `f` with the f32 storage of a `(heads, rows, d)` tensor from its first element and the
+/// distance between heads, when its rows are contiguous (`d` apart, unit stride): the cache's
+/// views of its buffers.
+fn heads_view<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32], usize) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let dims = layout.dims();
+    let stride = layout.stride();
+    let [heads, rows, d] = *dims else {
+        candle_core::bail!("attend_few: expected (heads, rows, d), got {dims:?}");
+    };
+    if (rows > 1 && stride[1] != d) || (d > 1 && stride[2] != 1) {
+        candle_core::bail!("attend_few: rows not contiguous, strides {stride:?}");
+    }
+    let head = if heads > 1 { stride[0] } else { rows * d };
+    let len = (heads.max(1) - 1) * head + rows * d;
+    match &*storage {
+        Storage::Cpu(CpuStorage::F32(data)) => {
+            let start = layout.start_offset();
+            match data.get(start..start + len) {
+                Some(view) => f(view, head),
+                None => candle_core::bail!("attend_few: view outside its storage"),
+            }
+        }
+        _ => candle_core::bail!("attend_few: f32 CPU tensors expected"),
+    }
+}
+
+/// One query row over the keys and values it sees: `out = softmax(K q) V`, with `probs` as
+/// room for the scores.
+fn query_row(q: &[f32], keys: &[f32], values: &[f32], probs: &mut [f32], out: &mut [f32]) {
+    let seen = keys.len() / q.len();
+    let probs = &mut probs[..seen];
+    #[cfg(target_arch = "x86_64")]
+    if q.len() == avx2::D
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
+        // SAFETY: the two features `avx2` needs were just detected; `q` and `out` are `D` long
+        // and `keys`, `values` hold `seen` rows of `D`.
+        unsafe {
+            avx2::scores(q, keys, probs);
+            softmax_prefix(probs, seen);
+            avx2::weighted_values(probs, values, out);
+        }
+        return;
+    }
+    for (s, key) in probs.iter_mut().zip(keys.chunks_exact(q.len())) {
+        *s = q.iter().zip(key).map(|(a, b)| a * b).sum();
+    }
+    softmax_prefix(probs, seen);
+    out.fill(0.0);
+    for (&p, value) in probs.iter().zip(values.chunks_exact(out.len())) {
+        for (o, &v) in out.iter_mut().zip(value) {
+            *o += p * v;
+        }
+    }
+}
+
+/// The head size of SmolLM2 and most small llamas, written out for AVX2: a query row, or an
+/// output row, is eight registers.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    pub(super) const D: usize = 64;
+
+    /// `scores[j] = q . k_j` for the `scores.len()` rows of `keys`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `q` is `D` long, `keys` at least `scores.len() * D`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scores: &mut [f32]) {
+        debug_assert!(q.len() == D && keys.len() >= scores.len() * D);
+        // SAFETY: as the caller guarantees, every load is inside `q` or key row `j`.
+        unsafe {
+            let qv: [__m256; 8] = std::array::from_fn(|c| _mm256_loadu_ps(q.as_ptr().add(8 * c)));
+            for (j, s) in scores.iter_mut().enumerate() {
+                let k = keys.as_ptr().add(j * D);
+                let mut a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+                let mut b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k.add(8)));
+                for c in (2..8).step_by(2) {
+                    a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k.add(8 * c)), a);
+                    b = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k.add(8 * c + 8)), b);
+                }
+                let v = _mm256_add_ps(a, b);
+                let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+                let v = _mm_add_ss(v, _mm_movehdup_ps(v));
+                *s = _mm_cvtss_f32(v);
+            }
+        }
+    }
+
+    /// `out = sum_j p_j v_j` over the `probs.len()` rows of `values`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `out` is `D` long, `values` at least `probs.len() * D`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_values(probs: &[f32], values: &[f32], out: &mut [f32]) {
+        debug_assert!(out.len() == D && values.len() >= probs.len() * D);
+        // SAFETY: as the caller guarantees, every access is inside value row `j` or `out`.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (j, &p) in probs.iter().enumerate() {
+                let v = values.as_ptr().add(j * D);
+                let pv = _mm256_set1_ps(p);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * c)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same attention through candle: scores, masked softmax, values.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> candle_core::Result<Tensor> {
+        let (n_h, t, d) = q.dims3()?;
+        let (n_kv, n_keys, _) = k.dims3()?;
+        let g = n_h / n_kv;
+        let q = q.reshape((n_kv, g * t, d))?;
+        let scores = q.matmul(&k.t()?)?.reshape((n_kv, g, t, n_keys))?;
+        let mut mask = vec![0f32; t * n_keys];
+        for i in 0..t {
+            for j in past + i + 1..n_keys {
+                mask[i * n_keys + j] = f32::NEG_INFINITY;
+            }
+        }
+        let mask = Tensor::from_vec(mask, (t, n_keys), &Device::Cpu)?;
+        let probs = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, candle_core::D::Minus1)?;
+        probs
+            .reshape((n_kv, g * t, n_keys))?
+            .matmul(&v.contiguous()?)?
+            .reshape((n_h, t, d))
+    }
+
+    #[test]
+    fn matches_candle_on_cache_views_and_rows_alone_equal_rows_together() -> candle_core::Result<()>
+    {
+        for (n_h, n_kv, t, past, d) in [(9, 3, 1, 40, 64), (4, 2, 5, 11, 24), (2, 2, 3, 0, 8)] {
+            let n_keys = past + t;
+            // A buffer with spare capacity, as the cache holds it.
+            let buf = Tensor::randn(0f32, 1.0, (n_kv, n_keys + 7, d), &Device::Cpu)?;
+            let k = buf.narrow(1, 0, n_keys)?;
+            let v = (buf.narrow(1, 0, n_keys)? * 0.5)?.sin()?;
+            let q = Tensor::randn(0f32, 0.3, (n_h, t, d), &Device::Cpu)?;
+            let got = attend_few(&q, &k, &v, past)?;
+            let want = reference(&q, &k, &v, past)?;
+            let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "({n_h}, {n_kv}, {t}, {past}, {d}): {diff}");
+            // Row i alone, with the keys it sees, is the same computation.
+            for i in 0..t {
+                let alone = attend_few(
+                    &q.narrow(1, i, 1)?,
+                    &k.narrow(1, 0, past + i + 1)?,
+                    &v.narrow(1, 0, past + i + 1)?,
+                    past + i,
+                )?;
+                assert_eq!(
+                    alone.flatten_all()?.to_vec1::<f32>()?,
+                    got.narrow(1, i, 1)?.flatten_all()?.to_vec1::<f32>()?
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn refuses_queries_past_the_keys() -> candle_core::Result<()> {
+        let q = Tensor::zeros((2, 3, 8), candle_core::DType::F32, &Device::Cpu)?;
+        let k = Tensor::zeros((1, 4, 8), candle_core::DType::F32, &Device::Cpu)?;
+        assert!(attend_few(&q, &k, &k, 2).is_err());
+        assert!(attend_few(&q, &k, &k, 1).is_ok());
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+//! The narrow kernel on AVX-512 with VNNI: one block pair (64 weights) per register.
+//!
+//! `vpdpbusd` multiplies unsigned by signed bytes and sums each four into a 32-bit lane: lanes
+//! 0-7 hold the first block's partial sums and 8-15 the second's, so a pair's two scales go on
+//! as one vector, spread from 16 blocks' scales converted at once ([`QuantRows`] lays out the
+//! activation's side). Both formats' weights are the unsigned side as they are (Q4_1's
+//! nibbles, Q8_0's `q + 128`); the offsets, `m` times the activation block's sum, are one short
+//! dot product per output after the weights.
+//!
+//! A tile is up to [`TILE`] weight rows by up to [`GROUP`] rows of `x`, each output its own
+//! accumulator: one output's sum is a chain of dependent multiply-adds, and the tile's
+//! independent chains are what keeps the core busy while the weights stream in.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::pack::Row;
+use super::{Format, QuantRows, GROUP, TILE};
+
+/// `tile[a][b] = rows[a] . x_{r + b}` for `b < n`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VNNI.
+pub(super) unsafe fn tile(
+    format: Format,
+    rows: &[Row<'_>],
+    x: &QuantRows,
+    r: usize,
+    n: usize,
+    tile: &mut [[f32; GROUP]; TILE],
+) {
+    macro_rules! go {
+        ($(($w:literal, $n:literal))*) => {
+            match (format, rows.len(), n) {
+                $((Format::Q4_1, $w, $n) => kernel::<true, $w, $n>(rows, x, r, tile),)*
+                $((Format::Q8_0, $w, $n) => kernel::<false, $w, $n>(rows, x, r, tile),)*
+                _ => unreachable!("at most TILE weight rows and GROUP rows of x"),
+            }
+        };
+    }
+    const _: () = assert!(TILE == 4 && GROUP == 4);
+    // SAFETY: the caller guarantees the features `kernel` is compiled for.
+    unsafe { go!((1, 1)(1, 2)(1, 3)(1, 4)(4, 1)(4, 2)(4, 3)(4, 4)) }
+}
+
+/// The mask of the first `n` of 16 lanes.
+fn first(n: usize) -> __mmask16 {
+    ((1u32 << n.min(16)) - 1) as __mmask16
+}
+
+/// `W` weight rows (Q4_1 when `Q4`, else Q8_0) by `N` rows of `x` from `r`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+// Index loops over the tile's fixed-size arrays, which the compiler keeps in registers.
+#[allow(clippy::needless_range_loop)]
+fn kernel<const Q4: bool, const W: usize, const N: usize>(
+    rows: &[Row<'_>],
+    x: &QuantRows,
+    r: usize,
+    tile: &mut [[f32; GROUP]; TILE],
+) {
+    let pairs = x.pairs;
+    let pb = if Q4 { 32 } else { 64 };
+    let ws: [&Row<'_>; W] = std::array::from_fn(|a| &rows[a]);
+    let qs: [&[i8]; N] = std::array::from_fn(|b| x.q(r + b));
+    let los: [&[i8]; N] = std::array::from_fn(|b| x.lo(r + b));
+    let lanes: [&[f32]; N] = std::array::from_fn(|b| x.lanes(r + b));
+    for a in 0..W {
+        assert!(ws[a].weights.len() == pairs * pb && ws[a].scales.len() == pairs * 4);
+        assert!(!Q4 || ws[a].offsets.len() == pairs * 4);
+    }
+    let low = _mm512_set1_epi8(0x0F);
+    let two = _mm512_set1_epi32(2);
+    let mut acc = [[_mm512_setzero_ps(); N]; W];
+    let mut p = 0;
+    while p < pairs {
+        // 8 pairs' 16 scales per weight row, then each pair's two spread over 8 lanes each.
+        let chunk = (pairs - p).min(8);
+        let mut idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        // SAFETY: the masked load reads the `2 * chunk` scales of pairs `p..p + chunk`, inside
+        // the row's `pairs * 2` (the masked-off lanes are not read).
+        let ds: [__m512; W] = std::array::from_fn(|a| unsafe {
+            let at = ws[a].scales.as_ptr().add(4 * p).cast::<i16>();
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(2 * chunk), at))
+        });
+        for pp in p..p + chunk {
+            // SAFETY: every row in `ws` holds `pairs` pairs of `pb` bytes; each row of `x`
+            // holds `pairs * 64` bytes and `pairs * 16` lane scales; every access stays inside
+            // pair `pp`.
+            unsafe {
+                let mut xv = [_mm512_setzero_si512(); N];
+                let mut xl = [_mm512_setzero_si512(); N];
+                for b in 0..N {
+                    xv[b] = _mm512_loadu_si512(qs[b].as_ptr().add(pp * 64).cast());
+                    xl[b] = _mm512_loadu_si512(los[b].as_ptr().add(pp * 64).cast());
+                }
+                for a in 0..W {
+                    let at = ws[a].weights.as_ptr().add(pp * pb);
+                    let wv = if Q4 {
+                        // The 32 bytes in both halves, the upper half shifted to its high
+                        // nibbles: the second block.
+                        let both = _mm512_broadcast_i64x4(_mm256_loadu_si256(at.cast()));
+                        _mm512_and_si512(_mm512_mask_srli_epi16::<4>(both, 0xFFFF_0000, both), low)
+                    } else {
+                        _mm512_loadu_si512(at.cast())
+                    };
+                    let d = _mm512_permutexvar_ps(idx, ds[a]);
+                    for b in 0..N {
+                        // 256 hi + lo: the high bytes' sums shifted up, then the low bytes'.
+                        let hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[b]);
+                        let dot = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(hi), wv, xl[b]);
+                        let scale =
+                            _mm512_mul_ps(d, _mm512_loadu_ps(lanes[b].as_ptr().add(pp * 16)));
+                        acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[a][b]);
+                    }
+                }
+                idx = _mm512_add_epi32(idx, two);
+            }
+        }
+        p += chunk;
+    }
+    // The offsets: sum over blocks of m (Q4_1's, or Q8_0's -128 d) times the activation's
+    // block sum, 16 blocks at a time.
+    let blocks = 2 * pairs;
+    for a in 0..W {
+        for b in 0..N {
+            let sum = x.sum(r + b);
+            let mut o = acc[a][b];
+            let mut k = 0;
+            while k < blocks {
+                let mask = first(blocks - k);
+                // SAFETY: masked loads of blocks `k..min(k + 16, blocks)`, inside the row's
+                // `blocks` offsets (or scales) and the activation's `blocks` sums.
+                unsafe {
+                    let m = if Q4 {
+                        let at = ws[a].offsets.as_ptr().add(2 * k).cast::<i16>();
+                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at))
+                    } else {
+                        let at = ws[a].scales.as_ptr().add(2 * k).cast::<i16>();
+                        let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+                        _mm512_mul_ps(d, _mm512_set1_ps(-128.0))
+                    };
+                    let s = _mm512_maskz_loadu_ps(mask, sum.as_ptr().add(k));
+                    o = _mm512_fmadd_ps(m, s, o);
+                }
+                k += 16;
+            }
+            tile[a][b] = _mm512_reduce_add_ps(o);
+        }
+    }
+}

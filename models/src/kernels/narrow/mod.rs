@@ -1,0 +1,383 @@
+//! Narrow decode weights: `x W^T` for a few rows of `x` with `W` in 4- or 8-bit blocks.
+//!
+//! A decode step streams every weight once for a handful of rows, so its time is the bytes of
+//! the weights over the memory bandwidth: 540 MB of f32 per token for SmolLM2-135M, 66 MB for
+//! its GGUF's own Q4_1 blocks plus 30 MB for the Q8_0 embedding that is also the output head.
+//! As in llama.cpp's CPU backend, the rows of `x` are quantised per block of 32 and each block
+//! pair of a weight row meets them in integer dot products (`vpdpbusd` with AVX-512 VNNI,
+//! `vpmaddubsw` with AVX2), scaled in f32. Unlike llama.cpp, an activation takes two signed
+//! bytes, not one ([`QuantRows`]): one byte per value changed greedy answers against the f32
+//! path on this model (SmolLM2's hidden states carry outlier channels that round a block's
+//! other values away), two cost a second integer product per block and keep the decode within
+//! float noise of f32 (measured in the real-model tests).
+//!
+//! - [`pack`]: the packed layout ([`PackedWeight`]): from GGUF blocks (Q4_1, Q8_0) without loss,
+//!   or quantised from f32 to Q8_0 (a merged expert, a checkpoint with another format);
+//! - [`avx512`], [`avx2`] and [`portable`]: the same function per instruction set, picked at run
+//!   time ([`Isa::best`]).
+//!
+//! The weights' values are exactly the GGUF's (the f32 path dequantises the same blocks). Each
+//! output is the same sum whatever the other rows of `x`, so a job's tokens are the same alone
+//! and in a batch on a given CPU.
+
+mod avx2;
+mod avx512;
+mod pack;
+mod portable;
+
+pub(crate) use pack::{Format, PackedWeight};
+
+use pack::Row;
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use super::{with_f32, MAX_ROWS};
+
+/// Weights per quantisation block (GGUF's Q4_1 and Q8_0).
+pub(crate) const BLOCK: usize = 32;
+
+/// Weight rows per parallel task.
+const ROWS_PER_TASK: usize = 64;
+
+/// Rows of `x` that meet a tile of weight rows while it is in registers; more rows go in more
+/// groups.
+const GROUP: usize = 4;
+
+/// How far ahead of the tile being multiplied its successors' rows are prefetched.
+const PREFETCH_ROWS: usize = 2 * TILE;
+
+/// Weight rows per tile: independent sums for the core to overlap (one weight row alone is a
+/// chain of dependent multiply-adds), and several streams for the prefetcher.
+const TILE: usize = 4;
+
+/// The instruction set a kernel runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512 with VNNI's `u8 x i8` dot products (and BW, VL for byte and masked loads).
+    Avx512Vnni,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// Plain Rust.
+    Portable,
+}
+
+impl Isa {
+    /// The widest this CPU runs.
+    pub(crate) fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every instruction set this CPU runs, widest first (tests run them all).
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Self> {
+        let all = [Isa::Avx512Vnni, Isa::Avx2, Isa::Portable];
+        let best = all.iter().position(|&i| i == Isa::best()).unwrap_or(2);
+        all[best..].to_vec()
+    }
+}
+
+/// Rows of `x` quantised for the integer dot products in two signed bytes per value: per block
+/// of 32, `x ~ d (hi + lo / 256)` with `d = max |x| / 127`, `hi = round(x / d)` and `lo` the
+/// rounded remainder in 1/256ths, both in `[-127, 127]`. One byte per value (llama.cpp's Q8_1)
+/// rounds away the small values of a block that holds an outlier channel, and on SmolLM2 that
+/// flipped greedy answers against the f32 path; the second byte costs one more integer dot
+/// product per block and brings the rounding to about 1/65,000 of the block's maximum. A row is
+/// padded with zeros to whole block pairs.
+pub(crate) struct QuantRows {
+    /// Rows.
+    m: usize,
+    /// Block pairs per row.
+    pairs: usize,
+    /// `(m, pairs * 64)`: the high bytes.
+    q: Vec<i8>,
+    /// `(m, pairs * 64)`: the low bytes.
+    lo: Vec<i8>,
+    /// `(m, pairs * 2)`: each block's `d / 256`, the unit of `256 hi + lo`.
+    scale: Vec<f32>,
+    /// `(m, pairs * 2)`: each block's `d * sum(hi + lo / 256)`, which meets the offset `m`.
+    sum: Vec<f32>,
+    /// `(m, pairs * 16)`: per pair, `d / 256` of its two blocks across 8 + 8 lanes: the AVX-512
+    /// kernel's operand, laid out once per row instead of once per weight row.
+    lanes: Vec<f32>,
+}
+
+impl QuantRows {
+    pub(crate) fn new(x: &[f32], m: usize, k: usize) -> Self {
+        let pairs = k.div_ceil(2 * BLOCK);
+        let mut q = vec![0i8; m * pairs * 2 * BLOCK];
+        let mut lo = vec![0i8; m * pairs * 2 * BLOCK];
+        let mut scale = vec![0f32; m * pairs * 2];
+        let mut sum = vec![0f32; m * pairs * 2];
+        let mut lanes = vec![0f32; m * pairs * 16];
+        for r in 0..m {
+            let row = &x[r * k..(r + 1) * k];
+            for (b, chunk) in row.chunks(BLOCK).enumerate() {
+                let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let at = (r * pairs * 2 + b) * BLOCK;
+                let his = &mut q[at..][..chunk.len()];
+                let los = &mut lo[at..][..chunk.len()];
+                let mut s = 0i32;
+                for ((h, l), &v) in his.iter_mut().zip(los.iter_mut()).zip(chunk) {
+                    let t = v * inv;
+                    let hi = round(t);
+                    let low = round((t - hi as f32) * 256.0);
+                    (*h, *l) = (hi as i8, low as i8);
+                    s += 256 * hi + low;
+                }
+                scale[r * pairs * 2 + b] = d / 256.0;
+                sum[r * pairs * 2 + b] = d / 256.0 * s as f32;
+            }
+            for p in 0..pairs {
+                let l = &mut lanes[(r * pairs + p) * 16..][..16];
+                for half in 0..2 {
+                    l[half * 8..half * 8 + 8].fill(scale[r * pairs * 2 + 2 * p + half]);
+                }
+            }
+        }
+        Self {
+            m,
+            pairs,
+            q,
+            lo,
+            scale,
+            sum,
+            lanes,
+        }
+    }
+
+    fn q(&self, r: usize) -> &[i8] {
+        &self.q[r * self.pairs * 2 * BLOCK..][..self.pairs * 2 * BLOCK]
+    }
+
+    fn lo(&self, r: usize) -> &[i8] {
+        &self.lo[r * self.pairs * 2 * BLOCK..][..self.pairs * 2 * BLOCK]
+    }
+
+    fn scale(&self, r: usize) -> &[f32] {
+        &self.scale[r * self.pairs * 2..][..self.pairs * 2]
+    }
+
+    fn sum(&self, r: usize) -> &[f32] {
+        &self.sum[r * self.pairs * 2..][..self.pairs * 2]
+    }
+
+    fn lanes(&self, r: usize) -> &[f32] {
+        &self.lanes[r * self.pairs * 16..][..self.pairs * 16]
+    }
+}
+
+/// `y` `(m, n)` from its transpose `yt` `(n, m)`.
+fn transposed(yt: &[f32], m: usize, n: usize) -> candle_core::Result<Tensor> {
+    let mut y = vec![0f32; m * n];
+    for (j, col) in yt.chunks_exact(m).enumerate() {
+        for (r, &v) in col.iter().enumerate() {
+            y[r * n + j] = v;
+        }
+    }
+    Tensor::from_vec(y, (m, n), &Device::Cpu)
+}
+
+/// `v` to the nearest integer, halves away from zero, in `[-127, 127]` (for `|v| <= 127`, as
+/// the scales make it): `f32::round` is a libm call on the baseline x86-64 target, this is a
+/// convert instruction.
+#[inline]
+fn round(v: f32) -> i32 {
+    ((v + 0.5f32.copysign(v)) as i32).clamp(-127, 127)
+}
+
+/// `x W^T` for `x` `(m, k)` f32 and `w` packed `(n, k)`, [`MAX_ROWS`] rows of `x` at a time.
+pub(crate) fn linear_narrow(x: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
+    let m = x.dim(0)?;
+    let one = |x: &Tensor| linear_narrow_on(Isa::best(), x, w);
+    if m <= MAX_ROWS {
+        return one(x);
+    }
+    let parts = (0..m)
+        .step_by(MAX_ROWS)
+        .map(|r| one(&x.narrow(0, r, MAX_ROWS.min(m - r))?.contiguous()?))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
+}
+
+/// [`linear_narrow`] on a given instruction set.
+pub(crate) fn linear_narrow_on(
+    isa: Isa,
+    x: &Tensor,
+    w: &PackedWeight,
+) -> candle_core::Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let (n, k_w) = (w.rows(), w.cols());
+    if k != k_w || m == 0 || m > MAX_ROWS {
+        candle_core::bail!("linear_narrow: x {:?} and packed w ({n}, {k_w})", x.dims());
+    }
+    let xq = with_f32(x, |xs| Ok(QuantRows::new(xs, m, k)))?;
+    // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
+    let mut yt = vec![0f32; n * m];
+    yt.par_chunks_mut(ROWS_PER_TASK * m)
+        .enumerate()
+        .for_each(|(t, out)| weight_rows(isa, w, t * ROWS_PER_TASK, &xq, out));
+    transposed(&yt, m, n)
+}
+
+/// `out[(j - first) * m + r] = w_j . x_r` for the weight rows `first..` that `out` has room
+/// for and every row `r` of `x`: tiles of [`TILE`] weight rows by up to [`GROUP`] rows of `x`.
+fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &QuantRows, out: &mut [f32]) {
+    let m = x.m;
+    let n = out.len() / m;
+    let mut j = 0;
+    while j < n {
+        let wide = if n - j >= TILE { TILE } else { 1 };
+        let rows: [Row<'_>; TILE] = std::array::from_fn(|a| w.row(first + j + a.min(wide - 1)));
+        #[cfg(target_arch = "x86_64")]
+        if let Some(ahead) = w.bytes_of_rows(first + j + PREFETCH_ROWS, TILE) {
+            for line in ahead.chunks(64) {
+                // SAFETY: a prefetch is a hint; the address is inside `ahead`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                        line.as_ptr().cast(),
+                    )
+                };
+            }
+        }
+        let mut r = 0;
+        while r < m {
+            let group = (m - r).min(GROUP);
+            let mut tile = [[0f32; GROUP]; TILE];
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `Isa::Avx512Vnni` and `Isa::Avx2` are only chosen (by `Isa::best`, or
+                // by tests from `Isa::available`) on CPUs that have their features.
+                Isa::Avx512Vnni => unsafe {
+                    avx512::tile(w.format(), &rows[..wide], x, r, group, &mut tile)
+                },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => {
+                    for (a, row) in rows[..wide].iter().enumerate() {
+                        // SAFETY: as above.
+                        unsafe { avx2::row(w.format(), row, x, r, &mut tile[a][..group]) };
+                    }
+                }
+                _ => {
+                    for (a, row) in rows[..wide].iter().enumerate() {
+                        portable::row(w.format(), row, x, r, &mut tile[a][..group]);
+                    }
+                }
+            }
+            for (a, t) in tile[..wide].iter().enumerate() {
+                out[(j + a) * m + r..][..group].copy_from_slice(&t[..group]);
+            }
+            r += group;
+        }
+        j += wide;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random weights through GGUF-style blocks, so that the packed and f32 forms hold the same
+    /// values.
+    fn weights(format: Format, n: usize, k: usize) -> candle_core::Result<(PackedWeight, Tensor)> {
+        let w = Tensor::randn(0f32, 0.05, (n, k), &Device::Cpu)?.to_vec2::<f32>()?;
+        let flat: Vec<f32> = w.concat();
+        let packed = match format {
+            Format::Q8_0 => PackedWeight::quantize_q8_0(&flat, n, k),
+            Format::Q4_1 => {
+                let bytes = pack::tests::q4_1_gguf_blocks(&flat, k);
+                PackedWeight::from_gguf(Format::Q4_1, &bytes, n, k)
+            }
+        }
+        .ok_or_else(|| candle_core::Error::Msg("not packable".into()))?;
+        let f = Tensor::from_vec(packed.dequantize(), (n, k), &Device::Cpu)?;
+        Ok((packed, f))
+    }
+
+    #[test]
+    fn narrow_rows_match_the_f32_product_and_a_row_alone_equals_it_in_a_batch(
+    ) -> candle_core::Result<()> {
+        // An odd number of blocks (a padded pair), more rows than a group, n not a task multiple.
+        for format in [Format::Q4_1, Format::Q8_0] {
+            for (m, k, n) in [(1, 576, 131), (3, 96, 70), (9, 1536, 65), (16, 32, 200)] {
+                let (w, wf) = weights(format, n, k)?;
+                let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+                let want = x.matmul(&wf.t()?)?;
+                let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                let mut first: Option<Vec<f32>> = None;
+                for isa in Isa::available() {
+                    let got = linear_narrow_on(isa, &x, &w)?;
+                    let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    // Two bytes per activation: about 1e-5 of the largest output.
+                    assert!(
+                        diff < 1e-4 * scale,
+                        "{format:?} {isa:?} ({m}, {k}, {n}): max difference {diff} of {scale}"
+                    );
+                    for row in 0..m {
+                        let alone = linear_narrow_on(isa, &x.narrow(0, row, 1)?, &w)?;
+                        assert_eq!(
+                            alone.flatten_all()?.to_vec1::<f32>()?,
+                            got.narrow(0, row, 1)?.flatten_all()?.to_vec1::<f32>()?,
+                            "{format:?} {isa:?} ({m}, {k}, {n}) row {row}"
+                        );
+                    }
+                    // The instruction sets sum in different orders: close, not equal.
+                    let got = got.flatten_all()?.to_vec1::<f32>()?;
+                    if let Some(f) = &first {
+                        let worst = f
+                            .iter()
+                            .zip(&got)
+                            .fold(0f32, |a, (p, q)| a.max((p - q).abs()));
+                        assert!(worst < 1e-4 * scale.max(1.0), "{format:?} {isa:?}: {worst}");
+                    } else {
+                        first = Some(got);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn exact_on_rows_that_quantise_exactly() -> candle_core::Result<()> {
+        // x with integer entries in [-127, 127] and 127 in every block quantises without loss,
+        // so every instruction set must give the f32 product of the packed values to rounding.
+        let (m, k, n) = (2, 128, 40);
+        let (w, wf) = weights(Format::Q4_1, n, k)?;
+        let xs: Vec<f32> = (0..m * k)
+            .map(|i| {
+                if i % 32 == 0 {
+                    127.0
+                } else {
+                    ((i * 37) % 255) as f32 - 127.0
+                }
+            })
+            .collect();
+        let x = Tensor::from_vec(xs, (m, k), &Device::Cpu)?;
+        let want = x.matmul(&wf.t()?)?;
+        for isa in Isa::available() {
+            let got = linear_narrow_on(isa, &x, &w)?;
+            let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-3, "{isa:?}: {diff}");
+        }
+        Ok(())
+    }
+}
