@@ -6,18 +6,20 @@ The bench (src/cmd/bench_model.rs) runs this script with the Python of the llama
 (ops/install-llama-cpp.sh) and writes one JSON request to its standard input:
 
   {"model": PATH, "threads": 2, "warmup": W, "reps": R,
-   "prefill": [[token ids], ...], "decode_prompt": [token ids], "decode_warmup": W2, "decode_steps": N}
+   "prefill": [[token ids], ...], "decode_prompts": [[token ids], ...], "decode_warmup": W2,
+   "decode_steps": N}
 
 and reads one JSON object from its standard output:
 
   {"installed": true, "llama_cpp_python": VERSION, "llama_cpp": VERSION, "settings": {...},
    "prefill": [{"tokens": T, "seconds": [s, ...]}, ...],   # the R timed runs, after W untimed
-   "decode": {"after": T, "steps": N, "seconds": s}}        # N timed greedy steps, after W2 untimed
+   "decode": [{"after": T, "steps": N, "seconds": s}, ...]}  # per decode prompt: N timed greedy
+                                                              # steps after W2 untimed
 
 or {"installed": false, "reason": ...} with exit status 3 when llama_cpp cannot be imported.
 
 Protocol, the same as the Rust side's: a prefill starts from an empty KV cache and computes the
-last position's logits only; decode prefills `decode_prompt`, runs W2 untimed greedy steps, then
+last position's logits only; decode prefills each decode prompt, runs W2 untimed greedy steps, then
 times N greedy steps (each feeds the argmax of the previous step's logits). llama.cpp runs with
 llama-cpp-python's default context settings (f16 KV cache, micro-batches of 512) and the thread
 count given.
@@ -38,7 +40,7 @@ def main():
         sys.exit(3)
 
     req = json.load(sys.stdin)
-    longest = max([len(t) for t in req["prefill"]] + [len(req["decode_prompt"])])
+    longest = max([len(t) for t in req["prefill"]] + [len(t) for t in req["decode_prompts"]])
     n_ctx = longest + req["decode_warmup"] + req["decode_steps"] + 1
     llm = llama_cpp.Llama(
         model_path=req["model"],
@@ -68,16 +70,19 @@ def main():
             prefill(tokens)
         prefill_rows.append({"tokens": len(tokens), "seconds": [prefill(tokens) for _ in range(req["reps"])]})
 
-    prefill(req["decode_prompt"])
-    nxt = last_argmax()
-    for _ in range(req["decode_warmup"]):
-        llm.eval([nxt])
+    decode_rows = []
+    for prompt in req["decode_prompts"]:
+        prefill(prompt)
         nxt = last_argmax()
-    t = time.perf_counter()
-    for _ in range(req["decode_steps"]):
-        llm.eval([nxt])
-        nxt = last_argmax()
-    decode_s = time.perf_counter() - t
+        for _ in range(req["decode_warmup"]):
+            llm.eval([nxt])
+            nxt = last_argmax()
+        t = time.perf_counter()
+        for _ in range(req["decode_steps"]):
+            llm.eval([nxt])
+            nxt = last_argmax()
+        decode_s = time.perf_counter() - t
+        decode_rows.append({"after": len(prompt), "steps": req["decode_steps"], "seconds": decode_s})
 
     try:
         llama_version = llama_cpp.llama_version().decode()
@@ -97,7 +102,7 @@ def main():
             "flash_attn_type": int(llm.context_params.flash_attn_type),
         },
         "prefill": prefill_rows,
-        "decode": {"after": len(req["decode_prompt"]), "steps": req["decode_steps"], "seconds": decode_s},
+        "decode": decode_rows,
     }
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")

@@ -1,7 +1,8 @@
-//! `scd bench model`: prefill and decode speed of scd's f32 model, candle-transformers' quantized
-//! llama and, when llama-cpp-python is installed, llama.cpp on the same GGUF in the same run,
-//! all under one timing protocol (`scd_models::bench::Protocol`), next to the machine's f32
-//! matmul throughput; plus peak resident memory. Build with `--release`; the figures go into
+//! `scd bench model`: prefill and decode speed of scd (prefill on f32 weights, decode on the
+//! narrow Q4_1 / Q8_0 weights and, for reference, on f32), candle-transformers' quantized llama
+//! and, when llama-cpp-python is installed, llama.cpp on the same GGUF in the same run, all
+//! under one timing protocol (`scd_models::bench::Protocol`), next to the machine's f32 matmul
+//! throughput; plus peak resident memory. Build with `--release`; the figures go into
 //! BENCHMARKS.md, with llama.cpp as the baseline that counts.
 
 use std::io::Write;
@@ -15,7 +16,7 @@ use scd_models::bench::{
     matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes, synthetic_tokens, time_decode,
     time_prefill, Protocol, Runs, TimedLlama,
 };
-use scd_models::{Llama, LlamaConfig};
+use scd_models::{DecodeWeights, Llama, LlamaConfig};
 use serde::Deserialize;
 
 /// Arguments of `scd bench model`.
@@ -40,9 +41,12 @@ pub struct Args {
     /// Untimed decode steps before the timed ones, for every implementation.
     #[arg(long, default_value_t = 4)]
     decode_warmup: usize,
-    /// Timed decode steps after a prefill of the first length, for every implementation.
+    /// Timed decode steps after each prompt of --decode-after, for every implementation.
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
+    /// Prompt lengths after which decode is timed (a decode step reads the whole cache).
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    decode_after: Vec<usize>,
     /// Threads for llama.cpp (the Rust implementations use every core; 2 on the reference VM).
     #[arg(long, default_value_t = 2)]
     llama_threads: usize,
@@ -76,7 +80,10 @@ struct Measured {
     name: String,
     /// `(T, runs)` per prefill length.
     prefill: Vec<(usize, Runs)>,
-    decode: Duration,
+    /// `(prompt length, time per token)` per decode prompt.
+    decode: Vec<(usize, Duration)>,
+    /// Bytes of weights one decode step streams, where known.
+    decode_bytes: Option<usize>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -96,10 +103,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.llama_threads
     );
     println!(
-        "protocol, every implementation: {} untimed + {} timed prefills per length; decode after a prefill of {}: {} untimed + {} timed greedy steps",
+        "protocol, every implementation: {} untimed + {} timed prefills per length; decode after a prefill of each of {:?}: {} untimed + {} timed greedy steps",
         protocol.warmup,
         protocol.reps,
-        first_length(&args),
+        args.decode_after,
         protocol.decode_warmup,
         protocol.decode_steps
     );
@@ -108,13 +115,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let model = Llama::from_gguf(&args.model).context("loading the model")?;
     let cfg = model.config().clone();
     println!(
-        "f32 model loaded (dequantized) in {:.2}s; RSS {} (peak so far {})",
+        "model loaded (f32 weights dequantized, decode weights {}) in {:.2}s; RSS {} (peak so far {})",
+        model.decode_weights(),
         t.elapsed().as_secs_f64(),
         mb(rss_bytes()),
         mb(peak_rss_bytes())
     );
-    let first = first_length(&args);
-    let prompt = synthetic_tokens(cfg.vocab_size, first);
+    let prompts: Vec<Vec<u32>> = args
+        .decode_after
+        .iter()
+        .map(|&len| synthetic_tokens(cfg.vocab_size, len))
+        .collect();
+    let decode_all = |m: &mut dyn FnMut(&[u32]) -> anyhow::Result<Duration>| {
+        prompts
+            .iter()
+            .map(|p| Ok((p.len(), m(p)?)))
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
 
     let mut results = Vec::new();
     let mut timed = TimedLlama::new(&model);
@@ -125,14 +142,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("scd prefill of {len} tokens"))?;
         prefill.push((len, runs));
     }
-    let decode = time_decode(&mut timed, &prompt, &protocol).context("scd decode")?;
+    let decode = decode_all(&mut |p| {
+        time_decode(&mut timed, p, &protocol).context("scd decode (narrow weights)")
+    })?;
     results.push(Measured {
-        name: "scd f32".into(),
+        name: format!("scd (prefill f32, decode {})", model.decode_weights()),
         prefill,
         decode,
+        decode_bytes: Some(model.decode_weight_bytes()),
+    });
+    drop(timed);
+    // The same weights, decode on f32: what the narrow weights are measured against.
+    let f32_model = model
+        .clone()
+        .with_decode_weights(DecodeWeights::F32)
+        .context("dropping the narrow weights")?;
+    let mut timed = TimedLlama::new(&f32_model);
+    let decode = decode_all(&mut |p| {
+        time_decode(&mut timed, p, &protocol).context("scd decode (f32 weights)")
+    })?;
+    results.push(Measured {
+        name: "scd (decode f32)".into(),
+        prefill: Vec::new(),
+        decode,
+        decode_bytes: Some(f32_model.decode_weight_bytes()),
     });
     let peak_ours = peak_rss_bytes();
     drop(timed);
+    drop(f32_model);
     drop(model);
 
     if !args.baseline_lengths.is_empty() {
@@ -144,18 +181,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .with_context(|| format!("quantized_llama prefill of {len} tokens"))?;
             prefill.push((len, runs));
         }
-        let decode = time_decode(&mut q, &prompt, &protocol).context("quantized_llama decode")?;
+        let decode = decode_all(&mut |p| {
+            time_decode(&mut q, p, &protocol).context("quantized_llama decode")
+        })?;
         results.push(Measured {
             name: "candle-transformers quantized_llama (Q4_1)".into(),
             prefill,
             decode,
+            decode_bytes: None,
         });
     }
 
     let llama_note = if args.no_llama_cpp {
         "llama.cpp: left out (--no-llama-cpp)".to_string()
     } else {
-        match llama_cpp(&args, &cfg, &protocol, &prompt)? {
+        match llama_cpp(&args, &cfg, &protocol, &prompts)? {
             LlamaCpp::Measured(m, about) => {
                 results.push(m);
                 about
@@ -193,19 +233,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     println!();
-    println!("| implementation | decode after | ms/token | tokens/s | speed vs llama.cpp |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| implementation | decode after | ms/token | tokens/s | weights per token | their GB/s | speed vs llama.cpp |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for m in &results {
-        let per = m.decode.as_secs_f64();
-        let vs = reference.map_or("n/a".into(), |r| {
-            format!("{:.2}x", r.decode.as_secs_f64() / per)
-        });
-        println!(
-            "| {} | {first} | {:.1} | {:.1} | {vs} |",
-            m.name,
-            per * 1e3,
-            1.0 / per
-        );
+        for &(after, per) in &m.decode {
+            let per = per.as_secs_f64();
+            let vs = reference
+                .and_then(|r| r.decode.iter().find(|(a, _)| *a == after))
+                .map_or("n/a".into(), |(_, r)| {
+                    format!("{:.2}x", r.as_secs_f64() / per)
+                });
+            let (bytes, rate) = m.decode_bytes.map_or(("n/a".into(), "n/a".into()), |b| {
+                (
+                    format!("{:.0} MB", b as f64 / 1e6),
+                    format!("{:.1}", b as f64 / per / 1e9),
+                )
+            });
+            println!(
+                "| {} | {after} | {:.1} | {:.1} | {bytes} | {rate} | {vs} |",
+                m.name,
+                per * 1e3,
+                1.0 / per
+            );
+        }
     }
     println!();
     println!(
@@ -223,10 +275,6 @@ fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg").map_or("n/a".into(), |s| {
         s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     })
-}
-
-fn first_length(args: &Args) -> usize {
-    args.lengths.first().copied().unwrap_or(256)
 }
 
 enum LlamaCpp {
@@ -250,7 +298,7 @@ struct LlamaReply {
     #[serde(default)]
     prefill: Vec<LlamaPrefill>,
     #[serde(default)]
-    decode: Option<LlamaDecode>,
+    decode: Vec<LlamaDecode>,
 }
 
 #[derive(Deserialize)]
@@ -261,6 +309,7 @@ struct LlamaPrefill {
 
 #[derive(Deserialize)]
 struct LlamaDecode {
+    after: usize,
     steps: usize,
     seconds: f64,
 }
@@ -270,7 +319,7 @@ fn llama_cpp(
     args: &Args,
     cfg: &LlamaConfig,
     protocol: &Protocol,
-    prompt: &[u32],
+    prompts: &[Vec<u32>],
 ) -> anyhow::Result<LlamaCpp> {
     if !args.llama_python.exists() {
         return Ok(LlamaCpp::NotInstalled(format!(
@@ -294,7 +343,7 @@ fn llama_cpp(
             .iter()
             .map(|&len| synthetic_tokens(cfg.vocab_size, len))
             .collect::<Vec<_>>(),
-        "decode_prompt": prompt,
+        "decode_prompts": prompts,
         "decode_warmup": protocol.decode_warmup,
         "decode_steps": protocol.decode_steps,
     });
@@ -330,7 +379,13 @@ fn llama_cpp(
     if !out.status.success() {
         bail!("the llama.cpp script failed: {}", out.status);
     }
-    let decode = reply.decode.context("llama.cpp reply without decode")?;
+    if reply.decode.len() != prompts.len() {
+        bail!(
+            "llama.cpp reply with {} decode timings for {} prompts",
+            reply.decode.len(),
+            prompts.len()
+        );
+    }
     let measured = Measured {
         name: LLAMA_CPP.into(),
         prefill: reply
@@ -341,7 +396,15 @@ fn llama_cpp(
                 (p.tokens, Runs(runs.collect()))
             })
             .collect(),
-        decode: Duration::from_secs_f64(decode.seconds / decode.steps.max(1) as f64),
+        decode: reply
+            .decode
+            .iter()
+            .map(|d| {
+                let per = d.seconds / d.steps.max(1) as f64;
+                (d.after, Duration::from_secs_f64(per))
+            })
+            .collect(),
+        decode_bytes: None,
     };
     let about = format!(
         "llama.cpp: llama-cpp-python {}, llama.cpp {}, settings {}",
