@@ -96,7 +96,11 @@ fn tiny_llama_gguf_loads_with_its_own_hyperparameters() {
         &llama_metadata(&cfg),
         &tiny_gguf_tensors(dir.path(), &cfg),
     );
-    let model = Llama::from_gguf(&path).unwrap();
+    // Compared with the tiny Hugging Face model, which decodes on f32 (common::tiny_model).
+    let model = Llama::from_gguf(&path)
+        .unwrap()
+        .with_decode_weights(scd_models::DecodeWeights::F32)
+        .unwrap();
     let got = model.config();
     assert_eq!(
         (got.num_layers, got.hidden_size, got.intermediate_size),
