@@ -8,12 +8,15 @@
 //!   DroidSpeak, SCD Reuse and Patch over calibrated translators), and the quality harness
 //!   with its metrics.
 //!
-//! All math is f32 on the CPU; f16/bf16 appear only where tensors are packed for the wire.
+//! Math is f32 on the CPU, except a decode step's products: the weights' 4- and 8-bit blocks
+//! times activations in two bytes, integer dot products scaled in f32 (`decode_weights`, within
+//! float noise of f32, tested); f16/bf16 appear where tensors are packed for the wire.
 //!
 //! Files, top-down: `config` (hyperparameters from GGUF metadata or `config.json`), `gguf` and
 //! `hf` (loaders, as constructors of [`Llama`]), `llama` (the model and its one forward pass
 //! with hooks), `ops` (the forward pass's operations: fused kernels from `kernels` for
-//! inference, candle's differentiable ops while gradients are recorded), `cache` (the per-layer
+//! inference, candle's differentiable ops while gradients are recorded), `decode_weights` (the
+//! packed copies decode steps multiply), `cache` (the per-layer
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
 //! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
 //! `generate` (and `batch`, several generations decoded together); `codec` (the transfer modes: producer-side
