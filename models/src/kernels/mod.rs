@@ -55,6 +55,18 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
+/// `y` `(m, n)` from its transpose `yt` `(n, m)`: the few-rows kernels compute `y^T` so that
+/// each parallel task writes one contiguous block of weight rows' outputs.
+pub(crate) fn transposed(yt: &[f32], m: usize, n: usize) -> candle_core::Result<Tensor> {
+    let mut y = vec![0f32; m * n];
+    for (j, col) in yt.chunks_exact(m).enumerate() {
+        for (r, &v) in col.iter().enumerate() {
+            y[r * n + j] = v;
+        }
+    }
+    Tensor::from_vec(y, (m, n), &candle_core::Device::Cpu)
+}
+
 /// Calls `f` with the f32 elements of a contiguous CPU tensor (its own window of the storage).
 pub(crate) fn with_f32<R>(
     t: &Tensor,

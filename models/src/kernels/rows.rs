@@ -13,10 +13,10 @@
 //! where the CPU has it, else AVX2 + FMA (8 lanes, 16 registers: tiles of up to 8 sums), else
 //! portable code with the AVX2 path's order of sums.
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::with_f32;
+use super::{transposed, with_f32};
 
 /// The most rows of `x` this kernel takes; more go to `gemm`.
 pub(crate) const MAX_ROWS: usize = 16;
@@ -46,13 +46,7 @@ pub(crate) fn linear_few_rows(x: &Tensor, w: &Tensor) -> candle_core::Result<Ten
             Ok(())
         })
     })?;
-    let mut y = vec![0f32; m * n];
-    for (j, col) in yt.chunks_exact(m).enumerate() {
-        for (r, &v) in col.iter().enumerate() {
-            y[r * n + j] = v;
-        }
-    }
-    Tensor::from_vec(y, (m, n), &Device::Cpu)
+    transposed(&yt, m, n)
 }
 
 /// `out[j * m + r] = w_j . x_r` for the weight rows `w` (each `k` long) and all `m` rows of `x`.
@@ -276,6 +270,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     #[test]
     fn few_rows_equal_candle_matmul_and_a_row_alone_equals_it_in_a_batch() -> candle_core::Result<()>

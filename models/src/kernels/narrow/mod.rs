@@ -29,10 +29,10 @@ pub(crate) use pack::{Format, PackedWeight};
 
 use pack::Row;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::{with_f32, MAX_ROWS};
+use super::{transposed, with_f32, MAX_ROWS};
 
 /// Weights per quantisation block (GGUF's Q4_1 and Q8_0).
 pub(crate) const BLOCK: usize = 32;
@@ -185,17 +185,6 @@ impl QuantRows {
     }
 }
 
-/// `y` `(m, n)` from its transpose `yt` `(n, m)`.
-fn transposed(yt: &[f32], m: usize, n: usize) -> candle_core::Result<Tensor> {
-    let mut y = vec![0f32; m * n];
-    for (j, col) in yt.chunks_exact(m).enumerate() {
-        for (r, &v) in col.iter().enumerate() {
-            y[r * n + j] = v;
-        }
-    }
-    Tensor::from_vec(y, (m, n), &Device::Cpu)
-}
-
 /// `v` to the nearest integer, halves away from zero, in `[-127, 127]` (for `|v| <= 127`, as
 /// the scales make it): `f32::round` is a libm call on the baseline x86-64 target, this is a
 /// convert instruction.
@@ -294,6 +283,7 @@ fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &QuantRows, out: &mu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// Random weights through GGUF-style blocks, so that the packed and f32 forms hold the same
     /// values.
