@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export SCD_MODEL_DIR ?= $(CURDIR)/.cache/models
 export SCD_DATA_DIR ?= $(CURDIR)/.cache/data
 
-.PHONY: demo test setup model data build lint fmt bench
+.PHONY: demo test test-amx setup model data build lint fmt bench
 
 setup:
 	ops/setup.sh
@@ -33,7 +33,14 @@ demo: setup model build
 # rotting; building it would compile every dependency again without optimisation.
 test: setup model data
 	cargo test --workspace --all-targets --no-fail-fast
+	@if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then $(MAKE) --no-print-directory test-amx; \
+	else echo "AMX tests not run: this CPU has no AMX (the prefill runs on f32 here)"; fi
 	cargo check --manifest-path transport/fuzz/Cargo.toml
+
+# The tests of the AMX prefill (`*_on_amx_tiles`, ignored by a plain `cargo test` because they
+# need a CPU with AMX); `make test` runs them where the CPU has it. Elsewhere they fail, saying so.
+test-amx: setup model data
+	cargo test --workspace --all-targets --no-fail-fast -- --ignored on_amx_tiles
 
 lint:
 	cargo fmt --all -- --check

@@ -28,6 +28,23 @@ pub fn matmul_gflops(n: usize, reps: usize) -> candle_core::Result<f64> {
     Ok(2.0 * (n * n * n) as f64 / best.as_secs_f64() / 1e9)
 }
 
+/// The machine's AMX bf16 peak in GFLOP/s: `tdpbf16ps` on tiles already loaded (no memory
+/// traffic), on every thread of the pool at once for `per_thread` instructions each; `None`
+/// where AMX is missing. What the tile kernels' figures are a share of.
+pub fn amx_peak_gflops(per_thread: u64) -> Option<f64> {
+    use rayon::prelude::*;
+    if !crate::kernels::amx::available() {
+        return None;
+    }
+    let threads = rayon::current_num_threads();
+    let t = Instant::now();
+    (0..threads)
+        .into_par_iter()
+        .for_each(|_| crate::kernels::amx::register_loop(per_thread));
+    let flops = crate::kernels::amx::FLOPS_PER_PRODUCT * per_thread as f64 * threads as f64;
+    Some(flops / t.elapsed().as_secs_f64() / 1e9)
+}
+
 /// FLOPs of a prefill of `t` tokens from an empty cache: every projection of every layer, causal
 /// attention (`q k^T` and `p v` over the visible keys only), and the output head for the last
 /// position. Norms, RoPE and softmax are left out (a few percent).

@@ -10,9 +10,9 @@
 //! f32 values. Adapters applied on the fly keep their low-rank term in f32 beside the packed
 //! base.
 //!
-//! The f32 weights stay: prefill and training multiply many rows, where gemm on f32 is faster,
-//! and the translators are calibrated on that path. The packed copies add about a sixth to the
-//! model's memory.
+//! The f32 weights stay: prefill and training multiply many rows, on f32 with gemm or on AMX
+//! tiles packed from the f32 values per call ([`crate::prefill_matmul`]). The packed copies
+//! add about a sixth to the model's memory.
 //!
 //! `SCD_DECODE_WEIGHTS=f32` at load, or [`Llama::with_decode_weights`], keeps decode on the f32
 //! weights (the reference the narrow path is measured against).

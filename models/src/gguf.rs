@@ -17,6 +17,7 @@ use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
 use crate::kernels::{Format, PackedWeight};
 use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
+use crate::prefill_matmul::PrefillMatmul;
 
 /// An opened, validated GGUF file: its parsed header and its bytes.
 pub struct GgufFile {
@@ -161,7 +162,8 @@ impl GgufFile {
     }
 
     /// Builds the model: f32 weights, and the decode weights that `SCD_DECODE_WEIGHTS` asks
-    /// for (see [`crate::decode_weights`]).
+    /// for (see [`crate::decode_weights`]); prefill products as `SCD_PREFILL_MATMUL` says (see
+    /// [`crate::prefill_matmul`]).
     pub fn load_model(&self) -> Result<Llama, LoadError> {
         self.load_model_with(DecodeWeights::from_env()?)
     }
@@ -230,7 +232,7 @@ impl GgufFile {
             norm,
             (output, head_packed),
             identity,
-            decode,
+            (decode, PrefillMatmul::from_env()?),
         )
         .map_err(|source| LoadError::Tensor {
             path: self.path.clone(),

@@ -18,6 +18,7 @@ use crate::config::{HfLlamaConfig, LlamaConfig};
 use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
 use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
+use crate::prefill_matmul::PrefillMatmul;
 
 /// Reorders the rows of a `(n_heads * head_dim, ..)` matrix from half-split to interleaved
 /// pairing: within each head, new row `2i` is old row `i` and new row `2i+1` is old row
@@ -142,8 +143,8 @@ impl Llama {
             sha256: hex::encode(hasher.finalize()),
             source: dir.clone(),
         };
-        let decode = DecodeWeights::from_env()?;
-        Llama::assemble(cfg, embed, blocks, norm, (output, None), identity, decode).map_err(wrap)
+        let kernels = (DecodeWeights::from_env()?, PrefillMatmul::from_env()?);
+        Llama::assemble(cfg, embed, blocks, norm, (output, None), identity, kernels).map_err(wrap)
     }
 
     /// Writes the model as a Hugging Face llama directory (`config.json`, `model.safetensors`

@@ -8,15 +8,17 @@
 //!   DroidSpeak, SCD Reuse and Patch over calibrated translators), and the quality harness
 //!   with its metrics.
 //!
-//! Math is f32 on the CPU, except a decode step's products: the weights' 4- and 8-bit blocks
-//! times activations in two bytes, integer dot products scaled in f32 (`decode_weights`, within
-//! float noise of f32, tested); f16/bf16 appear where tensors are packed for the wire.
+//! Math is f32 on the CPU, except the products of the projections: a decode step's multiply the
+//! weights' 4- and 8-bit blocks by activations in two bytes, integer dot products scaled in f32
+//! (`decode_weights`, within float noise of f32, tested), and a prefill's run on AMX tiles in
+//! bf16 with f32 sums where the CPU has them (`prefill_matmul`, accuracy tested); f16/bf16
+//! also appear where tensors are packed for the wire.
 //!
 //! Files, top-down: `config` (hyperparameters from GGUF metadata or `config.json`), `gguf` and
 //! `hf` (loaders, as constructors of [`Llama`]), `llama` (the model and its one forward pass
 //! with hooks), `ops` (the forward pass's operations: fused kernels from `kernels` for
 //! inference, candle's differentiable ops while gradients are recorded), `decode_weights` (the
-//! packed copies decode steps multiply), `cache` (the per-layer
+//! packed copies decode steps multiply), `prefill_matmul` (AMX tiles or f32 for prefill), `cache` (the per-layer
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
 //! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
 //! `generate` (and `batch`, several generations decoded together); `codec` (the transfer modes: producer-side
@@ -51,6 +53,7 @@ pub mod metrics;
 mod ops;
 pub mod optim;
 pub mod perplexity;
+pub mod prefill_matmul;
 pub mod rope;
 pub mod sampling;
 pub mod stats;
@@ -69,5 +72,6 @@ pub use llama::{
     Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity, Output, Proj, Sequence,
 };
 pub use lora::{AdapterMode, LoraAdapter};
+pub use prefill_matmul::PrefillMatmul;
 pub use rope::Rope;
 pub use sampling::{Sampler, Sampling};

@@ -24,6 +24,7 @@ use crate::decode_weights::{DecodeWeights, Narrow};
 use crate::error::ForwardError;
 use crate::kernels::{self, PackedWeight};
 use crate::ops;
+use crate::prefill_matmul::PrefillMatmul;
 use crate::rope::Rope;
 
 /// Query rows per attention chunk: bounds the score matrix at `heads * CHUNK * keys` floats
@@ -65,7 +66,8 @@ pub(crate) struct Part {
 /// the parts' adapter terms are added when present. Everything else runs the same code.
 ///
 /// A decode step's few rows multiply the weight's narrow copy when it has one
-/// ([`crate::decode_weights`]); everything else multiplies the f32 weight.
+/// ([`crate::decode_weights`]); everything else multiplies the f32 weight, on AMX tiles when
+/// `tiles` ([`crate::prefill_matmul`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Linear {
     /// `(out, in)`: the parts' rows, one part after another.
@@ -73,6 +75,8 @@ pub(crate) struct Linear {
     pub parts: Vec<Part>,
     /// `weight` in a block format, for decode steps.
     pub narrow: Option<Narrow>,
+    /// Whether prefill rows multiply on AMX tiles ([`crate::prefill_matmul`]).
+    pub tiles: bool,
 }
 
 impl Linear {
@@ -102,6 +106,7 @@ impl Linear {
             weight,
             parts,
             narrow,
+            tiles: false,
         })
     }
 
@@ -110,7 +115,7 @@ impl Linear {
     /// otherwise.
     fn base(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
         let packed = self.narrow.as_ref().and_then(|n| n.of(&self.weight));
-        ops::linear_packed(x, &self.weight, packed.filter(|_| narrow))
+        ops::linear_packed(x, &self.weight, packed.filter(|_| narrow), self.tiles)
     }
 
     /// The first row of `proj` and its part.
@@ -186,6 +191,7 @@ impl Linear {
     /// rows can share one matmul).
     fn same_base(&self, other: &Linear) -> bool {
         self.weight.id() == other.weight.id()
+            && self.tiles == other.tiles
             && match (&self.narrow, &other.narrow) {
                 (None, None) => true,
                 (Some(a), Some(b)) => a.same(b),
@@ -461,6 +467,8 @@ pub struct Llama {
     pub(crate) lm_head: Tensor,
     /// `lm_head` in a block format, for decode steps.
     pub(crate) head_narrow: Option<Narrow>,
+    /// The kernel of prefill products ([`crate::prefill_matmul`]).
+    pub(crate) prefill: PrefillMatmul,
     pub(crate) rope: Rope,
     pub(crate) identity: ModelIdentity,
 }
@@ -627,7 +635,7 @@ impl Llama {
         norm: Tensor,
         (output, head_packed): (Option<Tensor>, Option<PackedWeight>),
         identity: ModelIdentity,
-        decode: DecodeWeights,
+        (decode, prefill): (DecodeWeights, PrefillMatmul),
     ) -> candle_core::Result<Self> {
         let blocks = blocks
             .into_iter()
@@ -643,9 +651,11 @@ impl Llama {
             norm,
             lm_head,
             head_narrow,
+            prefill: PrefillMatmul::F32,
             identity,
         };
         model.set_decode_weights(decode)?;
+        model.set_prefill_matmul(prefill);
         Ok(model)
     }
 
@@ -893,7 +903,8 @@ impl Llama {
     fn head(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
         let x = ops::rms_norm(x, &self.norm, self.cfg.rms_norm_eps)?;
         let packed = self.head_narrow.as_ref().and_then(|n| n.of(&self.lm_head));
-        ops::linear_packed(&x, &self.lm_head, packed.filter(|_| narrow))
+        let tiles = self.prefill == PrefillMatmul::Tiles;
+        ops::linear_packed(&x, &self.lm_head, packed.filter(|_| narrow), tiles)
     }
 
     /// The layers of `layers` over the rows of `x`: one sequence's, or several sequences'
@@ -992,8 +1003,11 @@ impl Llama {
         let q_scale = 1.0 / (d as f32).sqrt();
         let heads = ops::split_qkv_rope(&qkv, cos, sin, (n_h, n_kv, d), q_scale)?;
         let mut outs = Vec::new();
+        // Each sequence attends with its own model's kernels, so that a job computes the same
+        // alone and batched.
         if let [one] = seqs {
-            self.attend(layer, heads, one.cache.as_deref_mut(), &mut outs)?;
+            one.model
+                .attend(layer, heads, one.cache.as_deref_mut(), &mut outs)?;
         } else {
             let mut row = 0;
             for s in seqs.iter_mut() {
@@ -1003,7 +1017,8 @@ impl Llama {
                     k_rot: rows(&heads.k_rot)?,
                     v: rows(&heads.v)?,
                 };
-                self.attend(layer, own, s.cache.as_deref_mut(), &mut outs)?;
+                s.model
+                    .attend(layer, own, s.cache.as_deref_mut(), &mut outs)?;
                 row += s.rows;
             }
         }
@@ -1045,9 +1060,15 @@ impl Llama {
             None => (heads.k_rot, heads.v, 0),
         };
         let plain = |x: &Tensor| !x.track_op();
-        if t <= kernels::MAX_QUERY_ROWS && plain(&heads.q) && plain(&keys) && plain(&values) {
-            outs.push(kernels::attend_few(&heads.q, &keys, &values, past)?);
-            return Ok(());
+        if plain(&heads.q) && plain(&keys) && plain(&values) {
+            if t <= kernels::MAX_QUERY_ROWS {
+                outs.push(kernels::attend_few(&heads.q, &keys, &values, past)?);
+                return Ok(());
+            }
+            if self.prefill == PrefillMatmul::Tiles {
+                outs.push(kernels::attend_tiles(&heads.q, &keys, &values, past)?);
+                return Ok(());
+            }
         }
         // (n_h, T, d) -> (n_kv, groups, T, d): head h uses KV head h / groups.
         let q = heads.q.reshape((n_kv, groups, t, d))?;

@@ -88,11 +88,14 @@ fn training_lowers_the_loss_on_what_it_sees() {
     let w = &data.valid[0];
     let ours = t.train_logits(w).unwrap();
     assert!(ours.track_op());
+    // On the f32 kernels: training multiplies in f32, the AMX tiles in bf16.
     let plain = model
         .with_adapter(
             &t.adapter(model, DType::F32).unwrap(),
             AdapterMode::OnTheFly,
         )
+        .unwrap()
+        .with_prefill_matmul(scd_models::PrefillMatmul::F32)
         .unwrap();
     let theirs = common::all_logits(&plain, w);
     assert!(!theirs.track_op());

@@ -19,8 +19,9 @@ enum Command {
     /// QUIC goodput next to plain quinn, frame codec throughput, pacing accuracy.
     #[command(after_help = "Example:\n  scd bench transport")]
     Transport(bench_transport::Args),
-    /// f32 prefill/decode speed next to the machine's matmul throughput and candle-transformers'
-    /// quantized llama; peak memory.
+    /// Prefill (AMX tiles and f32) and decode (narrow and f32 weights) speed next to llama.cpp,
+    /// candle-transformers' quantized llama and the machine's f32 matmul and AMX peaks; peak
+    /// memory.
     #[command(after_help = "Example:\n  \
         scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --llama-python .cache/llama-cpp/bin/python")]
     Model(bench_model::Args),

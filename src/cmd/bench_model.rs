@@ -1,5 +1,6 @@
-//! `scd bench model`: prefill and decode speed of scd (prefill on f32 weights, decode on the
-//! narrow Q4_1 / Q8_0 weights and, for reference, on f32), candle-transformers' quantized llama
+//! `scd bench model`: prefill and decode speed of scd (prefill on AMX tiles where the CPU has
+//! them and on f32, decode on the narrow Q4_1 / Q8_0 weights and on f32), candle-transformers'
+//! quantized llama
 //! and, when llama-cpp-python is installed, llama.cpp on the same GGUF in the same run, all
 //! under one timing protocol (`scd_models::bench::Protocol`), next to the machine's f32 matmul
 //! throughput; plus peak resident memory. Build with `--release`; the figures go into
@@ -13,10 +14,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use scd_models::baseline::QuantizedLlama;
 use scd_models::bench::{
-    matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes, synthetic_tokens, time_decode,
-    time_prefill, Protocol, Runs, TimedLlama,
+    amx_peak_gflops, matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes, synthetic_tokens,
+    time_decode, time_prefill, Protocol, Runs, TimedLlama,
 };
-use scd_models::{DecodeWeights, Llama, LlamaConfig};
+use scd_models::{DecodeWeights, Llama, LlamaConfig, PrefillMatmul};
 use serde::Deserialize;
 
 /// Arguments of `scd bench model`.
@@ -97,6 +98,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let gflops = matmul_gflops(args.matmul_size, 5).context("matmul benchmark")?;
     let n = args.matmul_size;
     println!("f32 matmul {n}x{n}x{n} (candle, best of 5): {gflops:.1} GFLOP/s");
+    match amx_peak_gflops(2_000_000) {
+        Some(peak) => println!(
+            "AMX bf16 peak (tdpbf16ps on tiles in registers, every thread): {peak:.0} GFLOP/s"
+        ),
+        None => println!("AMX: not available on this machine (prefill runs on f32)"),
+    }
     println!(
         "threads: {} (llama.cpp: {})",
         std::thread::available_parallelism().map_or(0, |p| p.get()),
@@ -115,7 +122,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let model = Llama::from_gguf(&args.model).context("loading the model")?;
     let cfg = model.config().clone();
     println!(
-        "model loaded (f32 weights dequantized, decode weights {}) in {:.2}s; RSS {} (peak so far {})",
+        "model loaded (f32 weights dequantized, prefill on {}, decode weights {}) in {:.2}s; RSS {} (peak so far {})",
+        model.prefill_matmul(),
         model.decode_weights(),
         t.elapsed().as_secs_f64(),
         mb(rss_bytes()),
@@ -146,24 +154,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         time_decode(&mut timed, p, &protocol).context("scd decode (narrow weights)")
     })?;
     results.push(Measured {
-        name: format!("scd (prefill f32, decode {})", model.decode_weights()),
+        name: format!(
+            "scd (prefill {}, decode {})",
+            model.prefill_matmul(),
+            model.decode_weights()
+        ),
         prefill,
         decode,
         decode_bytes: Some(model.decode_weight_bytes()),
     });
     drop(timed);
-    // The same weights, decode on f32: what the narrow weights are measured against.
+    // The same weights, prefill and decode on f32: what the tiles and the narrow weights are
+    // measured against (the prefill only where it differs from the row above).
     let f32_model = model
         .clone()
         .with_decode_weights(DecodeWeights::F32)
-        .context("dropping the narrow weights")?;
+        .context("dropping the narrow weights")?
+        .with_prefill_matmul(PrefillMatmul::F32)
+        .context("prefill on f32")?;
     let mut timed = TimedLlama::new(&f32_model);
+    let mut prefill = Vec::new();
+    if model.prefill_matmul() != PrefillMatmul::F32 {
+        for &len in &args.lengths {
+            let tokens = synthetic_tokens(cfg.vocab_size, len);
+            let runs = time_prefill(&mut timed, &tokens, &protocol)
+                .with_context(|| format!("scd prefill of {len} tokens on f32"))?;
+            prefill.push((len, runs));
+        }
+    }
     let decode = decode_all(&mut |p| {
         time_decode(&mut timed, p, &protocol).context("scd decode (f32 weights)")
     })?;
     results.push(Measured {
-        name: "scd (decode f32)".into(),
-        prefill: Vec::new(),
+        name: if prefill.is_empty() {
+            "scd (decode f32)".into()
+        } else {
+            "scd (prefill f32, decode f32)".into()
+        },
+        prefill,
         decode,
         decode_bytes: Some(f32_model.decode_weight_bytes()),
     });
@@ -261,7 +289,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "peak RSS of the f32 runs (load + every prefill above, largest T = {}): {}",
+        "peak RSS of scd's runs (load + every prefill above, largest T = {}): {}",
         args.lengths.iter().max().copied().unwrap_or(0),
         mb(peak_ours)
     );

@@ -72,7 +72,7 @@ pub(crate) fn attend_few(
 /// Calls `f` with the f32 storage of a `(heads, rows, d)` tensor from its first element and the
 /// distance between heads, when its rows are contiguous (`d` apart, unit stride): the cache's
 /// views of its buffers.
-fn heads_view<R>(
+pub(super) fn heads_view<R>(
     t: &Tensor,
     f: impl FnOnce(&[f32], usize) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {

@@ -7,7 +7,9 @@
 //! a second time for AVX2 + FMA and picks that copy at run time when the CPU has it, so the
 //! binary stays portable without giving up the wide registers.
 
+pub(crate) mod amx;
 mod attend;
+mod attend_tiles;
 mod exp;
 mod heads;
 mod narrow;
@@ -16,6 +18,7 @@ mod softmax;
 mod swiglu;
 
 pub(crate) use attend::{attend_few, MAX_QUERY_ROWS};
+pub(crate) use attend_tiles::attend_tiles;
 pub(crate) use exp::exp;
 pub(crate) use heads::{merge_heads, split_qkv_rope};
 pub(crate) use narrow::{linear_narrow, Format, PackedWeight};
@@ -54,6 +57,28 @@ macro_rules! multiversion {
     };
 }
 pub(crate) use multiversion;
+
+/// `x W^T` on AMX tiles (bf16 products, f32 sums) for `x` `(m, k)` and `w` `(n, k)`, both
+/// contiguous f32. Callers check [`amx::available`].
+///
+/// The weight is packed into the tile layout per call, into a buffer the calling thread keeps
+/// (as gemm packs its panels per call): the model holds one f32 copy, not a second in bf16.
+pub(crate) fn linear_tiles(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let (n, k_w) = w.dims2()?;
+    if k != k_w || m == 0 {
+        candle_core::bail!("linear_tiles: x {:?} and w {:?}", x.dims(), w.dims());
+    }
+    let y = with_f32(x, |xs| {
+        with_f32(w, |ws| {
+            Ok(amx::with_scratch(|s| {
+                s.weight.repack(ws, n, k);
+                amx::linear(xs, m, &s.weight, &mut s.a)
+            }))
+        })
+    })?;
+    Tensor::from_vec(y, (m, n), &candle_core::Device::Cpu)
+}
 
 /// `y` `(m, n)` from its transpose `yt` `(n, m)`: the few-rows kernels compute `y^T` so that
 /// each parallel task writes one contiguous block of weight rows' outputs.

@@ -115,7 +115,10 @@ impl Trainer {
         )?;
         // On the fly, the model holds the Vars' own tensors: updating a Var updates the model,
         // and its forward pass records gradients for them.
-        let model = base.with_adapter(&live, AdapterMode::OnTheFly)?;
+        let mut model = base.with_adapter(&live, AdapterMode::OnTheFly)?;
+        // Training multiplies in f32 throughout: rows without gradients yet (the first
+        // layer's base products) would otherwise go to the AMX tiles in bf16.
+        model.set_prefill_matmul(crate::PrefillMatmul::F32);
         Ok(Self {
             cfg,
             model,

@@ -174,11 +174,14 @@ pub fn tiny_model(seed: u64) -> (tempfile::TempDir, Llama) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_hf(dir.path(), &tiny_config(), seed);
     // The tiny model's tests compare logits of a few tokens across paths (merged and on the fly,
-    // gradients and kernels) to float precision: decode on the f32 weights. The narrow decode
-    // weights have their own tests (the kernels', and the real model's against f32).
+    // gradients and kernels) to float precision: decode and prefill on the f32 weights. The
+    // narrow decode weights and the AMX prefill have their own tests (the kernels', and the real
+    // model's against f32).
     let model = Llama::from_hf_dir(dir.path())
         .unwrap()
         .with_decode_weights(scd_models::DecodeWeights::F32)
+        .unwrap()
+        .with_prefill_matmul(scd_models::PrefillMatmul::F32)
         .unwrap();
     (dir, model)
 }

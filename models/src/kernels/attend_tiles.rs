@@ -1,0 +1,193 @@
+//! Attention of a prefill's many query rows on AMX tiles.
+//!
+//! The two products of attention (scores `Q K^T`, then `P V`) are the prefill's other big
+//! matmuls: for 1,024 tokens a sixth of the flops of the projections, but in f32 they took
+//! about as long as the projections on tiles. Here each task is one KV head and one chunk of
+//! consecutive queries: the queries of the heads that share the KV head are stacked (so keys
+//! and values are packed once for all of them), the keys the chunk can see are packed as a
+//! tile weight, the scores go through the causal softmax of [`super::softmax`] in place, and
+//! the values, packed transposed, are multiplied by the probabilities. Products are bf16 with
+//! f32 sums, as the projections' ([`super::amx`]).
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use super::amx;
+use super::attend::heads_view;
+use super::softmax::softmax_prefix;
+
+/// Query rows per task: small enough that even a 256-token prefill gives each core a few
+/// tasks, large enough that packing a chunk's keys is a small part of its work.
+const CHUNK: usize = 128;
+
+/// Attention outputs `(n_h, t, d)` of queries `q` `(n_h, t, d)` (scaled and rotated) over keys
+/// `k` and values `v` `(n_kv, n_keys, d)` (views of the cache, rows `d` apart), query `i` at
+/// key index `past + i`; query head `h` uses KV head `h / (n_h / n_kv)`. Callers check
+/// [`amx::available`].
+pub(crate) fn attend_tiles(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    past: usize,
+) -> candle_core::Result<Tensor> {
+    let (n_h, t, d) = q.dims3()?;
+    let (n_kv, n_keys, d_k) = k.dims3()?;
+    if v.dims3()? != (n_kv, n_keys, d_k) || d_k != d || n_kv == 0 || n_h % n_kv != 0 {
+        candle_core::bail!(
+            "attend_tiles: q {:?}, k {:?}, v {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if past + t > n_keys {
+        candle_core::bail!("attend_tiles: {t} queries from key {past} over {n_keys} keys");
+    }
+    let groups = n_h / n_kv;
+    let q = q.contiguous()?;
+    let tasks: Vec<(usize, usize)> = (0..n_kv)
+        .flat_map(|g| (0..t).step_by(CHUNK).map(move |start| (g, start)))
+        .collect();
+    let mut out = vec![0f32; n_h * t * d];
+    heads_view(&q, |qs, _| {
+        heads_view(k, |ks, k_head| {
+            heads_view(v, |vs, v_head| {
+                let chunks: Vec<Vec<f32>> = tasks
+                    .par_iter()
+                    .map(|&(g, start)| {
+                        let rows = CHUNK.min(t - start);
+                        let seen = past + start + rows;
+                        let queries: Vec<f32> = (g * groups..(g + 1) * groups)
+                            .flat_map(|h| &qs[h * t * d + start * d..][..rows * d])
+                            .copied()
+                            .collect();
+                        chunk(
+                            &queries,
+                            (groups * rows, rows),
+                            &ks[g * k_head..][..seen * d],
+                            &vs[g * v_head..][..seen * d],
+                            (past + start, d),
+                        )
+                    })
+                    .collect();
+                for (&(g, start), o) in tasks.iter().zip(&chunks) {
+                    let rows = CHUNK.min(t - start);
+                    for (gi, head_rows) in o.chunks_exact(rows * d).enumerate() {
+                        let h = g * groups + gi;
+                        out[h * t * d + start * d..][..rows * d].copy_from_slice(head_rows);
+                    }
+                }
+                Ok(())
+            })
+        })
+    })?;
+    Tensor::from_vec(out, (n_h, t, d), &Device::Cpu)
+}
+
+/// One task: `queries` `(stacked, d)` (each head's `rows` consecutive queries, the first at
+/// key index `first`) over `keys` and `values` `(seen, d)`; outputs `(stacked, d)`.
+fn chunk(
+    queries: &[f32],
+    (stacked, rows): (usize, usize),
+    keys: &[f32],
+    values: &[f32],
+    (first, d): (usize, usize),
+) -> Vec<f32> {
+    let seen = keys.len() / d;
+    amx::with_scratch(|s| {
+        s.weight.repack(keys, seen, d);
+        let mut scores = amx::linear(queries, stacked, &s.weight, &mut s.a);
+        for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
+            softmax_prefix(row, first + r % rows + 1);
+        }
+        s.weight.repack_transposed(values, seen, d);
+        amx::linear(&scores, stacked, &s.weight, &mut s.a)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2000) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Plain f64 attention of query `i` over keys `0..=past + i`.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5]) -> Vec<f32> {
+        let [n_h, n_kv, t, n_keys, d] = dims;
+        let groups = n_h / n_kv;
+        let mut out = vec![0f32; n_h * t * d];
+        let past = n_keys - t;
+        for h in 0..n_h {
+            let g = h / groups;
+            for i in 0..t {
+                let qr = &q[(h * t + i) * d..][..d];
+                let seen = past + i + 1;
+                let s: Vec<f64> = (0..seen)
+                    .map(|j| {
+                        let kr = &k[(g * n_keys + j) * d..][..d];
+                        qr.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for c in 0..d {
+                    let o: f64 = (0..seen)
+                        .map(|j| e[j] / z * v[(g * n_keys + j) * d + c] as f64)
+                        .sum();
+                    out[(h * t + i) * d + c] = o as f32;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AMX; `make test` runs it where the CPU has AMX (`make test-amx`)"]
+    fn tile_attention_matches_plain_attention_on_amx_tiles() {
+        assert!(amx::available(), "this CPU or kernel cannot run AMX tiles");
+        // Several chunks, a chunk that is not whole, keys from a cache before the queries, a
+        // key count that is not a multiple of 32.
+        for &(n_h, n_kv, t, past, d) in
+            &[(9, 3, 300, 0, 64), (4, 2, 40, 17, 64), (2, 1, 130, 5, 32)]
+        {
+            let n_keys = past + t;
+            let q = values(n_h * t * d, 1);
+            let k = values(n_kv * n_keys * d, 2);
+            let v = values(n_kv * n_keys * d, 3);
+            let want = reference(&q, &k, &v, [n_h, n_kv, t, n_keys, d]);
+            let tensor = |x: &[f32], a, b| Tensor::from_slice(x, (a, b, d), &Device::Cpu).unwrap();
+            let got = attend_tiles(
+                &tensor(&q, n_h, t),
+                &tensor(&k, n_kv, n_keys),
+                &tensor(&v, n_kv, n_keys),
+                past,
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+            // bf16 inputs to both products: about 3 significant digits.
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 2e-2,
+                "({n_h}, {n_kv}, {t}, {past}, {d}): max |d| {worst}"
+            );
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! Which kernel multiplies a prefill's many rows by the weights, and the switch.
+//!
+//! A prefill (more than [`crate::kernels`]' few decode rows per sequence) multiplies each
+//! projection and, for all-position logits, the output head by many rows: compute-bound work.
+//! Where the CPU has AMX (Sapphire Rapids and later Xeons) and Linux grants the tile state, the
+//! products run on AMX tiles in bf16 with f32 sums ([`PrefillMatmul::Tiles`], the default
+//! there); elsewhere, and whenever asked, on f32 with gemm ([`PrefillMatmul::F32`]). Training
+//! (anything recording gradients) always multiplies in f32.
+//!
+//! `SCD_PREFILL_MATMUL=f32` at load, or [`Llama::with_prefill_matmul`], forces the f32 path on
+//! a machine with AMX (the reference the tiles are measured against); `amx` asks for the tiles
+//! and fails to load where they are missing; `auto` (or unset) picks.
+
+use crate::error::LoadError;
+use crate::kernels::amx;
+use crate::llama::Llama;
+
+/// Which kernel multiplies prefill rows by the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillMatmul {
+    /// AMX tiles: bf16 products, f32 sums.
+    Tiles,
+    /// f32 products and sums (gemm).
+    F32,
+}
+
+impl PrefillMatmul {
+    /// The environment variable read at load.
+    pub const ENV: &'static str = "SCD_PREFILL_MATMUL";
+
+    /// The best this machine offers: tiles when it has AMX, f32 otherwise.
+    pub fn best() -> Self {
+        if amx::available() {
+            Self::Tiles
+        } else {
+            Self::F32
+        }
+    }
+
+    /// From [`Self::ENV`]: `auto` (also when unset) is [`Self::best`], `amx` the tiles (an
+    /// error where they are missing), `f32` the f32 path.
+    pub fn from_env() -> Result<Self, LoadError> {
+        match std::env::var(Self::ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(Self::best()),
+            Ok(v) => Self::parse(&v),
+            Err(std::env::VarError::NotUnicode(v)) => Err(LoadError::Config(format!(
+                "{}={v:?} is not valid: expected auto, amx or f32",
+                Self::ENV
+            ))),
+        }
+    }
+
+    /// `auto`, `amx` or `f32`, as [`Self::from_env`] reads them.
+    pub fn parse(s: &str) -> Result<Self, LoadError> {
+        match s.trim() {
+            "auto" | "" => Ok(Self::best()),
+            "amx" if amx::available() => Ok(Self::Tiles),
+            "amx" => Err(unavailable()),
+            "f32" => Ok(Self::F32),
+            other => Err(LoadError::Config(format!(
+                "{}={other:?} is not valid: expected auto, amx or f32",
+                Self::ENV
+            ))),
+        }
+    }
+}
+
+fn unavailable() -> LoadError {
+    LoadError::Config(format!(
+        "AMX tiles asked for ({}=amx or Tiles), but this machine cannot run them (the CPU lacks \
+         AMX-TILE, AMX-BF16 or AVX512_BF16, or Linux refused the tile-data permission); use \
+         auto or f32",
+        PrefillMatmul::ENV
+    ))
+}
+
+impl std::fmt::Display for PrefillMatmul {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tiles => "amx",
+            Self::F32 => "f32",
+        })
+    }
+}
+
+impl Llama {
+    /// This model with its prefill products on `matmul`. [`PrefillMatmul::Tiles`] on a machine
+    /// without AMX is refused.
+    pub fn with_prefill_matmul(mut self, matmul: PrefillMatmul) -> Result<Self, LoadError> {
+        if matmul == PrefillMatmul::Tiles && !amx::available() {
+            return Err(unavailable());
+        }
+        self.set_prefill_matmul(matmul);
+        Ok(self)
+    }
+
+    pub(crate) fn set_prefill_matmul(&mut self, matmul: PrefillMatmul) {
+        self.prefill = matmul;
+        for block in &mut self.blocks {
+            for lin in block.linears_mut() {
+                lin.tiles = matmul == PrefillMatmul::Tiles;
+            }
+        }
+    }
+
+    /// Which kernel multiplies this model's prefill rows.
+    pub fn prefill_matmul(&self) -> PrefillMatmul {
+        self.prefill
+    }
+}
