@@ -273,19 +273,44 @@ fn pack_full_column_avx512(_: &[f32], _: usize, _: usize, _: &mut [u16]) {
 }
 
 /// `y = x W^T` for `x` `(rows, k)` row-major f32 and a packed `W` `(n, k)`; `y` `(rows, n)`.
+/// `a` is scratch for `x` in bf16, reused across calls like the packed weight.
 ///
 /// Callers check [`available`] first.
-/// `a` is scratch for `x` in bf16, reused across calls like the packed weight.
 pub(crate) fn linear(x: &[f32], rows: usize, w: &TileWeight, a: &mut Vec<u16>) -> Vec<f32> {
+    let mut y = Vec::new();
+    let n_pad = linear_padded((x, w.k), rows, w, a, &mut y);
+    let n = w.n;
+    if n_pad == n {
+        y.truncate(rows * n);
+        return y;
+    }
+    let mut exact = Vec::with_capacity(rows * n);
+    for r in y.chunks_exact(n_pad).take(rows) {
+        exact.extend_from_slice(&r[..n]);
+    }
+    exact
+}
+
+/// [`linear`] for rows of `x` that lie `stride` apart (`stride >= k`), into `y` (its memory
+/// reused) as `rows` rounded up to 32 rows of `n` rounded up to 32: returns that row length.
+/// Padding rows and columns hold zeros' products (zero).
+pub(crate) fn linear_padded(
+    (x, stride): (&[f32], usize),
+    rows: usize,
+    w: &TileWeight,
+    a: &mut Vec<u16>,
+    y: &mut Vec<f32>,
+) -> usize {
     debug_assert!(available());
-    let (n, k, n_pad, k_pad) = (w.n, w.k, w.n_pad, w.k_pad);
-    debug_assert_eq!(x.len(), rows * k);
+    let (k, n_pad, k_pad) = (w.k, w.n_pad, w.k_pad);
+    debug_assert!(stride >= k && x.len() >= (rows.max(1) - 1) * stride + k);
     let rows_pad = rows.div_ceil(STEP) * STEP;
-    to_bf16_rows(x, k, rows_pad, k_pad, a);
+    to_bf16_rows((x, stride), rows, k, (rows_pad, k_pad), a);
     let a = &a[..];
     // Not zeroed: the tasks store every element (whole 32 x 32 blocks cover `rows_pad x
     // n_pad`), and zeroing a large buffer costs as much as a small product.
-    let mut y: Vec<f32> = Vec::with_capacity(rows_pad * n_pad);
+    y.clear();
+    y.reserve(rows_pad * n_pad);
     let out = SharedOut(y.as_mut_ptr());
     let col_tiles = TILE * k_pad;
     let col_tasks = n_pad.div_ceil(TASK_OUTPUTS);
@@ -308,7 +333,7 @@ pub(crate) fn linear(x: &[f32], rows: usize, w: &TileWeight, a: &mut Vec<u16>) -
         // SAFETY: `available()` holds (the callers' contract); `a` has `m1 - m0` rows (a
         // multiple of 32) of `k_pad`; `b` holds tile columns `n0 / 16..n1 / 16`, an even
         // number; this task writes only rows `m0..m1`, columns `n0..n1` of `y` (`rows_pad`
-        // rows of `n_pad`), which no other task writes.
+        // rows of `n_pad`, reserved above), which no other task writes.
         unsafe {
             block(
                 a,
@@ -321,16 +346,9 @@ pub(crate) fn linear(x: &[f32], rows: usize, w: &TileWeight, a: &mut Vec<u16>) -
             )
         };
     });
-    // SAFETY: the tasks above stored all `rows_pad * n_pad` elements (see the allocation).
+    // SAFETY: the tasks above stored all `rows_pad * n_pad` elements (see the reservation).
     unsafe { y.set_len(rows_pad * n_pad) };
-    if rows_pad == rows && n_pad == n {
-        return y;
-    }
-    let mut exact = Vec::with_capacity(rows * n);
-    for r in y.chunks_exact(n_pad).take(rows) {
-        exact.extend_from_slice(&r[..n]);
-    }
-    exact
+    n_pad
 }
 
 /// Buffers a thread reuses from call to call: the packed weight and `x` in bf16 (a fresh
@@ -339,6 +357,21 @@ pub(crate) fn linear(x: &[f32], rows: usize, w: &TileWeight, a: &mut Vec<u16>) -
 pub(crate) struct Scratch {
     pub(crate) weight: TileWeight,
     pub(crate) a: Vec<u16>,
+    /// Products kept between two steps (attention's scores).
+    pub(crate) y: Vec<f32>,
+    /// Inputs gathered for a product (attention's stacked queries).
+    pub(crate) x: Vec<f32>,
+}
+
+impl Scratch {
+    fn new() -> Self {
+        Self {
+            weight: TileWeight::empty(),
+            a: Vec::new(),
+            y: Vec::new(),
+            x: Vec::new(),
+        }
+    }
 }
 
 /// Calls `f` with this thread's [`Scratch`]. A call made while the thread's scratch is in use
@@ -346,30 +379,25 @@ pub(crate) struct Scratch {
 pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     use std::cell::RefCell;
     thread_local! {
-        static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch {
-            weight: TileWeight::empty(),
-            a: Vec::new(),
-        });
+        static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::new());
     }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
         Ok(mut scratch) => f(&mut scratch),
-        Err(_) => f(&mut Scratch {
-            weight: TileWeight::empty(),
-            a: Vec::new(),
-        }),
+        Err(_) => f(&mut Scratch::new()),
     })
 }
 
-/// `y`'s storage, shared by the tasks that each write their own block.
+/// An output's storage, shared by the tasks that each write their own block.
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: tasks write disjoint blocks (see `linear`), and `y` outlives the parallel loop.
+pub(crate) struct SharedOut(pub(crate) *mut f32);
+// SAFETY: users make each task write its own elements (see `linear_padded` and
+// `attend_tiles`), and the storage outlives their parallel loop.
 unsafe impl Send for SharedOut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedOut {}
 
 impl SharedOut {
-    fn at(self, offset: usize) -> *mut f32 {
+    pub(crate) fn at(self, offset: usize) -> *mut f32 {
         // SAFETY: callers pass an offset inside `y`.
         unsafe { self.0.add(offset) }
     }
@@ -387,22 +415,29 @@ fn bf16_bits(v: f32) -> u16 {
     }
 }
 
-/// `x` `(rows, k)` in bf16, zero-padded to `(rows_pad, k_pad)`.
-fn to_bf16_rows(x: &[f32], k: usize, rows_pad: usize, k_pad: usize, a: &mut Vec<u16>) {
+/// `x`'s `rows` rows of `k` (each `stride` apart) in bf16, zero-padded to `(rows_pad, k_pad)`.
+fn to_bf16_rows(
+    (x, stride): (&[f32], usize),
+    rows: usize,
+    k: usize,
+    (rows_pad, k_pad): (usize, usize),
+    a: &mut Vec<u16>,
+) {
     if k_pad != k {
         // The padding columns must be zero; rows are overwritten below.
         a.clear();
     }
     a.resize(rows_pad * k_pad, 0);
     // Padding rows (after a longer call) must be zero too.
-    let rows = x.len() / k;
     a[rows * k_pad..].fill(0);
-    a.par_chunks_mut(STEP * k_pad)
-        .zip(x.par_chunks(STEP * k))
-        .for_each(|(dst, src)| {
-            for (d, s) in dst.chunks_exact_mut(k_pad).zip(src.chunks_exact(k)) {
+    a[..rows * k_pad]
+        .par_chunks_mut(STEP * k_pad)
+        .enumerate()
+        .for_each(|(c, dst)| {
+            for (i, d) in dst.chunks_exact_mut(k_pad).enumerate() {
+                let src = &x[(c * STEP + i) * stride..][..k];
                 // SAFETY: `available()` (which the tile path requires) checked AVX512_BF16.
-                unsafe { row_to_bf16(s, &mut d[..k]) };
+                unsafe { row_to_bf16(src, &mut d[..k]) };
             }
         });
 }

@@ -48,35 +48,42 @@ pub(crate) fn attend_tiles(
     let tasks: Vec<(usize, usize)> = (0..n_kv)
         .flat_map(|g| (0..t).step_by(CHUNK).map(move |start| (g, start)))
         .collect();
-    let mut out = vec![0f32; n_h * t * d];
+    let mut out: Vec<f32> = vec![0f32; n_h * t * d];
+    let shared = amx::SharedOut(out.as_mut_ptr());
     heads_view(&q, |qs, _| {
         heads_view(k, |ks, k_head| {
             heads_view(v, |vs, v_head| {
-                let chunks: Vec<Vec<f32>> = tasks
-                    .par_iter()
-                    .map(|&(g, start)| {
-                        let rows = CHUNK.min(t - start);
-                        let seen = past + start + rows;
-                        let queries: Vec<f32> = (g * groups..(g + 1) * groups)
-                            .flat_map(|h| &qs[h * t * d + start * d..][..rows * d])
-                            .copied()
-                            .collect();
-                        chunk(
-                            &queries,
+                tasks.par_iter().for_each(|&(g, start)| {
+                    let rows = CHUNK.min(t - start);
+                    let seen = past + start + rows;
+                    let heads = g * groups..(g + 1) * groups;
+                    let at = |h: usize| h * t * d + start * d;
+                    amx::with_scratch(|s| {
+                        s.x.clear();
+                        for h in heads.clone() {
+                            s.x.extend_from_slice(&qs[at(h)..][..rows * d]);
+                        }
+                        let o = chunk(
+                            s,
                             (groups * rows, rows),
                             &ks[g * k_head..][..seen * d],
                             &vs[g * v_head..][..seen * d],
                             (past + start, d),
-                        )
-                    })
-                    .collect();
-                for (&(g, start), o) in tasks.iter().zip(&chunks) {
-                    let rows = CHUNK.min(t - start);
-                    for (gi, head_rows) in o.chunks_exact(rows * d).enumerate() {
-                        let h = g * groups + gi;
-                        out[h * t * d + start * d..][..rows * d].copy_from_slice(head_rows);
-                    }
-                }
+                        );
+                        for (h, head_rows) in heads.zip(o.chunks_exact(rows * d)) {
+                            // SAFETY: task (g, start) writes rows `start..start + rows` of the
+                            // heads of KV head `g`: no two tasks write the same element, and
+                            // `out` outlives the loop.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    head_rows.as_ptr(),
+                                    shared.at(at(h)),
+                                    rows * d,
+                                )
+                            };
+                        }
+                    });
+                });
                 Ok(())
             })
         })
@@ -84,25 +91,33 @@ pub(crate) fn attend_tiles(
     Tensor::from_vec(out, (n_h, t, d), &Device::Cpu)
 }
 
-/// One task: `queries` `(stacked, d)` (each head's `rows` consecutive queries, the first at
-/// key index `first`) over `keys` and `values` `(seen, d)`; outputs `(stacked, d)`.
-fn chunk(
-    queries: &[f32],
+/// One task: the queries in `s.x` `(stacked, d)` (each head's `rows` consecutive queries, the
+/// first at key index `first`) over `keys` and `values` `(seen, d)`; outputs `(stacked, d)`.
+fn chunk<'s>(
+    s: &'s mut amx::Scratch,
     (stacked, rows): (usize, usize),
     keys: &[f32],
     values: &[f32],
     (first, d): (usize, usize),
-) -> Vec<f32> {
+) -> &'s [f32] {
     let seen = keys.len() / d;
-    amx::with_scratch(|s| {
-        s.weight.repack(keys, seen, d);
-        let mut scores = amx::linear(queries, stacked, &s.weight, &mut s.a);
-        for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
-            softmax_prefix(row, first + r % rows + 1);
+    s.weight.repack(keys, seen, d);
+    // Scores in rows of `width` (`seen` rounded up); the softmax zeroes what a query cannot see,
+    // padding included, so the rows go to the second product as they are.
+    let width = amx::linear_padded((&s.x, d), stacked, &s.weight, &mut s.a, &mut s.y);
+    for (r, row) in s.y.chunks_exact_mut(width).take(stacked).enumerate() {
+        softmax_prefix(row, first + r % rows + 1);
+    }
+    s.weight.repack_transposed(values, seen, d);
+    let d_pad = amx::linear_padded((&s.y, width), stacked, &s.weight, &mut s.a, &mut s.x);
+    debug_assert_eq!(d_pad, d.next_multiple_of(32));
+    if d_pad != d {
+        // Rows of `d_pad` to rows of `d`, in place.
+        for r in 0..stacked {
+            s.x.copy_within(r * d_pad..r * d_pad + d, r * d);
         }
-        s.weight.repack_transposed(values, seen, d);
-        amx::linear(&scores, stacked, &s.weight, &mut s.a)
-    })
+    }
+    &s.x[..stacked * d]
 }
 
 #[cfg(test)]
