@@ -45,6 +45,78 @@ pub fn amx_peak_gflops(per_thread: u64) -> Option<f64> {
     Some(flops / t.elapsed().as_secs_f64() / 1e9)
 }
 
+/// The machine's f32 FMA peak in GFLOP/s: fused multiply-adds on registers only (16
+/// independent AVX-512 accumulators, or AVX2 ones where AVX-512 is missing), on every thread of
+/// the pool at once for `per_thread` iterations each. What the f32 paths' figures are a share
+/// of.
+pub fn fma_peak_gflops(per_thread: u64) -> f64 {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads();
+    let t = Instant::now();
+    let lanes: usize = (0..threads)
+        .into_par_iter()
+        .map(|_| fma_loop(per_thread))
+        .sum();
+    // Two FLOPs per lane per FMA, 16 accumulators per iteration, `lanes` summed over threads.
+    let flops = 2.0 * 16.0 * per_thread as f64 * lanes as f64;
+    flops / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// Runs `iters` iterations of 16 independent vector FMAs; returns the vector width in f32
+/// lanes (so the caller can count FLOPs).
+fn fma_loop(iters: u64) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was just detected.
+            unsafe { fma_avx512(iters) };
+            return 16;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: both features were just detected.
+            unsafe { fma_avx2(iters) };
+            return 8;
+        }
+    }
+    let mut acc = [1f32; 16];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = a.mul_add(0.999_999, 1e-7);
+        }
+    }
+    std::hint::black_box(acc);
+    1
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_avx512(iters: u64) {
+    use std::arch::x86_64::*;
+    let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    let mut acc = [_mm512_set1_ps(1.0); 16];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = _mm512_fmadd_ps(*a, m, c);
+        }
+    }
+    std::hint::black_box(acc);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_avx2(iters: u64) {
+    use std::arch::x86_64::*;
+    let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc = [_mm256_set1_ps(1.0); 16];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = _mm256_fmadd_ps(*a, m, c);
+        }
+    }
+    std::hint::black_box(acc);
+}
+
 /// FLOPs of a prefill of `t` tokens from an empty cache: every projection of every layer, causal
 /// attention (`q k^T` and `p v` over the visible keys only), and the output head for the last
 /// position. Norms, RoPE and softmax are left out (a few percent).

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use scd_models::baseline::QuantizedLlama;
 use scd_models::bench::{
-    amx_peak_gflops, matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes, synthetic_tokens,
-    time_decode, time_prefill, Protocol, Runs, TimedLlama,
+    amx_peak_gflops, fma_peak_gflops, matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes,
+    synthetic_tokens, time_decode, time_prefill, Protocol, Runs, TimedLlama,
 };
 use scd_models::{DecodeWeights, Llama, LlamaConfig, PrefillMatmul};
 use serde::Deserialize;
@@ -85,6 +85,8 @@ struct Measured {
     decode: Vec<(usize, Duration)>,
     /// Bytes of weights one decode step streams, where known.
     decode_bytes: Option<usize>,
+    /// The peak its prefill's products run against (AMX or FMA), GFLOP/s, where known.
+    peak: Option<f64>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -98,7 +100,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let gflops = matmul_gflops(args.matmul_size, 5).context("matmul benchmark")?;
     let n = args.matmul_size;
     println!("f32 matmul {n}x{n}x{n} (candle, best of 5): {gflops:.1} GFLOP/s");
-    match amx_peak_gflops(2_000_000) {
+    let fma_peak = fma_peak_gflops(20_000_000);
+    println!(
+        "f32 FMA peak (fused multiply-adds on registers, every thread): {fma_peak:.0} GFLOP/s"
+    );
+    let amx_peak = amx_peak_gflops(2_000_000);
+    match amx_peak {
         Some(peak) => println!(
             "AMX bf16 peak (tdpbf16ps on tiles in registers, every thread): {peak:.0} GFLOP/s"
         ),
@@ -162,6 +169,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         prefill,
         decode,
         decode_bytes: Some(model.decode_weight_bytes()),
+        peak: match model.prefill_matmul() {
+            PrefillMatmul::Tiles => amx_peak,
+            PrefillMatmul::F32 => Some(fma_peak),
+        },
     });
     drop(timed);
     // The same weights, prefill and decode on f32: what the tiles and the narrow weights are
@@ -194,6 +205,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         prefill,
         decode,
         decode_bytes: Some(f32_model.decode_weight_bytes()),
+        peak: Some(fma_peak),
     });
     let peak_ours = peak_rss_bytes();
     drop(timed);
@@ -217,6 +229,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             prefill,
             decode,
             decode_bytes: None,
+            peak: Some(fma_peak),
         });
     }
 
@@ -239,9 +252,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!("{llama_note}");
     println!();
     println!(
-        "| implementation | T | best s | median s | tokens/s (best) | GFLOP/s | % of matmul | speed vs llama.cpp |"
+        "| implementation | T | best s | median s | tokens/s (best) | GFLOP/s | % of f32 matmul | % of its peak | speed vs llama.cpp |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for m in &results {
         for (len, runs) in &m.prefill {
             let best = runs.best().as_secs_f64();
@@ -251,8 +264,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .map_or("n/a".into(), |(_, r)| {
                     format!("{:.2}x", r.best().as_secs_f64() / best)
                 });
+            let of_peak = m
+                .peak
+                .map_or("n/a".into(), |p| format!("{:.0}%", 100.0 * g / p));
             println!(
-                "| {} | {len} | {best:.3} | {:.3} | {:.0} | {g:.1} | {:.0}% | {vs} |",
+                "| {} | {len} | {best:.3} | {:.3} | {:.0} | {g:.1} | {:.0}% | {of_peak} | {vs} |",
                 m.name,
                 runs.median().as_secs_f64(),
                 *len as f64 / best,
@@ -433,6 +449,8 @@ fn llama_cpp(
             })
             .collect(),
         decode_bytes: None,
+        // Its products are int8 dot products on Q4_1 blocks, a limit not measured here.
+        peak: None,
     };
     let about = format!(
         "llama.cpp: llama-cpp-python {}, llama.cpp {}, settings {}",

@@ -126,7 +126,7 @@ impl TileWeight {
             .enumerate()
             .for_each(|(c, col)| {
                 let r0 = c * TILE;
-                if r0 + TILE <= n && k % 2 == 0 {
+                if r0 + TILE <= n && k.is_multiple_of(2) {
                     pack_full_column(&w[r0 * k..(r0 + TILE) * k], k, col);
                     return;
                 }
@@ -210,7 +210,8 @@ fn pack_transposed_pairs(v: &[f32], n: usize, c0: usize, pairs: usize, col: &mut
         unsafe {
             let bf =
                 _mm512_cvtne2ps_pbh(_mm512_loadu_ps(r1.as_ptr()), _mm512_loadu_ps(r0.as_ptr()));
-            let mixed = _mm512_permutexvar_epi16(index, std::mem::transmute::<_, __m512i>(bf));
+            let mixed =
+                _mm512_permutexvar_epi16(index, std::mem::transmute::<__m512bh, __m512i>(bf));
             _mm512_storeu_si512(out.as_mut_ptr().cast(), mixed);
         }
     }
@@ -253,7 +254,7 @@ fn pack_full_column_avx512(w: &[f32], k: usize, whole: usize, col: &mut [u16]) {
                 let bf = _mm512_cvtne2ps_pbh(hi, lo);
                 _mm512_storeu_si512(
                     dst.as_mut_ptr().cast(),
-                    std::mem::transmute::<_, __m512i>(bf),
+                    std::mem::transmute::<__m512bh, __m512i>(bf),
                 );
             }
         }
@@ -454,7 +455,10 @@ fn row_to_bf16(src: &[f32], dst: &mut [u16]) {
             let lo = _mm512_loadu_ps(s.as_ptr());
             let hi = _mm512_loadu_ps(s.as_ptr().add(16));
             let bf = _mm512_cvtne2ps_pbh(hi, lo);
-            _mm512_storeu_si512(d.as_mut_ptr().cast(), std::mem::transmute::<_, __m512i>(bf));
+            _mm512_storeu_si512(
+                d.as_mut_ptr().cast(),
+                std::mem::transmute::<__m512bh, __m512i>(bf),
+            );
         }
     }
     for (d, &s) in dst[whole..].iter_mut().zip(&src[whole..]) {

@@ -5,7 +5,9 @@
 //! rayon's global pool, the one candle's matmul uses, so the kernels never oversubscribe the
 //! cores. Inner loops are plain Rust written to auto-vectorise; [`multiversion!`] compiles them
 //! a second time for AVX2 + FMA and picks that copy at run time when the CPU has it, so the
-//! binary stays portable without giving up the wide registers.
+//! binary stays portable without giving up the wide registers. The AMX kernels of a prefill
+//! (`amx`, `attend_tiles`) and the narrow decode kernels (`narrow`) are written for their
+//! instructions (`asm!`, intrinsics) and chosen at run time where the CPU has them.
 
 pub(crate) mod amx;
 mod attend;
