@@ -171,6 +171,14 @@ pub enum ForwardError {
         /// Another sequence's.
         other: String,
     },
+    /// A compiled document came from a model of another base than the one reading it.
+    #[error("document compiled by base {writer} cannot be read by base {reader}")]
+    ForeignDocument {
+        /// The writer's base (hex SHA-256).
+        writer: String,
+        /// The reader's base.
+        reader: String,
+    },
     /// The tensor library failed.
     #[error("tensor error: {0}")]
     Tensor(#[from] candle_core::Error),

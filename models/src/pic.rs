@@ -1,0 +1,144 @@
+//! Position-independent document caches: the serving side of SemPIC (../shared/docs/method.md
+//! §2).
+//!
+//! A document is compiled once, alone: a prefill from position 0 whose per-layer keys (after
+//! RoPE) and values are kept ([`CompiledDoc`]). At request time several compiled documents are
+//! placed one after another ([`stitch`]): each one's keys are re-rotated by the offset it lands
+//! at (RoPE's rotations compose, `R(p) R(i) = R(p + i)`, so a key rotated to `i` becomes the key
+//! at `p + i`; values carry no position), and the documents' caches are concatenated into one
+//! [`KvCache`]. Inline tokens (an instruction, a question) then run through the reader with that
+//! cache under the ordinary causal mask, and decoding continues from there.
+//!
+//! Nothing of a document is recomputed at request time, and no document ever attended to
+//! another: that is the "no recompute" baseline when the writer is the reader itself, and
+//! SemPIC when a LoRA writer compiled the documents for a frozen reader. A document records
+//! the model that wrote it; a reader of another base refuses it.
+
+use candle_core::Tensor;
+
+use crate::cache::KvCache;
+use crate::error::ForwardError;
+use crate::llama::{Input, Llama, LogitsWanted, ModelIdentity};
+use crate::rope::Rope;
+
+/// One document's KV cache, compiled alone at positions `0..len`.
+#[derive(Debug, Clone)]
+pub struct CompiledDoc {
+    tokens: Vec<u32>,
+    /// Per layer, K after RoPE and V, each `(len, kv_heads * head_dim)`.
+    layers: Vec<(Tensor, Tensor)>,
+    writer: ModelIdentity,
+}
+
+impl CompiledDoc {
+    /// Prefills `tokens` alone from position 0 with `writer` (the base, or the base with a
+    /// writer adapter) and keeps every layer's keys and values.
+    pub fn compile(writer: &Llama, tokens: &[u32]) -> Result<Self, ForwardError> {
+        let mut cache = writer.new_cache();
+        writer.forward(
+            Input::new(tokens)
+                .with_cache(&mut cache)
+                .logits(LogitsWanted::None),
+        )?;
+        let layers = (0..cache.num_layers())
+            .map(|l| {
+                cache.layer(l)?.ok_or_else(|| ForwardError::Shape {
+                    what: format!("compiled document, layer {l}"),
+                    got: vec![0],
+                    expected: vec![tokens.len()],
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            tokens: tokens.to_vec(),
+            layers,
+            writer: writer.identity().clone(),
+        })
+    }
+
+    /// The document's tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Tokens in the document.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the document has no tokens (never true for a compiled one).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The model that compiled it (its base file and, for a writer, the adapter).
+    pub fn writer(&self) -> &ModelIdentity {
+        &self.writer
+    }
+
+    /// Layer `layer`'s `(K after RoPE, V)` for the document placed at `offset`, each
+    /// `(len, kv_heads * head_dim)`: the keys rotated on by `offset`.
+    pub fn layer_at(
+        &self,
+        rope: &Rope,
+        layer: usize,
+        offset: usize,
+    ) -> Result<(Tensor, Tensor), ForwardError> {
+        let Some((k, v)) = self.layers.get(layer) else {
+            return Err(ForwardError::LayerRange {
+                start: layer,
+                end: layer + 1,
+                layers: self.layers.len(),
+            });
+        };
+        if offset == 0 {
+            return Ok((k.clone(), v.clone()));
+        }
+        let at = u32::try_from(offset).map_err(|_| ForwardError::ContextOverflow {
+            needed: offset + self.len(),
+            context: u32::MAX as usize,
+        })?;
+        Ok((rope.apply(k, &vec![at; self.len()])?, v.clone()))
+    }
+}
+
+/// The cache of `docs` placed one after another from position 0, for `reader` to continue
+/// (its next position is their total length). Refuses documents another base compiled and
+/// documents that do not fit the reader's context window (with room for one more token).
+pub fn stitch(reader: &Llama, docs: &[&CompiledDoc]) -> Result<KvCache, ForwardError> {
+    let total: usize = docs.iter().map(|d| d.len()).sum();
+    let context = reader.config().context_length;
+    if total >= context {
+        return Err(ForwardError::ContextOverflow {
+            needed: total + 1,
+            context,
+        });
+    }
+    if let Some(d) = docs
+        .iter()
+        .find(|d| d.writer.sha256 != reader.identity().sha256)
+    {
+        return Err(ForwardError::ForeignDocument {
+            writer: d.writer.sha256.clone(),
+            reader: reader.identity().sha256.clone(),
+        });
+    }
+    if docs.is_empty() {
+        return Ok(reader.new_cache());
+    }
+    let layers = (0..reader.config().num_layers)
+        .map(|l| {
+            let mut offset = 0;
+            let mut ks = Vec::with_capacity(docs.len());
+            let mut vs = Vec::with_capacity(docs.len());
+            for d in docs {
+                let (k, v) = d.layer_at(reader.rope(), l, offset)?;
+                ks.push(k);
+                vs.push(v);
+                offset += d.len();
+            }
+            Ok((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?))
+        })
+        .collect::<Result<Vec<_>, ForwardError>>()?;
+    KvCache::from_post_rope(reader.config(), &layers, total)
+}
