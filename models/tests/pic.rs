@@ -178,3 +178,76 @@ fn foreign_and_oversized_documents_are_refused() {
         Err(ForwardError::EmptyInput)
     ));
 }
+
+#[test]
+fn multidoc_items_hide_the_gold_paragraph_among_distractors() {
+    use scd_models::eval::multidoc::build_items;
+    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let items = build_items(&data.squad, 40, (3, 7), 1);
+    assert_eq!(items.len(), 40);
+    let mut sizes = std::collections::BTreeSet::new();
+    let mut gold_places = std::collections::BTreeSet::new();
+    for item in &items {
+        let n = item.documents.len();
+        assert!((4..=8).contains(&n), "{n} documents");
+        sizes.insert(n);
+        gold_places.insert(item.gold);
+        assert_eq!(item.documents[item.gold], item.qa.context);
+        let mut distinct = item.documents.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), n, "a paragraph appears twice");
+        assert_eq!(
+            item.documents
+                .iter()
+                .filter(|d| **d == item.qa.context)
+                .count(),
+            1
+        );
+    }
+    // Seeded: the same seed gives the same items, the gold paragraph moves around.
+    assert!(sizes.len() > 2 && gold_places.len() > 2);
+    let again = build_items(&data.squad, 40, (3, 7), 1);
+    assert!(items
+        .iter()
+        .zip(&again)
+        .all(|(a, b)| a.documents == b.documents && a.qa.id == b.qa.id));
+}
+
+#[test]
+fn both_document_modes_read_the_same_tokens_and_answer() {
+    use scd_models::eval::multidoc::{answer, build_items, evaluate, pieces, DocMode};
+    let (model, tok) = real();
+    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let items = build_items(&data.squad, 2, (1, 1), 3);
+    let p = pieces(tok, &items[0]).unwrap();
+    let all = p.all();
+    let n: usize = p.head.len() + p.documents.iter().map(Vec::len).sum::<usize>() + p.tail.len();
+    assert_eq!(all.len(), n);
+    assert_eq!(p.documents.len(), 2);
+    // The pieces are the prompt: the question is in the tail, each paragraph in its piece.
+    let tail = tok.decode(&p.tail, false).unwrap();
+    assert!(tail.contains(&items[0].qa.question), "{tail}");
+    for (d, text) in p.documents.iter().zip(&items[0].documents) {
+        assert!(tok.decode(d, false).unwrap().starts_with(text.as_str()));
+    }
+    for mode in [DocMode::FullRecompute, DocMode::NoRecompute] {
+        let a = answer(model, tok, &p, mode, 8).unwrap();
+        assert!(!a.contains('\n'), "{mode}: {a:?}");
+    }
+    let scores = evaluate(
+        model,
+        tok,
+        &items,
+        &[DocMode::FullRecompute, DocMode::NoRecompute],
+        8,
+        0,
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(scores.len(), 2);
+    for s in &scores {
+        assert_eq!(s.f1.n, 2);
+        assert!((0.0..=100.0).contains(&s.f1.value));
+    }
+}

@@ -100,6 +100,40 @@ pub enum Sub {
     #[command(after_help = "Example:\n  \
         scd eval drift --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --expert experts/melville --expert experts/sotu")]
     Drift(DriftArgs),
+    /// Multi-document QA: each SQuAD question's gold paragraph among 3-7 distractor
+    /// paragraphs, answered with the documents prefilled together (full recompute) and compiled
+    /// alone and stitched (no recompute); F1 and exact match with bootstrap intervals.
+    #[command(after_help = "Example:\n  \
+        scd eval multidoc --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --questions 300")]
+    Multidoc(MultidocArgs),
+}
+
+/// Arguments of `scd eval multidoc`.
+#[derive(clap::Args)]
+pub struct MultidocArgs {
+    /// The model (reader, and writer of the compiled documents).
+    #[arg(long, env = "SCD_MODEL")]
+    pub model: PathBuf,
+    /// Questions (SQuAD answerable ones, a seeded sample).
+    #[arg(long, default_value_t = 300)]
+    pub questions: usize,
+    /// Fewest distractor paragraphs per question.
+    #[arg(long, default_value_t = 3)]
+    pub min_distractors: usize,
+    /// Most distractor paragraphs per question.
+    #[arg(long, default_value_t = 7)]
+    pub max_distractors: usize,
+    /// Greedy answer budget (tokens).
+    #[arg(long, default_value_t = 32)]
+    pub answer_tokens: usize,
+    /// Seed of the sample, the distractors, their order and the bootstrap intervals.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub dirs: DataDirs,
+    /// Where to write the JSON record.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Arguments of `scd eval drift`.
@@ -186,8 +220,10 @@ fn write(path: &Option<PathBuf>, text: &str) -> anyhow::Result<()> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if let Some(Sub::Drift(d)) = args.drift {
-        return run_drift(d);
+    match args.drift {
+        Some(Sub::Drift(d)) => return run_drift(d),
+        Some(Sub::Multidoc(m)) => return run_multidoc(m),
+        None => {}
     }
     let Some(producer_path) = &args.producer else {
         bail!("--producer is required (or use `scd eval drift`)");
@@ -305,6 +341,81 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
             scd_models::json_file::write_atomic(path, &reports)?;
         }
         write(&args.markdown, &md)?;
+    }
+    Ok(())
+}
+
+fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
+    use eval::multidoc::{build_items, evaluate, DocMode};
+    if args.min_distractors > args.max_distractors {
+        bail!("--min-distractors is above --max-distractors");
+    }
+    let (model, tok) = super::generate::load(&args.model)?;
+    let data = load_data(&args.dirs)?;
+    let items = build_items(
+        &data.squad,
+        args.questions,
+        (args.min_distractors, args.max_distractors),
+        args.seed,
+    );
+    let modes = [DocMode::FullRecompute, DocMode::NoRecompute];
+    let started = std::time::Instant::now();
+    let scores = evaluate(
+        &model,
+        &tok,
+        &items,
+        &modes,
+        args.answer_tokens,
+        args.seed,
+        |done, total| {
+            if done % 10 == 0 || done == total {
+                eprintln!(
+                    "multidoc: {done}/{total} questions ({:.0} s)",
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        },
+    )
+    .context("multi-document QA")?;
+    let docs: usize = items.iter().map(|i| i.documents.len()).sum();
+    println!(
+        "Multi-document QA: {} questions, {:.1} documents each on average ({}-{} distractors), \
+         SQuAD {} (sha256 {}), seed {}, model {} ({}), prefill on {}",
+        items.len(),
+        docs as f64 / items.len().max(1) as f64,
+        args.min_distractors,
+        args.max_distractors,
+        data.squad_file.path,
+        &data.squad_file.sha256[..12.min(data.squad_file.sha256.len())],
+        args.seed,
+        args.model.display(),
+        &model.identity().sha256[..12.min(model.identity().sha256.len())],
+        model.prefill_matmul()
+    );
+    println!();
+    println!("| mode | F1 | EM |");
+    println!("|---|---:|---:|");
+    for s in &scores {
+        println!("| {} | {} | {} |", s.mode, s.f1.display(1), s.em.display(1));
+    }
+    if let Some(path) = &args.json {
+        let record = serde_json::json!({
+            "questions": items.len(),
+            "distractors": [args.min_distractors, args.max_distractors],
+            "seed": args.seed,
+            "answer_tokens": args.answer_tokens,
+            "squad": data.squad_file,
+            "model": args.model.display().to_string(),
+            "model_sha256": model.identity().sha256,
+            "prefill": model.prefill_matmul().to_string(),
+            "template": eval::multidoc::MULTIDOC_TEMPLATE,
+            "modes": scores.iter().map(|s| serde_json::json!({
+                "mode": s.mode.to_string(),
+                "f1": s.f1,
+                "em": s.em,
+            })).collect::<Vec<_>>(),
+        });
+        scd_models::json_file::write_atomic(path, &record)?;
     }
     Ok(())
 }

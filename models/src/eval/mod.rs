@@ -7,7 +7,8 @@
 //! prompts), [`harness`] (the runs: teacher-forced continuations for KL / TV / perplexity,
 //! greedy continuations for agreement, greedy answers for QA F1), [`record`] (the JSON +
 //! Markdown record, every figure with its bootstrap interval), [`drift`] (how far an expert is
-//! from its base, and what naive transfer costs).
+//! from its base, and what naive transfer costs), [`multidoc`] (multi-document QA over
+//! compiled document caches, M9).
 //!
 //! Every method sees the prompt's first `T - 1` tokens through its cache; the consumer then
 //! runs its own forward pass from the prompt's last token on. So the methods differ only in the
@@ -22,6 +23,7 @@ pub mod config;
 pub mod data;
 pub mod drift;
 pub mod harness;
+pub mod multidoc;
 pub mod record;
 
 pub use config::{EvalConfig, QA_TEMPLATE};
