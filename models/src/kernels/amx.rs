@@ -114,15 +114,9 @@ impl TileWeight {
     /// costs a page fault per 4 KB, more than the packing).
     pub(crate) fn repack(&mut self, w: &[f32], n: usize, k: usize) {
         debug_assert_eq!(w.len(), n * k);
-        let k_pad = k.div_ceil(DEPTH) * DEPTH;
-        let n_pad = n.div_ceil(STEP) * STEP;
-        let data = &mut self.data;
-        if k_pad != k || n_pad != n {
-            // Padding must be zero; everything else is overwritten below.
-            data.clear();
-        }
-        data.resize(n_pad * k_pad, 0);
-        data.par_chunks_mut(TILE * k_pad)
+        let k_pad = self.reset(n, k);
+        self.data
+            .par_chunks_mut(TILE * k_pad)
             .enumerate()
             .for_each(|(c, col)| {
                 let r0 = c * TILE;
@@ -140,23 +134,29 @@ impl TileWeight {
                     }
                 }
             });
-        (self.n, self.k, self.n_pad, self.k_pad) = (n, k, n_pad, k_pad);
     }
-}
 
-impl TileWeight {
+    /// Sizes the buffer for `(n, k)` and records the shape; returns the padded depth. Padding
+    /// must be zero, so a padded shape starts from a cleared buffer; anything else the packing
+    /// overwrites.
+    fn reset(&mut self, n: usize, k: usize) -> usize {
+        let k_pad = k.div_ceil(DEPTH) * DEPTH;
+        let n_pad = n.div_ceil(STEP) * STEP;
+        if k_pad != k || n_pad != n {
+            self.data.clear();
+        }
+        self.data.resize(n_pad * k_pad, 0);
+        (self.n, self.k, self.n_pad, self.k_pad) = (n, k, n_pad, k_pad);
+        k_pad
+    }
+
     /// Packs `W = V^T` for `v` `(k, n)` row-major f32: outputs are `v`'s columns, the depth
     /// its rows (attention's values, multiplied by the probabilities over the keys).
     pub(crate) fn repack_transposed(&mut self, v: &[f32], k: usize, n: usize) {
         debug_assert_eq!(v.len(), k * n);
-        let k_pad = k.div_ceil(DEPTH) * DEPTH;
-        let n_pad = n.div_ceil(STEP) * STEP;
-        let data = &mut self.data;
-        if k_pad != k || n_pad != n {
-            data.clear();
-        }
-        data.resize(n_pad * k_pad, 0);
-        data.par_chunks_mut(TILE * k_pad)
+        let k_pad = self.reset(n, k);
+        self.data
+            .par_chunks_mut(TILE * k_pad)
             .enumerate()
             .for_each(|(c, col)| {
                 let c0 = c * TILE;
@@ -187,7 +187,6 @@ impl TileWeight {
                     }
                 }
             });
-        (self.n, self.k, self.n_pad, self.k_pad) = (n, k, n_pad, k_pad);
     }
 }
 
@@ -613,6 +612,7 @@ unsafe fn block(_: &[u16], _: usize, _: usize, _: &[u16], _: usize, _: *mut f32,
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_values as values;
     use super::*;
 
     fn reference(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
@@ -628,18 +628,6 @@ mod tests {
             }
         }
         y
-    }
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2000) as f32 / 1000.0 - 1.0
-            })
-            .collect()
     }
 
     #[test]

@@ -28,18 +28,15 @@ pub(crate) fn attend_few(
     v: &Tensor,
     past: usize,
 ) -> candle_core::Result<Tensor> {
-    let (n_h, t, d) = q.dims3()?;
-    let (n_kv, n_keys, d_k) = k.dims3()?;
-    if v.dims3()? != (n_kv, n_keys, d_k) || d_k != d || n_kv == 0 || n_h % n_kv != 0 {
-        candle_core::bail!(
-            "attend_few: q {:?}, k {:?}, v {:?}",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
-    }
-    if past + t > n_keys || t > MAX_QUERY_ROWS {
-        candle_core::bail!("attend_few: {t} queries from key {past} over {n_keys} keys");
+    let Shapes {
+        n_h,
+        t,
+        d,
+        n_kv,
+        n_keys,
+    } = Shapes::of("attend_few", q, k, v, past)?;
+    if t > MAX_QUERY_ROWS {
+        candle_core::bail!("attend_few: {t} queries, at most {MAX_QUERY_ROWS}");
     }
     let groups = n_h / n_kv;
     let q = q.contiguous()?;
@@ -67,6 +64,49 @@ pub(crate) fn attend_few(
         })
     })?;
     Tensor::from_vec(out, (n_h, t, d), &Device::Cpu)
+}
+
+/// The sizes of an attention call: `n_h` query heads of `t` rows of `d` over `n_kv` KV heads
+/// of `n_keys` keys.
+pub(super) struct Shapes {
+    pub n_h: usize,
+    pub t: usize,
+    pub d: usize,
+    pub n_kv: usize,
+    pub n_keys: usize,
+}
+
+impl Shapes {
+    /// Checks `q` `(n_h, t, d)`, `k` and `v` `(n_kv, n_keys, d)` against each other and the
+    /// causal window (`past + t <= n_keys`); `kernel` names the caller in errors.
+    pub(super) fn of(
+        kernel: &str,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        past: usize,
+    ) -> candle_core::Result<Self> {
+        let (n_h, t, d) = q.dims3()?;
+        let (n_kv, n_keys, d_k) = k.dims3()?;
+        if v.dims3()? != (n_kv, n_keys, d_k) || d_k != d || n_kv == 0 || n_h % n_kv != 0 {
+            candle_core::bail!(
+                "{kernel}: q {:?}, k {:?}, v {:?}",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            );
+        }
+        if past + t > n_keys {
+            candle_core::bail!("{kernel}: {t} queries from key {past} over {n_keys} keys");
+        }
+        Ok(Self {
+            n_h,
+            t,
+            d,
+            n_kv,
+            n_keys,
+        })
+    }
 }
 
 /// Calls `f` with the f32 storage of a `(heads, rows, d)` tensor from its first element and the

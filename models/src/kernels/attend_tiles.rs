@@ -13,7 +13,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::amx;
-use super::attend::heads_view;
+use super::attend::{heads_view, Shapes};
 use super::softmax::softmax_prefix;
 
 /// Query rows per task: small enough that even a 256-token prefill gives each core a few
@@ -30,19 +30,9 @@ pub(crate) fn attend_tiles(
     v: &Tensor,
     past: usize,
 ) -> candle_core::Result<Tensor> {
-    let (n_h, t, d) = q.dims3()?;
-    let (n_kv, n_keys, d_k) = k.dims3()?;
-    if v.dims3()? != (n_kv, n_keys, d_k) || d_k != d || n_kv == 0 || n_h % n_kv != 0 {
-        candle_core::bail!(
-            "attend_tiles: q {:?}, k {:?}, v {:?}",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
-    }
-    if past + t > n_keys {
-        candle_core::bail!("attend_tiles: {t} queries from key {past} over {n_keys} keys");
-    }
+    let Shapes {
+        n_h, t, d, n_kv, ..
+    } = Shapes::of("attend_tiles", q, k, v, past)?;
     let groups = n_h / n_kv;
     let q = q.contiguous()?;
     let tasks: Vec<(usize, usize)> = (0..n_kv)
@@ -122,19 +112,8 @@ fn chunk<'s>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_values as values;
     use super::*;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2000) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
 
     /// Plain f64 attention of query `i` over keys `0..=past + i`.
     fn reference(q: &[f32], k: &[f32], v: &[f32], dims: [usize; 5]) -> Vec<f32> {

@@ -114,3 +114,17 @@ pub(crate) fn with_f32<R>(
         ),
     }
 }
+
+/// `len` deterministic values in `[-1, 1)` (xorshift from `seed`), the kernels' test inputs.
+#[cfg(test)]
+pub(crate) fn test_values(len: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 2000) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
