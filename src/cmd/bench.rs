@@ -1,6 +1,6 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
-use super::{bench_decode, bench_memory, bench_model, bench_transport};
+use super::{bench_decode, bench_docs, bench_memory, bench_model, bench_transport};
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
@@ -8,7 +8,8 @@ use super::{bench_decode, bench_memory, bench_model, bench_transport};
     scd bench model --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
     scd bench transport\n  \
     scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
-    scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3")]
+    scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3\n  \
+    scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -35,6 +36,11 @@ enum Command {
     #[command(after_help = "Example:\n  \
         scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3")]
     Decode(bench_decode::Args),
+    /// Time to first token with compiled document caches (stitched, no document-side compute)
+    /// against full recompute of the same prompt, for several document counts.
+    #[command(after_help = "Example:\n  \
+        scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16")]
+    Docs(bench_docs::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -43,5 +49,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Command::Model(a) => bench_model::run(a),
         Command::Memory(a) => bench_memory::run(a),
         Command::Decode(a) => bench_decode::run(a),
+        Command::Docs(a) => bench_docs::run(a),
     }
 }
