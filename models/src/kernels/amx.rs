@@ -363,8 +363,12 @@ pub(crate) struct Scratch {
     pub(crate) x: Vec<f32>,
 }
 
+/// The largest weight (elements) whose packed copy a thread keeps between calls: every
+/// projection of a small llama, not an output head.
+pub(crate) const SCRATCH_WEIGHT_MAX: usize = 4 << 20;
+
 impl Scratch {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             weight: TileWeight::empty(),
             a: Vec::new(),

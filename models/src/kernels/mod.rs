@@ -73,10 +73,18 @@ pub(crate) fn linear_tiles(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor
     }
     let y = with_f32(x, |xs| {
         with_f32(w, |ws| {
-            Ok(amx::with_scratch(|s| {
+            let run = |s: &mut amx::Scratch| {
                 s.weight.repack(ws, n, k);
                 amx::linear(xs, m, &s.weight, &mut s.a)
-            }))
+            };
+            // The output head of all-position logits (49,152 x 576 for SmolLM2) would leave
+            // its 57 MB packed copy in the thread's buffers for good: such weights get buffers
+            // of their own, freed after the call.
+            Ok(if n * k > amx::SCRATCH_WEIGHT_MAX {
+                run(&mut amx::Scratch::new())
+            } else {
+                amx::with_scratch(run)
+            })
         })
     })?;
     Tensor::from_vec(y, (m, n), &candle_core::Device::Cpu)
