@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use scd_models::baseline::QuantizedLlama;
 use scd_models::bench::{
     amx_peak_gflops, fma_peak_gflops, matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes,
-    synthetic_tokens, time_decode, time_prefill, Protocol, Runs, TimedLlama,
+    synthetic_tokens, time_decode, time_prefill, Protocol, Runs, Timed, TimedLlama,
 };
 use scd_models::{DecodeWeights, Llama, LlamaConfig, PrefillMatmul};
 use serde::Deserialize;
@@ -150,13 +150,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let mut results = Vec::new();
     let mut timed = TimedLlama::new(&model);
-    let mut prefill = Vec::new();
-    for &len in &args.lengths {
-        let tokens = synthetic_tokens(cfg.vocab_size, len);
-        let runs = time_prefill(&mut timed, &tokens, &protocol)
-            .with_context(|| format!("scd prefill of {len} tokens"))?;
-        prefill.push((len, runs));
-    }
+    let prefill = prefills(&mut timed, &cfg, &args.lengths, &protocol, "scd")?;
     let decode = decode_all(&mut |p| {
         time_decode(&mut timed, p, &protocol).context("scd decode (narrow weights)")
     })?;
@@ -184,15 +178,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_prefill_matmul(PrefillMatmul::F32)
         .context("prefill on f32")?;
     let mut timed = TimedLlama::new(&f32_model);
-    let mut prefill = Vec::new();
-    if model.prefill_matmul() != PrefillMatmul::F32 {
-        for &len in &args.lengths {
-            let tokens = synthetic_tokens(cfg.vocab_size, len);
-            let runs = time_prefill(&mut timed, &tokens, &protocol)
-                .with_context(|| format!("scd prefill of {len} tokens on f32"))?;
-            prefill.push((len, runs));
-        }
-    }
+    let prefill = if model.prefill_matmul() != PrefillMatmul::F32 {
+        prefills(&mut timed, &cfg, &args.lengths, &protocol, "scd on f32")?
+    } else {
+        Vec::new()
+    };
     let decode = decode_all(&mut |p| {
         time_decode(&mut timed, p, &protocol).context("scd decode (f32 weights)")
     })?;
@@ -214,13 +204,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     if !args.baseline_lengths.is_empty() {
         let mut q = QuantizedLlama::load(&args.model).context("loading the quantized baseline")?;
-        let mut prefill = Vec::new();
-        for &len in &args.baseline_lengths {
-            let tokens = synthetic_tokens(cfg.vocab_size, len);
-            let runs = time_prefill(&mut q, &tokens, &protocol)
-                .with_context(|| format!("quantized_llama prefill of {len} tokens"))?;
-            prefill.push((len, runs));
-        }
+        let prefill = prefills(
+            &mut q,
+            &cfg,
+            &args.baseline_lengths,
+            &protocol,
+            "quantized_llama",
+        )?;
         let decode = decode_all(&mut |p| {
             time_decode(&mut q, p, &protocol).context("quantized_llama decode")
         })?;
@@ -311,6 +301,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     println!("load average at the end: {}", load_average());
     Ok(())
+}
+
+/// `protocol`'s prefills of synthetic prompts of each of `lengths`; `what` names the
+/// implementation in errors.
+fn prefills<M: Timed>(
+    model: &mut M,
+    cfg: &LlamaConfig,
+    lengths: &[usize],
+    protocol: &Protocol,
+    what: &str,
+) -> anyhow::Result<Vec<(usize, Runs)>>
+where
+    M::Error: std::error::Error + Send + Sync + 'static,
+{
+    lengths
+        .iter()
+        .map(|&len| {
+            let tokens = synthetic_tokens(cfg.vocab_size, len);
+            let runs = time_prefill(model, &tokens, protocol)
+                .with_context(|| format!("{what} prefill of {len} tokens"))?;
+            Ok((len, runs))
+        })
+        .collect()
 }
 
 /// The 1, 5 and 15 minute load averages: figures from a run on a busy machine are not
