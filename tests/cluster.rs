@@ -96,7 +96,9 @@ fn write_config(
     }
     text.push_str(&format!(
         "[store]\nkind = \"etcd\"\nendpoints = [\"{etcd}\"]\nprefix = \"{prefix}\"\n\n\
-         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n"
+         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n\n\
+         [codec]\n# The translator's own ranks: results compare with `scd generate`.\n\
+         ranks = \"default\"\n"
     ));
     let path = dir.join(format!("{id}.toml"));
     fs::write(&path, text).unwrap();

@@ -32,7 +32,7 @@ use scd_transport::TransportOptions;
 use serde::Deserialize;
 
 /// A node's configuration, checked, with its paths resolved against the config file's folder.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeConfig {
     /// `[node]`: who this node is and what it does.
@@ -60,6 +60,9 @@ pub struct NodeConfig {
     /// `[gateway]`: the OpenAI-compatible HTTP API's settings.
     #[serde(default)]
     pub gateway: GatewayConfig,
+    /// `[links]`: link emulation.
+    #[serde(default)]
+    pub links: LinksConfig,
 }
 
 /// `[gateway]`: who may call the HTTP API and how its jobs reach the expert.
@@ -84,14 +87,69 @@ impl Default for GatewayConfig {
 }
 
 /// `[codec]`: how a producer writes the codes of `reuse` and `scd` jobs. A consumer reads
-/// whatever element type each frame names, so producers may differ.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// whatever element type and ranks each job's record and frames name, so producers may differ.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct CodecConfig {
     /// `code_dtype`: `"f16"` (the default) or `"i8-rows"` (int8 with a scale per token and
     /// code: half the bytes, at the KL cost BENCHMARKS.md measures).
-    #[serde(default)]
     pub code_dtype: CodeDtypeName,
+    /// `ranks`: `"adaptive"` (the default: per job, from the measured link to the job's
+    /// consumer and the translator's quality-vs-ranks curve, under `kl_ceiling`), `"default"`
+    /// (the translator's default ranks), or fixed ranks such as `"k=96,v=192,h=128"`.
+    pub ranks: RankSetting,
+    /// `kl_ceiling`: with adaptive ranks, the highest held-out KL (as the translator's curve
+    /// measured it) a job's ranks may have. Default 0.1.
+    pub kl_ceiling: f64,
+    /// `rank_slack`: with adaptive ranks, choices whose expected time to first token is within
+    /// this share of the fastest one count as equally fast, and the better code among them is
+    /// sent. Default 0.05.
+    pub rank_slack: f64,
+}
+
+impl Default for CodecConfig {
+    fn default() -> Self {
+        let policy = scd_models::translator::RankPolicy::default();
+        Self {
+            code_dtype: CodeDtypeName::default(),
+            ranks: RankSetting::Adaptive,
+            kl_ceiling: policy.kl_ceiling,
+            rank_slack: policy.slack,
+        }
+    }
+}
+
+/// How a producer picks the ranks of a job's codes (`[codec] ranks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankSetting {
+    /// Per job, for the link ([`scd_models::translator::rank_curve::choose`]).
+    Adaptive,
+    /// The translator's default ranks.
+    Default,
+    /// These ranks for every job.
+    Fixed(scd_scheduler::Ranks),
+}
+
+impl<'de> Deserialize<'de> for RankSetting {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        match text.as_str() {
+            "adaptive" => Ok(Self::Adaptive),
+            "default" => Ok(Self::Default),
+            other => other.parse().map(Self::Fixed).map_err(|e| {
+                serde::de::Error::custom(format!("{e}, or \"adaptive\" or \"default\""))
+            }),
+        }
+    }
+}
+
+/// `[links]`: link emulation, for tests and demos of slow links.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LinksConfig {
+    /// `pace_mbit`: what this node sends to a peer goes at most this many Mbit/s, by peer
+    /// node id, e.g. `pace_mbit = { consumer-a = 50 }` (a token bucket on the send path).
+    pub pace_mbit: std::collections::BTreeMap<String, u64>,
 }
 
 /// The code element types a producer can be configured to send.
@@ -599,7 +657,57 @@ impl NodeConfig {
         }
         self.check_models()?;
         self.check_store()?;
+        self.check_codec()?;
         self.check_tracing()
+    }
+
+    fn check_codec(&self) -> Result<(), ConfigError> {
+        let c = &self.codec;
+        if !(c.kl_ceiling > 0.0 && c.kl_ceiling.is_finite()) {
+            return Err(invalid(
+                "codec.kl_ceiling",
+                format!("{} must be a positive number, e.g. 0.1", c.kl_ceiling),
+            ));
+        }
+        if !(0.0..=10.0).contains(&c.rank_slack) {
+            return Err(invalid(
+                "codec.rank_slack",
+                format!("{} must be between 0 and 10, e.g. 0.05", c.rank_slack),
+            ));
+        }
+        for (peer, &mbit) in &self.links.pace_mbit {
+            pki::validate_name(peer).map_err(|e| invalid(format!("links.pace_mbit.{peer}"), e))?;
+            if mbit == 0 {
+                return Err(invalid(
+                    format!("links.pace_mbit.{peer}"),
+                    "must be at least 1 (Mbit/s)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The producer's rule for adaptive ranks, from `[codec]`.
+    pub fn rank_policy(&self) -> scd_models::translator::RankPolicy {
+        scd_models::translator::RankPolicy {
+            kl_ceiling: self.codec.kl_ceiling,
+            slack: self.codec.rank_slack,
+        }
+    }
+
+    /// The transport's link emulation from `[links]`.
+    pub fn pacing_to(
+        &self,
+    ) -> std::collections::BTreeMap<String, scd_transport::pacing::PacingOptions> {
+        self.links
+            .pace_mbit
+            .iter()
+            .map(|(peer, &mbit)| {
+                let rate =
+                    scd_transport::pacing::PacingOptions::rate(mbit.saturating_mul(1_000_000));
+                (peer.clone(), rate)
+            })
+            .collect()
     }
 
     fn check_models(&self) -> Result<(), ConfigError> {
@@ -924,6 +1032,55 @@ frames_in_flight = 16
         assert_eq!(config.limits.concurrent_jobs.get(), 2);
         assert_eq!(config.limits.frames_in_flight.get(), 16);
         assert_eq!(config.models.base, Some(PathBuf::from("/abs/base.gguf")));
+    }
+
+    #[test]
+    fn ranks_are_adaptive_unless_set_and_links_can_be_paced_per_peer() {
+        let config = parse(VALID).unwrap();
+        assert_eq!(config.codec.ranks, RankSetting::Adaptive);
+        assert_eq!(
+            config.rank_policy(),
+            scd_models::translator::RankPolicy::default()
+        );
+        assert!(config.pacing_to().is_empty());
+        let text = VALID.to_owned()
+            + "\n[codec]\nranks = \"k=32,v=64,h=16\"\nkl_ceiling = 0.2\nrank_slack = 0\n\
+               \n[links]\npace_mbit = { consumer-a = 50, consumer-b = 5000 }\n";
+        let config = parse(&text).unwrap();
+        assert_eq!(
+            config.codec.ranks,
+            RankSetting::Fixed(scd_scheduler::Ranks {
+                k: 32,
+                v: 64,
+                h: 16
+            })
+        );
+        assert_eq!(config.rank_policy().kl_ceiling, 0.2);
+        assert_eq!(config.rank_policy().slack, 0.0);
+        let paced = config.pacing_to();
+        assert_eq!(paced["consumer-a"].rate_bps, 50_000_000);
+        assert_eq!(paced["consumer-b"].rate_bps, 5_000_000_000);
+        let config = parse(&(VALID.to_owned() + "\n[codec]\nranks = \"default\"\n")).unwrap();
+        assert_eq!(config.codec.ranks, RankSetting::Default);
+        for (extra, key) in [
+            ("[codec]\nkl_ceiling = 0\n", "codec.kl_ceiling"),
+            ("[codec]\nrank_slack = -1\n", "codec.rank_slack"),
+            (
+                "[links]\npace_mbit = { consumer-a = 0 }\n",
+                "links.pace_mbit.consumer-a",
+            ),
+            (
+                "[links]\npace_mbit = { Consumer_A = 10 }\n",
+                "links.pace_mbit.Consumer_A",
+            ),
+        ] {
+            match parse(&(VALID.to_owned() + "\n" + extra)) {
+                Err(ConfigError::Invalid { key: k, .. }) if k == key => {}
+                other => panic!("{key}: {:?}", other.map(drop)),
+            }
+        }
+        let err = parse(&(VALID.to_owned() + "\n[codec]\nranks = \"k=1\"\n")).unwrap_err();
+        assert!(err.to_string().contains("adaptive"), "{err}");
     }
 
     #[test]

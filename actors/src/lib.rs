@@ -34,6 +34,8 @@
 //!   supervised actors of its roles, its share of the jobs from the records, and the admin
 //!   endpoint; drains on shutdown.
 //! - [`client`]: submitting a job (a record with its request) and waiting for its end.
+//! - [`rank_planner`]: the producer's choice of a job's code ranks for the link to its
+//!   consumer, from the translator's quality curve and measured link and prefill speeds.
 //! - [`follow`]: a job's record as a client shows it: states, new text, the final record.
 //! - [`metrics`]: the node's Prometheus metrics.
 //! - [`telemetry`]: job traces: the root span at submission, each node's half and its stages,
@@ -57,6 +59,7 @@ pub mod node;
 pub mod pipeline;
 pub mod prefix_cache;
 pub mod producer;
+pub mod rank_planner;
 mod stages;
 pub mod telemetry;
 pub mod timeline;

@@ -48,6 +48,9 @@ pub struct TransferReport {
     pub span: Span,
     /// Bytes sent, frame headers and the Open frame included.
     pub wire_bytes: u64,
+    /// Bytes per second the link carried them at, not counting waits for the encoder
+    /// ([`scd_transport::SendReport::link_rate`]).
+    pub link_rate: Option<f64>,
 }
 
 /// The producer node's transfer actor.
@@ -143,6 +146,7 @@ async fn send_job(job: SendJob) -> Result<TransferReport, TransferError> {
             end: Instant::now(),
         },
         wire_bytes: report.bytes,
+        link_rate: report.link_rate(),
     })
 }
 

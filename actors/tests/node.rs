@@ -9,11 +9,14 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    config, config_with, models, prompt, reference_for, repo, request, Cluster, MAX_TOKENS, WAIT,
+    config, config_with, models, prompt, reference, reference_for, repo, request, Cluster,
+    MAX_TOKENS, WAIT,
 };
-use scd_actors::ClientError;
+use scd_actors::config::RankSetting;
+use scd_actors::{ClientError, JobCodec};
+use scd_models::codec::CodecOptions;
 use scd_models::translator::Translator;
-use scd_scheduler::{JobState, Keys, Mode, TranslatorManifest, TranslatorRegistry};
+use scd_scheduler::{JobState, Keys, Mode, RanksRule, TranslatorManifest, TranslatorRegistry};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_reference() {
@@ -31,6 +34,15 @@ async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_refere
         let output = job.output.expect("a done job has its output");
         assert_eq!(output.tokens, want, "{mode}");
         assert_eq!(output.stop, "max_tokens");
+        // Ranks as configured, for the modes that have them.
+        match mode {
+            Mode::Scd => {
+                let c = job.ranks.expect("a scd job's ranks are recorded");
+                assert_eq!(c.rule, RanksRule::Default);
+                assert_eq!(c.ranks, m.translator.0.manifest.default_ranks);
+            }
+            _ => assert_eq!(job.ranks, None, "{mode}"),
+        }
         // The record went through every state, and carries both nodes' timings.
         let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
         assert_eq!(
@@ -560,5 +572,87 @@ async fn a_burst_past_the_admission_bound_is_answered_busy_and_loses_nothing() {
     let job = cluster.client.wait(id, WAIT).await.unwrap();
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
+
+/// Codes sized for the link (M11 §2): one producer with adaptive ranks, its link to one
+/// consumer paced at 20 Mbit/s and to the other left at loopback speed. The first job to a
+/// consumer has no measurement and goes at the translator's defaults; after it the producer
+/// knows the link, and the same prompt gets smaller codes over the slow link than over the
+/// fast one, both under the KL ceiling per the translator's curve. Each consumer rebuilds with
+/// the ranks the record names: its tokens equal the in-process run at those ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
+    const SLOW_MBIT: u64 = 20;
+    let m = models();
+    let (t, index) = &m.translator;
+    assert!(
+        t.manifest.rank_curve.is_some(),
+        "the shipped mail translator lacks its rank curve: run `scd translators curve`"
+    );
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let mut producer_config = config("prefill-0", "\"producer\", \"scheduler\"", true);
+    producer_config.codec.ranks = RankSetting::Adaptive;
+    producer_config
+        .links
+        .pace_mbit
+        .insert("mail-slow".into(), SLOW_MBIT);
+    let ceiling = producer_config.codec.kl_ceiling;
+    let producer = cluster.start(&producer_config).await;
+    let mut chosen = Vec::new();
+    for consumer_id in ["mail-slow", "mail-fast"] {
+        let consumer = cluster
+            .start(&config(consumer_id, "\"consumer\"", true))
+            .await;
+        let mut rules = Vec::new();
+        for (mode, max_tokens) in [(Mode::Scd, 2), (Mode::Scd, MAX_TOKENS)] {
+            let job = cluster.run_mail(mode, &prompt, max_tokens).await;
+            assert_eq!(job.state, JobState::Done, "{consumer_id}: {:?}", job.error);
+            assert_eq!(job.consumer.as_deref(), Some(consumer_id));
+            let c = job.ranks.expect("scd jobs record their ranks");
+            rules.push(c.rule);
+            if c.rule == RanksRule::Unmeasured {
+                assert_eq!(c.ranks, t.manifest.default_ranks);
+                continue;
+            }
+            assert!(c.curve_kl.is_some_and(|kl| kl <= ceiling), "{c:?}");
+            let codec = JobCodec::for_mode(
+                Mode::Scd,
+                Some((t, *index)),
+                &CodecOptions {
+                    ranks: Some(c.ranks),
+                    ..CodecOptions::default()
+                },
+            )
+            .unwrap();
+            let want = reference(m, codec.codec.as_ref(), &prompt);
+            assert_eq!(job.output.unwrap().tokens, want, "{consumer_id}: {c:?}");
+            eprintln!(
+                "{consumer_id}: {c:?}, {} bytes, timings {:?}",
+                job.payload_bytes, job.timings_ms
+            );
+            chosen.push((c, job.payload_bytes));
+        }
+        assert_eq!(
+            rules,
+            [RanksRule::Unmeasured, RanksRule::Adaptive],
+            "{consumer_id}"
+        );
+        consumer.shutdown(Duration::ZERO).await;
+    }
+    let [(slow, slow_bytes), (fast, fast_bytes)] = chosen.as_slice() else {
+        panic!("{chosen:?}")
+    };
+    let slow_mbit = slow.link_mbit.unwrap();
+    assert!(
+        (0.5 * SLOW_MBIT as f64..1.25 * SLOW_MBIT as f64).contains(&slow_mbit),
+        "the paced link measured at {slow_mbit} Mbit/s"
+    );
+    assert!(fast.link_mbit.unwrap() > 5.0 * slow_mbit, "{fast:?}");
+    assert!(
+        slow_bytes < fast_bytes,
+        "slow link: {slow:?} {slow_bytes} B, fast: {fast:?} {fast_bytes} B"
+    );
     producer.shutdown(Duration::ZERO).await;
 }

@@ -14,8 +14,8 @@ use scd_models::codec::{self, codec_with, CodecError, CodecOptions, Prefix};
 use scd_models::translator::calibrate::CalibrationText;
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::translator::{
-    calibrate, AlignerConfig, CalibrationConfig, PatchChoice, Ranks, Translator, TranslatorError,
-    WeightsDtype,
+    calibrate, rank_curve, AlignerConfig, CalibrationConfig, LinkEstimate, PatchChoice, RankPolicy,
+    Ranks, Translator, TranslatorError, WeightsDtype,
 };
 use scd_models::{AdapterMode, Input, Llama, LogitsWanted, LoraAdapter, Proj};
 use scd_types::{CodeDType, CodeKind, Mode};
@@ -232,6 +232,11 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
         }
         assert!(codes.iter().all(|c| c.dtype == dtype && c.is_consistent()));
         assert_eq!(codec::payload_bytes(&codes), expected);
+        let priced =
+            codec::Translated::new(t.clone(), Mode::Scd, 0, opts.ranks.unwrap(), dtype, None)
+                .unwrap()
+                .payload_bytes(20);
+        assert_eq!(priced, expected as u64, "bytes known before encoding");
         let cache =
             codec::decode(scd.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
         assert_eq!(cache.len(), 20);
@@ -276,6 +281,82 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
     }
 }
 
+/// Calibration measures every grid point of both modes; the choice for a link takes the
+/// cheapest code under the ceiling on a slow link and the best one on a fast link, never one
+/// over the ceiling, and none when nothing meets it.
+#[test]
+fn the_rank_curve_prices_every_choice_and_the_link_decides_which() {
+    let t = Arc::new(pair_translator().clone());
+    let m = &t.manifest;
+    let curve = m
+        .rank_curve
+        .as_ref()
+        .expect("calibration measures the curve");
+    let grid = rank_curve::default_grid(m.r_max);
+    assert_eq!(curve.points.len(), 2 * grid.len());
+    assert_eq!((curve.prompts, curve.code_dtype.as_str()), (4, "f16"));
+    for mode in [Mode::Reuse, Mode::Scd] {
+        let pts: Vec<_> = curve.points.iter().filter(|p| p.mode == mode).collect();
+        assert_eq!(pts.len(), grid.len());
+        assert!(pts
+            .iter()
+            .all(|p| p.kl.len() == 1 && p.kl[0].is_finite() && p.kl[0] >= 0.0));
+        // Nested codes: all of r_max rebuilds better than an eighth of it.
+        let (low, full) = (pts[0], pts[pts.len() - 1]);
+        assert_eq!((full.ranks.k, full.ranks.v), (m.r_max.k, m.r_max.v));
+        assert!(full.kl[0] < low.kl[0], "{mode}: {full:?} vs {low:?}");
+    }
+    let rows = 20;
+    let priced = |p: &rank_curve::RankPoint| {
+        codec::Translated::new(t.clone(), p.mode, 0, p.ranks, CodeDType::F16, None)
+            .unwrap()
+            .payload_bytes(rows)
+    };
+    let mut kls: Vec<f64> = curve
+        .points
+        .iter()
+        .filter(|p| p.mode == Mode::Reuse)
+        .map(|p| p.kl[0])
+        .collect();
+    kls.sort_by(f64::total_cmp);
+    let policy = RankPolicy {
+        kl_ceiling: kls[kls.len() / 2],
+        slack: 0.05,
+    };
+    let feasible: Vec<_> = curve
+        .points
+        .iter()
+        .filter(|p| p.mode == Mode::Reuse && p.kl[0] <= policy.kl_ceiling)
+        .collect();
+    let pick = |bytes_per_sec, prefill_secs, policy: &RankPolicy| {
+        let link = LinkEstimate {
+            bytes_per_sec,
+            prefill_secs,
+        };
+        rank_curve::choose(&t, 0, Mode::Reuse, rows, CodeDType::F16, &link, policy)
+    };
+    let slow = pick(1e3, 0.0, &policy).unwrap();
+    let cheapest = feasible.iter().map(|p| priced(p)).min().unwrap();
+    assert_eq!(slow.payload_bytes, cheapest);
+    assert!(slow.kl <= policy.kl_ceiling);
+    let fast = pick(1e15, 1.0, &policy).unwrap();
+    let best = feasible
+        .iter()
+        .map(|p| p.kl[0])
+        .min_by(f64::total_cmp)
+        .unwrap();
+    assert_eq!(fast.kl, best);
+    assert!(
+        fast.payload_bytes > slow.payload_bytes,
+        "{fast:?} vs {slow:?}"
+    );
+    let strict = RankPolicy {
+        kl_ceiling: kls[0] / 2.0,
+        ..policy
+    };
+    assert_eq!(pick(1e3, 0.0, &strict), None);
+}
+
 #[test]
 fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
     let f = fixture();
@@ -284,10 +365,13 @@ fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
     let hash = t.save(dir.path()).unwrap();
     let back = Translator::load(dir.path()).unwrap();
     assert_eq!(back.hash(), hash);
-    // JSON keeps every field; floats in the free-form metrics may move by an ulp.
+    // JSON keeps every field; floats in the metrics and the rank curve may move by an ulp.
     let without_metrics = |m: &scd_models::translator::TranslatorManifest| {
         let mut m = m.clone();
         m.metrics = serde_json::Value::Null;
+        for p in m.rank_curve.iter_mut().flat_map(|c| c.points.iter_mut()) {
+            p.kl = p.kl.iter().map(|&k| (k as f32) as f64).collect();
+        }
         m
     };
     assert_eq!(

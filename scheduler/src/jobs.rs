@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext, TranslatorHash};
+use scd_types::{
+    JobId, JobRequest, JobResult, JobState, Mode, Ranks, TraceContext, TranslatorHash,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::codec::{self, CodecError};
@@ -35,6 +37,54 @@ pub struct StageSpan {
     pub start_ms: f64,
     /// End.
     pub end_ms: f64,
+}
+
+/// The ranks a producer chose for an attempt's codes, and on what grounds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RanksChoice {
+    /// The ranks.
+    pub ranks: Ranks,
+    /// How they were chosen.
+    pub rule: RanksRule,
+    /// The link throughput to the consumer the choice assumed, Mbit/s (adaptive choices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_mbit: Option<f64>,
+    /// The held-out KL the translator's curve gives these ranks (adaptive choices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub curve_kl: Option<f64>,
+}
+
+/// Why an attempt's codes have the ranks they have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RanksRule {
+    /// Chosen for the measured link under the KL ceiling.
+    Adaptive,
+    /// The translator's defaults, as configured.
+    Default,
+    /// Fixed by the producer's configuration.
+    Fixed,
+    /// Adaptive was configured, but the link to the consumer has not been measured yet: the
+    /// translator's defaults.
+    Unmeasured,
+    /// Adaptive was configured, but the translator has no quality curve: its defaults.
+    NoCurve,
+    /// Adaptive was configured, but no ranks meet the KL ceiling: the translator's defaults.
+    OverCeiling,
+}
+
+impl RanksRule {
+    /// The rule's name, as in the record.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Adaptive => "adaptive",
+            Self::Default => "default",
+            Self::Fixed => "fixed",
+            Self::Unmeasured => "unmeasured",
+            Self::NoCurve => "no-curve",
+            Self::OverCeiling => "over-ceiling",
+        }
+    }
 }
 
 /// A job's durable record.
@@ -97,6 +147,10 @@ pub struct JobRecord {
     /// Leading prompt tokens the producer took from its prefix cache instead of computing.
     #[serde(default)]
     pub cached_prefix_tokens: u64,
+    /// The ranks of the attempt's `reuse` / `scd` codes and why, chosen by the producer as it
+    /// claimed the attempt (for the link to its consumer) and read by the consumer to rebuild.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<RanksChoice>,
     /// What the job asks for (the prompt's tokens and the generation settings); `None` for a
     /// record made only to be scheduled (the scheduler's own tests).
     #[serde(default)]
@@ -226,6 +280,7 @@ impl JobRecord {
             payload_bytes: 0,
             translator: None,
             cached_prefix_tokens: 0,
+            ranks: None,
             request: None,
             output: None,
             error: None,

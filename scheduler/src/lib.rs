@@ -49,14 +49,16 @@ pub use assign::{
 };
 #[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError};
-pub use jobs::{Blame, JobError, JobRecord, JobStore, StageSpan};
+pub use jobs::{Blame, JobError, JobRecord, JobStore, RanksChoice, RanksRule, StageSpan};
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 pub use membership::{
     LiveNodes, NodeInfo, NodeMap, Registration, RegistrationConfig, RegistrationEvent,
 };
 pub use models::{ModelRecord, ModelRegistry};
-pub use scd_types::{JobId, JobRequest, JobResult, JobState, Mode, TraceContext, TranslatorHash};
+pub use scd_types::{
+    JobId, JobRequest, JobResult, JobState, Mode, Ranks, TraceContext, TranslatorHash,
+};
 pub use service::{Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
 pub use translators::{

@@ -603,6 +603,22 @@ fn describe(s: &serde_json::Value) -> String {
     if let Some(b) = s["payload_bytes"].as_u64().filter(|b| *b > 0) {
         parts.push(format!("{b} bytes on the wire"));
     }
+    if let Some(r) = s["ranks"].as_object() {
+        let n = |k: &str| r["ranks"][k].as_u64().unwrap_or(0);
+        let mut how = r["rule"].as_str().unwrap_or("?").to_string();
+        if let Some(m) = r.get("link_mbit").and_then(|v| v.as_f64()) {
+            how.push_str(&format!(" for {m:.0} Mbit/s"));
+        }
+        if let Some(kl) = r.get("curve_kl").and_then(|v| v.as_f64()) {
+            how.push_str(&format!(", held-out KL {kl:.3}"));
+        }
+        parts.push(format!(
+            "ranks k={},v={},h={} ({how})",
+            n("k"),
+            n("v"),
+            n("h")
+        ));
+    }
     if let Some(n) = s["cached_prefix_tokens"].as_u64().filter(|n| *n > 0) {
         parts.push(format!("{n} prompt tokens from the prefix cache"));
     }

@@ -81,6 +81,8 @@ key = "unused.key"
 
 [codec]
 code_dtype = "{dtype}"
+# Every mode at the translator's own ranks, so the table compares modes, not links.
+ranks = "default"
 
 # Off: every mode runs the same prompt, and each should pay for its own prefill.
 [limits]

@@ -1,7 +1,8 @@
 //! `scd translators list|publish|activate|rollback`: the translator versions of each (base,
 //! expert) pair in the cluster's store, through a node's admin endpoint. Nodes follow the live
-//! version of their pairs on their own, without a restart. `scd translators convert` works on a
-//! folder, offline: it rewrites a translator's weights in another storage type.
+//! version of their pairs on their own, without a restart. `scd translators convert` and
+//! `curve` work on a folder, offline: the first rewrites a translator's weights in another
+//! storage type, the second measures its quality at a grid of ranks into its manifest.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -94,6 +95,13 @@ pub enum Command {
         #[arg(long, default_value = "bf16")]
         weights_dtype: WeightsDtype,
     },
+    /// Measure a translator's held-out quality at a grid of ranks and keep it in its
+    /// manifest (the curve producers size codes for a link with; `scd calibrate` measures it
+    /// already). Offline; the weights and so the version are unchanged.
+    #[command(after_help = "Example:\n  \
+        scd translators curve --translator experts/mail/translator \\\n      \
+        --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --consumer-adapter experts/mail")]
+    Curve(CurveArgs),
     /// Make the version that was live before the current one live again.
     #[command(after_help = "Example:\n  \
         scd translators rollback --node producer@127.0.0.1:7101 --expert mail")]
@@ -105,8 +113,34 @@ pub enum Command {
     },
 }
 
+/// Arguments of `scd translators curve`.
+#[derive(clap::Args)]
+pub struct CurveArgs {
+    /// The translator folder; its manifest is rewritten with the curve.
+    #[arg(long)]
+    pub translator: PathBuf,
+    /// The producer (base) model it was calibrated for.
+    #[arg(long, env = "SCD_MODEL")]
+    pub producer: PathBuf,
+    /// The consumers' base weights (default: the producer's).
+    #[arg(long)]
+    pub consumer: Option<PathBuf>,
+    /// Its experts, in the translator's order (folder or adapter file; repeat for a joint one).
+    #[arg(long = "consumer-adapter", required = true)]
+    pub consumer_adapters: Vec<PathBuf>,
+    /// The calibration's seed (the held-out prompts are drawn with it).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub dirs: crate::paths::DataDirs,
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     match &args.command {
+        Command::Curve(a) => {
+            curve(a)?;
+            return Ok(ExitCode::SUCCESS);
+        }
         Command::List { target, json } => return show(target, "translators", *json, print_list),
         Command::Convert {
             translator,
@@ -122,7 +156,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     exit(runtime.block_on(async {
         match args.command {
             // Answered above, without the change machinery.
-            Command::List { .. } | Command::Convert { .. } => Ok(()),
+            Command::List { .. } | Command::Convert { .. } | Command::Curve(_) => Ok(()),
             Command::Publish {
                 target,
                 pair,
@@ -171,6 +205,107 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }))
+}
+
+/// `scd translators curve`: the held-out prompts the calibration chose with (same corpus
+/// split, checked by its hash, same seed), measured at the default grid of ranks.
+fn curve(a: &CurveArgs) -> anyhow::Result<()> {
+    use scd_models::corpus::{self, Corpus};
+    use scd_models::translator::calibrate::{heldout_prompts, CalibrationText};
+    use scd_models::translator::{rank_curve, CalibrationConfig};
+    use scd_types::{CodeDType, Mode};
+
+    let dir = &a.translator;
+    let mut t = Translator::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let before = t.hash();
+    let (producer, tok) = super::generate::load(&a.producer)?;
+    let consumer_base = match &a.consumer {
+        Some(p) if p != &a.producer => super::generate::load(p)?.0,
+        _ => producer.clone(),
+    };
+    let experts = a
+        .consumer_adapters
+        .iter()
+        .map(|p| super::calibrate::load_expert(&consumer_base, p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let m = &t.manifest;
+    let cal = &m.calibration;
+    let corpus = Corpus::open(&cal.corpus, &a.dirs.data_dir)
+        .with_context(|| format!("opening the calibration corpus {}", cal.corpus))?;
+    anyhow::ensure!(
+        corpus.train_sha256 == cal.text_sha256,
+        "the {} train split here ({}) is not the text the translator was calibrated on ({})",
+        cal.corpus,
+        &corpus.train_sha256[..12.min(corpus.train_sha256.len())],
+        &cal.text_sha256[..12.min(cal.text_sha256.len())]
+    );
+    let tokens = corpus::tokenize_long(&tok, &corpus.train).context("tokenising")?;
+    let metric = |k: &str, d: usize| {
+        m.metrics
+            .get(k)
+            .and_then(|v| v.as_u64())
+            .map_or(d, |v| v as usize)
+    };
+    let cfg = CalibrationConfig {
+        prefixes: cal.prefixes,
+        heldout: cal.heldout,
+        prefix_tokens: cal.prefix_tokens,
+        heldout_prefix_tokens: metric("heldout_prefix_tokens", 256),
+        heldout_continuation: metric("heldout_continuation", 32),
+        seed: a.seed,
+        ..CalibrationConfig::for_model(m.kv_dim)
+    };
+    let text = CalibrationText {
+        corpus: &cal.corpus,
+        split: &cal.split,
+        sha256: &cal.text_sha256,
+        tokens: &tokens,
+    };
+    let prompts = heldout_prompts(&text, &cfg)?;
+    let grid = rank_curve::default_grid(m.r_max);
+    let models: Vec<&scd_models::Llama> = experts.iter().map(|(_, e)| e).collect();
+    let bar = crate::progress::Progress::new((grid.len() * 2) as u64, "points")?;
+    let shared = std::sync::Arc::new(t.clone());
+    let measured = rank_curve::measure(
+        &shared,
+        &producer,
+        &models,
+        &prompts,
+        cfg.heldout_continuation,
+        &grid,
+        &[Mode::Reuse, Mode::Scd],
+        CodeDType::F16,
+        |done, total| bar.set(done as u64, total as u64),
+    )
+    .context("measuring the curve")?;
+    bar.finish();
+    for p in &measured.points {
+        let kl: Vec<String> = p.kl.iter().map(|k| format!("{k:.4}")).collect();
+        println!(
+            "{:<6} {}: KL {}",
+            p.mode.to_string(),
+            p.ranks,
+            kl.join(" / ")
+        );
+    }
+    t.manifest.rank_curve = Some(measured);
+    let after = t
+        .save(dir)
+        .with_context(|| format!("writing {}", dir.display()))?;
+    anyhow::ensure!(
+        after == before,
+        "rewriting {} changed its weights ({} -> {}): this build stores them differently",
+        dir.display(),
+        before.short(),
+        after.short()
+    );
+    println!(
+        "{}: curve of {} points written ({})",
+        dir.display(),
+        grid.len() * 2,
+        after.short()
+    );
+    Ok(())
 }
 
 fn convert(from: &Path, to: &Path, dtype: WeightsDtype) -> anyhow::Result<()> {

@@ -1,6 +1,7 @@
 //! Transport settings: link profile, timeouts, caps, pacing; and the quinn transport config
 //! derived from them.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +76,9 @@ pub struct TransportOptions {
     pub open_timeout: Duration,
     /// Emulate a link of this bandwidth on every connection of the endpoint.
     pub pacing: Option<PacingOptions>,
+    /// Emulate a link of its own to some peers, by the peer's certificate name (overrides
+    /// `pacing` for them): what a test or a demo of links of different speeds needs.
+    pub pacing_to: BTreeMap<String, PacingOptions>,
     /// The protocol version offered in ALPN. Leave it at [`PROTOCOL_VERSION`]; other values exist
     /// to test version negotiation.
     pub protocol_version: u16,
@@ -93,12 +97,18 @@ impl Default for TransportOptions {
             send_queue_frames: 4,
             open_timeout: Duration::from_secs(10),
             pacing: None,
+            pacing_to: BTreeMap::new(),
             protocol_version: PROTOCOL_VERSION,
         }
     }
 }
 
 impl TransportOptions {
+    /// The pacing of what this endpoint sends to `peer`, if any.
+    pub fn pacing_for(&self, peer: &str) -> Option<PacingOptions> {
+        self.pacing_to.get(peer).copied().or(self.pacing)
+    }
+
     /// The ALPN identifier for the configured protocol version.
     pub fn alpn(&self) -> Vec<u8> {
         alpn_for(self.protocol_version)

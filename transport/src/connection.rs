@@ -38,7 +38,10 @@ pub struct Connection {
 
 impl Connection {
     pub(crate) fn new(inner: quinn::Connection, peer: PeerIdentity, shared: Arc<Shared>) -> Self {
-        let pacer = shared.opts.pacing.map(|p| Arc::new(Pacer::new(p)));
+        let pacer = shared
+            .opts
+            .pacing_for(&peer.name)
+            .map(|p| Arc::new(Pacer::new(p)));
         Self {
             inner,
             peer,

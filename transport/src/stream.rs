@@ -16,7 +16,7 @@
 //! closed-connection error on the other.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quinn::{ConnectionError, RecvStream, SendStream, VarInt, WriteError};
 use tokio::sync::{mpsc, oneshot};
@@ -93,12 +93,37 @@ pub enum ReportError {
 }
 
 /// What a finished job stream carried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SendReport {
     /// Frames sent, the Open frame included.
     pub frames: u64,
     /// Bytes sent, frame headers included.
     pub bytes: u64,
+    /// Bytes of the frames that were already queued when the writer was ready for them: while
+    /// those went out, the link (or the peer's reading) and not the producer set the pace.
+    pub backlogged_bytes: u64,
+    /// Time those frames' writes took (each waits on pacing, flow control and QUIC's send
+    /// window), plus the wait from the last write until the peer had read everything.
+    pub backlogged_busy: Duration,
+    /// Time every frame's write took, plus that last wait.
+    pub write_busy: Duration,
+}
+
+impl SendReport {
+    /// Bytes per second the link carried this job at, not counting time spent waiting for
+    /// the producer's next frame. From the frames that queued behind the link when there are
+    /// any (after an idle spell a link sends a burst faster than it can keep up, so frames the
+    /// writer had to wait for would overstate it); otherwise the link was never the
+    /// bottleneck, and every frame's write time is all there is to go by (an upper estimate).
+    /// `None` when no time was measured.
+    pub fn link_rate(&self) -> Option<f64> {
+        let rate = |bytes: u64, busy: Duration| {
+            let secs = busy.as_secs_f64();
+            (bytes > 0 && secs > 0.0).then(|| bytes as f64 / secs)
+        };
+        rate(self.backlogged_bytes, self.backlogged_busy)
+            .or_else(|| rate(self.bytes, self.write_busy))
+    }
 }
 
 /// What job streams need from the connection and endpoint they run on.
@@ -370,12 +395,27 @@ async fn pump(
     report: &mut SendReport,
 ) -> Result<(), WriteError> {
     let mut next = Some(first);
-    while let Some(frame) = match next.take() {
-        Some(f) => Some(f),
-        None => rx.recv().await,
-    } {
+    loop {
+        let (frame, queued) = match next.take() {
+            Some(f) => (f, false),
+            None => match rx.try_recv() {
+                Ok(f) => (f, true),
+                Err(mpsc::error::TryRecvError::Empty) => match rx.recv().await {
+                    Some(f) => (f, false),
+                    None => break,
+                },
+                Err(mpsc::error::TryRecvError::Disconnected) => break,
+            },
+        };
         let len = frame.len();
+        let started = Instant::now();
         write_encoded(send, frame, pacer).await?;
+        let took = started.elapsed();
+        report.write_busy += took;
+        if queued {
+            report.backlogged_busy += took;
+            report.backlogged_bytes += len as u64;
+        }
         report.frames += 1;
         report.bytes += len as u64;
     }
@@ -390,10 +430,8 @@ async fn writer(
     mut cancel: oneshot::Receiver<()>,
     _guard: TaskGuard,
 ) -> Result<SendReport, SendError> {
-    let mut report = SendReport {
-        frames: 0,
-        bytes: 0,
-    };
+    let mut report = SendReport::default();
+    let mut pumped_at = None;
     let mut reader = FrameReader::new(CONTROL_MAX_FRAME_BYTES, None);
     let event = {
         let pump = pump(
@@ -417,7 +455,10 @@ async fn writer(
                 }
                 reply = &mut watch => break Ok(SenderEvent::Replied { reply, all_sent: pumped }),
                 r = &mut pump, if !pumped => match r {
-                    Ok(()) => pumped = true,
+                    Ok(()) => {
+                        pumped = true;
+                        pumped_at = Some(Instant::now());
+                    }
                     Err(e) => break Err(e),
                 },
             }
@@ -438,6 +479,13 @@ async fn writer(
         Err(WriteError::ConnectionLost(c)) => SenderEvent::WriteLost(connection_loss(c)),
         Err(WriteError::ClosedStream | WriteError::ZeroRttRejected) => SenderEvent::WriteClosed,
     };
+    if let Some(t) = pumped_at {
+        let drain = t.elapsed();
+        report.write_busy += drain;
+        if report.backlogged_bytes > 0 {
+            report.backlogged_busy += drain;
+        }
+    }
     let (action, result) = sender_end(event);
     carry_out(action, &mut w.send, &mut w.back).await;
     result.map(|()| report)

@@ -668,6 +668,89 @@ async fn a_paced_connection_delivers_every_byte() {
     sender.await.unwrap();
 }
 
+/// A link paced for one peer only, and a producer that sends in bursts with pauses between
+/// them (as an encoder does when its prefill is slower than the link): the report's link rate
+/// is the paced rate, where bytes over the stream's whole time would be far below it.
+#[tokio::test]
+async fn the_send_report_measures_a_peers_paced_link_not_the_senders_pauses() {
+    const RATE_BPS: u64 = 40_000_000;
+    const FRAME: usize = 200_000;
+    let client_opts = TransportOptions {
+        pacing_to: [("node-a".to_string(), PacingOptions::rate(RATE_BPS))].into(),
+        ..TransportOptions::default()
+    };
+    assert_eq!(client_opts.pacing_for("node-b"), None);
+    let p = pair_with(
+        &ClusterCa::generate("t").unwrap(),
+        TransportOptions::default(),
+        client_opts,
+    )
+    .await;
+    let job = jid(13);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
+    let started = std::time::Instant::now();
+    let sender = tokio::spawn(async move {
+        for burst in 0..3u16 {
+            for l in 0..3 {
+                tx.send(frame(job, burst * 3 + l, CodeKind::QUANT_K, FRAME))
+                    .await
+                    .unwrap();
+            }
+            // Longer than the burst takes on the link (3 x 40 ms), so the writer goes idle.
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+        tx.finish().await.unwrap()
+    });
+    let mut rx = p.to_client.accept_job().await.unwrap();
+    let mut n = 0;
+    while let Some(Message::Code(_)) = rx.next().await.unwrap() {
+        n += 1;
+    }
+    assert_eq!(n, 9);
+    let report = sender.await.unwrap();
+    let whole = report.bytes as f64 / started.elapsed().as_secs_f64();
+    let link = report.link_rate().expect("frames waited for the link");
+    let paced = RATE_BPS as f64 / 8.0;
+    assert!(
+        report.backlogged_bytes >= 6 * FRAME as u64,
+        "{report:?}: most frames queue behind the paced link"
+    );
+    assert!(whole < 0.8 * paced, "pauses count in the whole: {whole}");
+    assert!(
+        (0.5 * paced..1.25 * paced).contains(&link),
+        "link rate {link} B/s for a link paced at {paced} B/s ({report:?})"
+    );
+}
+
+/// A sender slower than its link never has a frame waiting: the report does not mistake the
+/// sender's pace for the link's.
+#[tokio::test]
+async fn a_sender_slower_than_its_link_is_not_taken_for_the_link() {
+    let p = pair().await;
+    let job = jid(14);
+    let mut tx = p.to_server.open_job(job, no_trace()).await.unwrap();
+    let started = std::time::Instant::now();
+    let sender = tokio::spawn(async move {
+        for l in 0..3 {
+            tx.send(frame(job, l, CodeKind::QUANT_K, 100_000))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tx.finish().await.unwrap()
+    });
+    let mut rx = p.to_client.accept_job().await.unwrap();
+    while let Some(Message::Code(_)) = rx.next().await.unwrap() {}
+    let report = sender.await.unwrap();
+    let sender_pace = report.bytes as f64 / started.elapsed().as_secs_f64();
+    assert_eq!(report.backlogged_bytes, 0, "{report:?}");
+    let link = report.link_rate().unwrap();
+    assert!(
+        link > 4.0 * sender_pace,
+        "{link} vs the sender's {sender_pace}"
+    );
+}
+
 #[tokio::test]
 async fn frames_can_be_read_in_place() {
     let p = pair().await;

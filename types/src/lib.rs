@@ -7,7 +7,7 @@
 //! for the wire).
 //!
 //! Files: [`job`] (job id and state machine), [`mode`] (the transfer modes), [`translator`] (the
-//! content hash that names a translator version), [`trace`] (the propagated trace context),
+//! content hash that names a translator version, and the ranks of its codes), [`trace`] (the propagated trace context),
 //! [`code`] (a layer's codes as bytes plus a typed description).
 #![warn(missing_docs)]
 
@@ -21,4 +21,4 @@ pub use code::{CodeDType, CodeKind, LayerCode};
 pub use job::{JobId, JobRequest, JobResult, JobState, ParseJobIdError, ParseJobStateError};
 pub use mode::{Mode, ParseModeError};
 pub use trace::{TraceContext, TraceContextError, TraceEntry};
-pub use translator::{ParseTranslatorHashError, TranslatorHash};
+pub use translator::{ParseRanksError, ParseTranslatorHashError, Ranks, TranslatorHash};

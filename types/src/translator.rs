@@ -80,6 +80,56 @@ impl<'de> Deserialize<'de> for TranslatorHash {
     }
 }
 
+/// The ranks of a translator's three codes: `Z_K` and `Z_V` (Reuse, every layer) and `Z_H`
+/// (Patch layers). Translators store nested codes up to some `r_max`, so any ranks up to it
+/// can be asked for per job; text form `k=96,v=192,h=128`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Ranks {
+    /// Rank of `Z_K`.
+    pub k: usize,
+    /// Rank of `Z_V`.
+    pub v: usize,
+    /// Rank of `Z_H` (Patch layers).
+    pub h: usize,
+}
+
+impl fmt::Display for Ranks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "k={},v={},h={}", self.k, self.v, self.h)
+    }
+}
+
+/// A text that is not `k=..,v=..,h=..`.
+#[derive(Debug, thiserror::Error)]
+#[error("bad ranks {0:?}: expected k=<n>,v=<n>,h=<n>, e.g. k=96,v=192,h=128")]
+pub struct ParseRanksError(String);
+
+impl FromStr for Ranks {
+    type Err = ParseRanksError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ParseRanksError(s.to_string());
+        let mut r = [None; 3];
+        for part in s.split(',') {
+            let (name, value) = part.trim().split_once('=').ok_or_else(bad)?;
+            let slot = match name.trim() {
+                "k" => 0,
+                "v" => 1,
+                "h" => 2,
+                _ => return Err(bad()),
+            };
+            let n: usize = value.trim().parse().map_err(|_| bad())?;
+            if r[slot].replace(n).is_some() {
+                return Err(bad());
+            }
+        }
+        match r {
+            [Some(k), Some(v), Some(h)] => Ok(Ranks { k, v, h }),
+            _ => Err(bad()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +145,27 @@ mod tests {
         assert_eq!(serde_json::from_str::<TranslatorHash>(&json).unwrap(), h);
         for bad in ["", "ab", &"g".repeat(64), &"a".repeat(66)] {
             assert!(bad.parse::<TranslatorHash>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn ranks_read_back_their_text_and_refuse_anything_else() {
+        let r = Ranks {
+            k: 96,
+            v: 192,
+            h: 128,
+        };
+        assert_eq!(r.to_string(), "k=96,v=192,h=128");
+        assert_eq!("k=96,v=192,h=128".parse::<Ranks>().unwrap(), r);
+        assert_eq!(" h=128, v=192 ,k=96".parse::<Ranks>().unwrap(), r);
+        for bad in [
+            "",
+            "k=96,v=192",
+            "k=96,v=192,h=128,k=1",
+            "k=a,v=1,h=1",
+            "q=1,v=1,h=1",
+        ] {
+            assert!(bad.parse::<Ranks>().is_err(), "{bad}");
         }
     }
 }

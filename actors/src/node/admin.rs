@@ -382,6 +382,7 @@ fn summary(job: &JobRecord) -> String {
         "payload_bytes": job.payload_bytes,
         "cached_prefix_tokens": job.cached_prefix_tokens,
         "translator": job.translator.map(|h| h.to_string()),
+        "ranks": job.ranks,
         "timings_ms": job.timings_ms,
         "traceparent": job.trace.get("traceparent"),
     })

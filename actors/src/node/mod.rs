@@ -155,6 +155,7 @@ impl Node {
 
         let transport = TransportOptions {
             send_queue_frames: config.limits.frames_in_flight.get(),
+            pacing_to: config.pacing_to(),
             ..TransportOptions::default()
         };
         let endpoint = Endpoint::bind(config.node.listen, identity, transport.clone())?;
@@ -247,6 +248,11 @@ impl Node {
                 code_dtype: config.codec.code_dtype.dtype(),
                 ..CodecOptions::default()
             },
+            ranks: crate::rank_planner::RankPlanner::new(
+                config.codec.ranks,
+                config.rank_policy(),
+                config.codec.code_dtype.dtype(),
+            ),
             queues: PipelineOptions {
                 transport,
                 ..PipelineOptions::default()

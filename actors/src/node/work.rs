@@ -58,6 +58,9 @@ pub(crate) struct Work {
     /// The translator versions of its experts, following the cluster's live ones.
     pub translators: NodeTranslators,
     pub codec_options: CodecOptions,
+    /// How this producer picks the ranks of a job's codes, and the link and prefill speeds
+    /// it has measured for it.
+    pub ranks: crate::rank_planner::RankPlanner,
     pub queues: PipelineOptions,
     /// Whether this node prefills.
     pub producer_role: bool,
@@ -227,11 +230,21 @@ impl Work {
         let attempt = job.attempts;
         let me = self.id.clone();
         // The version this attempt's codes are made with: the live one now, stamped on the
-        // record as the attempt is claimed so that the consumer rebuilds with the same one.
-        let stamp = match uses_translator(job.mode) {
-            true => self.translators.current(&job.expert).ok().map(|v| v.hash()),
+        // record as the attempt is claimed so that the consumer rebuilds with the same one;
+        // likewise the ranks, chosen for the link to the job's consumer as it is now.
+        let version = match uses_translator(job.mode) {
+            true => self.translators.current(&job.expert).ok(),
             false => None,
         };
+        let stamp = version.as_ref().map(|v| v.hash());
+        let ranks = version.as_ref().and_then(|v| {
+            let rows = job.request.as_ref()?.prompt.len().saturating_sub(1);
+            let consumer = job.consumer.as_deref()?;
+            Some(
+                self.ranks
+                    .plan(&v.translator, v.index, job.mode, rows, consumer),
+            )
+        });
         // The job store waits out a brief etcd outage, so a claim whose answer was lost is
         // found applied on its retry rather than left assigned to this node for ever.
         let claimed = self
@@ -243,6 +256,7 @@ impl Work {
                 if ours {
                     j.transition(JobState::Prefilling, now_ms())?;
                     j.translator = stamp;
+                    j.ranks = ranks;
                 }
                 Ok(())
             })
@@ -287,6 +301,14 @@ impl Work {
                 let transfer = ms(Some(done.sent.span));
                 let bytes = done.sent.wire_bytes;
                 let total = started.elapsed().as_secs_f64() * 1e3;
+                if let Some(consumer) = job.consumer.as_deref() {
+                    self.ranks
+                        .observe_transfer(consumer, bytes, done.sent.link_rate);
+                }
+                if let (Some(ms), Some(r)) = (prefill, job.request.as_ref()) {
+                    let computed = r.prompt.len().saturating_sub(1 + done.cached_tokens);
+                    self.ranks.observe_prefill(computed, ms / 1e3);
+                }
                 let spans: Vec<(&str, StageSpan)> = [
                     ("prefill", done.prefill),
                     ("encode", done.encoded.span),
@@ -336,7 +358,7 @@ impl Work {
                             },
                         })
                         .collect();
-                    let attrs = vec![
+                    let mut attrs = vec![
                         KeyValue::new("scd.job", id.to_string()),
                         KeyValue::new("scd.node", me.clone()),
                         KeyValue::new("scd.expert", job.expert.clone()),
@@ -345,6 +367,15 @@ impl Work {
                         KeyValue::new("scd.translator", translator_name(&job)),
                         KeyValue::new("scd.ranks", self.ranks_name(&job)),
                     ];
+                    if let Some(c) = job.ranks {
+                        attrs.push(KeyValue::new("scd.ranks_rule", c.rule.name()));
+                        if let Some(m) = c.link_mbit {
+                            attrs.push(KeyValue::new("scd.link_mbit", m));
+                        }
+                        if let Some(kl) = c.curve_kl {
+                            attrs.push(KeyValue::new("scd.ranks_curve_kl", kl));
+                        }
+                    }
                     let whole = wall(started, Instant::now());
                     t.record_half(&job.trace, "producer", whole, attrs, stages, None);
                 }
@@ -791,10 +822,14 @@ impl Work {
             None => self.translators.current(&job.expert),
         }
         .map_err(|e| Refusal::Translator(e.to_string()))?;
+        let options = CodecOptions {
+            ranks: job.ranks.map(|c| c.ranks).or(self.codec_options.ranks),
+            ..self.codec_options
+        };
         JobCodec::for_mode(
             job.mode,
             Some((&version.translator, version.index)),
-            &self.codec_options,
+            &options,
         )
         .map_err(|e| Refusal::Codec(e.to_string()))
     }
@@ -846,13 +881,13 @@ impl Work {
 
 impl Work {
     /// The code ranks of a job's `reuse` / `scd` codes as `k=..,v=..,h=..`, for traces (`none`
-    /// for other modes): the node's configured ranks, else the translator version's defaults.
+    /// for other modes): the record's, else the translator version's defaults.
     fn ranks_name(&self, job: &JobRecord) -> String {
         use scd_scheduler::Mode;
         if !matches!(job.mode, Mode::Reuse | Mode::Scd) {
             return "none".into();
         }
-        let ranks = self.codec_options.ranks.or_else(|| {
+        let ranks = job.ranks.map(|c| c.ranks).or_else(|| {
             let version = match job.translator {
                 Some(hash) => self.translators.find(&job.expert, hash),
                 None => self.translators.current(&job.expert).ok(),
@@ -860,7 +895,7 @@ impl Work {
             version.map(|v| v.translator.manifest.default_ranks)
         });
         match ranks {
-            Some(r) => format!("k={},v={},h={}", r.k, r.v, r.h),
+            Some(r) => r.to_string(),
             None => "none".into(),
         }
     }

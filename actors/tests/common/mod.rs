@@ -186,10 +186,13 @@ pub fn config_with(
     } else {
         String::new()
     };
+    // The translator's default ranks, so that results compare with the in-process
+    // references; adaptive ranks have tests of their own.
     let text = format!(
         "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n{extra}\n\
          [models]\nbase = \"{}\"\n\n{experts}\n[store]\nkind = \"embedded\"\n\n\
-         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n",
+         [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n\n\
+         [codec]\nranks = \"default\"\n",
         model_path().display()
     );
     NodeConfig::parse(&text, &repo()).unwrap()

@@ -107,6 +107,21 @@ impl Translated {
     pub fn patch_layers(&self) -> &[usize] {
         &self.patch
     }
+
+    /// The bytes this codec's payload for a prefix of `rows` tokens puts on the wire, known
+    /// before anything is encoded (what a choice of ranks for a link needs).
+    pub fn payload_bytes(&self, rows: usize) -> u64 {
+        let len = |r: usize| {
+            LayerCode::expected_len(self.dtype, &[rows as u32, r as u32]).unwrap_or(usize::MAX)
+                as u64
+        };
+        (0..self.translator.layers.len())
+            .map(|l| match self.is_patch(l) {
+                true => len(self.ranks.h),
+                false => len(self.ranks.k).saturating_add(len(self.ranks.v)),
+            })
+            .fold(0u64, u64::saturating_add)
+    }
 }
 
 fn code(

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+pub use scd_types::Ranks;
 use scd_types::TranslatorHash;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -85,17 +86,6 @@ pub struct ConsumerRef {
     pub model: ModelRef,
 }
 
-/// Ranks of the three codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Ranks {
-    /// Rank of `Z_K`.
-    pub k: usize,
-    /// Rank of `Z_V`.
-    pub v: usize,
-    /// Rank of `Z_H` (Patch layers).
-    pub h: usize,
-}
-
 /// Where the calibration data came from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CalibrationInfo {
@@ -161,6 +151,11 @@ pub struct TranslatorManifest {
     /// How the weights file stores its tensors (they are f32 in memory either way).
     #[serde(default)]
     pub weights_dtype: WeightsDtype,
+    /// Held-out quality at a grid of ranks ([`super::rank_curve`]), what a producer needs to
+    /// size codes for a link; absent in translators measured before it existed (`scd
+    /// translators curve` adds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_curve: Option<super::rank_curve::RankCurve>,
 }
 
 /// The storage type of a translator's weights file.

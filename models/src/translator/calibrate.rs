@@ -11,7 +11,9 @@
 //!    aligner per layer and consumer.
 //! 4. On the held-out prompts, measure raw, Reuse and Patch per layer, choose the Patch layers
 //!    greedily (and DroidSpeak's recompute blocks the same way), and record the curves.
-//! 5. Assemble the translator with its manifest. The caller saves it.
+//! 5. Assemble the translator with its manifest, and measure its quality at a grid of ranks on
+//!    the same held-out prompts (the curve a producer sizes codes for a link with). The
+//!    caller saves it.
 
 use std::time::Instant;
 
@@ -33,6 +35,7 @@ use super::select::{greedy, knee, HeldOutPrompt};
 use super::TranslatorError;
 use crate::cache::KvCache;
 use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, Proj};
+use scd_types::{CodeDType, Mode};
 
 /// How many Patch layers to use.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,6 +91,9 @@ pub struct CalibrationConfig {
     pub droidspeak_blocks: usize,
     /// A label for the version (the content hash identifies it).
     pub version: String,
+    /// Measure the quality-vs-ranks curve ([`super::rank_curve`]) at the end, on the held-out
+    /// prompts, at this grid of (K, V) ranks (`None`: not measured).
+    pub rank_grid: Option<Vec<(usize, usize)>>,
 }
 
 impl CalibrationConfig {
@@ -122,6 +128,11 @@ impl CalibrationConfig {
             droidspeak_block: 2,
             droidspeak_blocks: 3,
             version: "cal".into(),
+            rank_grid: Some(super::rank_curve::default_grid(Ranks {
+                k: kv_dim,
+                v: kv_dim,
+                h: 256,
+            })),
         }
     }
 }
@@ -262,6 +273,36 @@ impl PhaseClock {
     }
 }
 
+/// The fitting prompts, the held-out prompts, and the generator after drawing them (row
+/// sampling and aligner training go on with it).
+type Prompts = (Vec<Vec<u32>>, Vec<Vec<u32>>, StdRng);
+
+/// The prompts of a calibration ([`Prompts`]).
+fn prompts(
+    text: &CalibrationText<'_>,
+    cfg: &CalibrationConfig,
+) -> Result<Prompts, TranslatorError> {
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let heldout_len = cfg.heldout_prefix_tokens + 1 + cfg.heldout_continuation;
+    let fit_prompts = spread_windows(text.tokens, cfg.prefixes, cfg.prefix_tokens, &mut rng)?;
+    // Held-out prompts come from the stretch after the fitting ones' sample: a separate draw
+    // over the whole text would overlap them; instead take them from the text's last tenth,
+    // which the fitting prompts cover only in proportion.
+    let tail = &text.tokens[text.tokens.len() * 9 / 10..];
+    let held_prompts = spread_windows(tail, cfg.heldout, heldout_len, &mut rng)?;
+    Ok((fit_prompts, held_prompts, rng))
+}
+
+/// The held-out prompts a calibration with `cfg` on `text` measures its choices on: what a
+/// later measurement of an existing translator (its rank curve) must use to stay on text the
+/// fit never saw.
+pub fn heldout_prompts(
+    text: &CalibrationText<'_>,
+    cfg: &CalibrationConfig,
+) -> Result<Vec<Vec<u32>>, TranslatorError> {
+    Ok(prompts(text, cfg)?.1)
+}
+
 /// Runs the calibration; see the module doc. `consumers` are `(name, model)`.
 pub fn calibrate(
     producer: &Llama,
@@ -292,14 +333,7 @@ pub fn calibrate(
             r.k, r.v, r.h
         )));
     }
-    let mut rng = StdRng::seed_from_u64(cfg.seed);
-    let heldout_len = cfg.heldout_prefix_tokens + 1 + cfg.heldout_continuation;
-    let fit_prompts = spread_windows(text.tokens, cfg.prefixes, cfg.prefix_tokens, &mut rng)?;
-    // Held-out prompts come from the stretch after the fitting ones' sample: a separate draw
-    // over the whole text would overlap them; instead take them from the text's last tenth,
-    // which the fitting prompts cover only in proportion.
-    let tail = &text.tokens[text.tokens.len() * 9 / 10..];
-    let held_prompts = spread_windows(tail, cfg.heldout, heldout_len, &mut rng)?;
+    let (fit_prompts, held_prompts, mut rng) = prompts(text, cfg)?;
 
     // 2. Moments and aligner rows.
     clock.begin(
@@ -680,11 +714,45 @@ pub fn calibrate(
         },
         metrics,
         weights_dtype: WeightsDtype::F32,
+        rank_curve: None,
     };
-    Ok(Translator {
+    let translator = Translator {
         manifest,
         layers: layers_out,
-    })
+    };
+    let Some(grid) = &cfg.rank_grid else {
+        return Ok(translator);
+    };
+    clock.begin(
+        format!("measuring {} rank choices per mode", grid.len()),
+        &mut on_event,
+    );
+    let translator = std::sync::Arc::new(translator);
+    let models: Vec<&Llama> = consumers.iter().map(|(_, c)| *c).collect();
+    let curve = super::rank_curve::measure(
+        &translator,
+        producer,
+        &models,
+        &held_prompts,
+        cfg.heldout_continuation,
+        grid,
+        &[Mode::Reuse, Mode::Scd],
+        CodeDType::F16,
+        |done, total| on_event(&CalibrateEvent::Progress { done, total }),
+    )?;
+    clock.end(&mut on_event);
+    let mut translator =
+        std::sync::Arc::try_unwrap(translator).unwrap_or_else(|shared| (*shared).clone());
+    translator.manifest.rank_curve = Some(curve);
+    if let Some(phases) = translator.manifest.metrics.get_mut("phase_seconds") {
+        *phases = json!(clock
+            .done
+            .iter()
+            .map(|(p, s)| json!({"phase": p, "seconds": s}))
+            .collect::<Vec<_>>());
+    }
+    translator.manifest.calibration.seconds = started.elapsed().as_secs_f64();
+    Ok(translator)
 }
 
 /// Per layer, the share of the joint rows' variance the first `rank` components carry (a

@@ -11,7 +11,8 @@
 //! [`aligner`] (the Patch MLP), [`artifact`] (the manifest and the safetensors file, with the
 //! checks a loader makes), [`calibrate`] (the `scd calibrate` pipeline), [`select`] (measuring
 //! quality on held-out calibration prompts, and choosing the Patch layers and DroidSpeak
-//! blocks with it).
+//! blocks with it), [`rank_curve`] (quality at a grid of ranks, and the choice of ranks for a
+//! link).
 
 use std::path::PathBuf;
 
@@ -22,6 +23,7 @@ pub mod artifact;
 pub mod calibrate;
 pub mod low_rank;
 pub mod moments;
+pub mod rank_curve;
 pub mod select;
 
 pub use aligner::{Aligner, AlignerConfig};
@@ -31,6 +33,7 @@ pub use artifact::{
 };
 pub use calibrate::{calibrate, CalibrateEvent, CalibrationConfig, PatchChoice};
 pub use low_rank::{FitOptions, LowRankCode};
+pub use rank_curve::{LinkEstimate, RankChoice, RankCurve, RankPoint, RankPolicy};
 
 /// Errors of fitting, saving, loading or applying a translator.
 #[derive(Debug, thiserror::Error)]

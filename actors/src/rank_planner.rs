@@ -1,0 +1,187 @@
+//! How a producer node sizes a job's codes for the link they cross.
+//!
+//! Translators store nested codes, so any ranks up to `r_max` can be sent without
+//! recalibrating, and each translator carries its held-out quality at a grid of ranks
+//! ([`scd_models::translator::rank_curve`]). What the producer adds is what it measures: the
+//! throughput of its recent transfers to each consumer node (every job's stream reports the
+//! time the link set the pace, [`scd_transport::SendReport::link_busy`]) and its own prefill
+//! speed. At claim time it picks the ranks that minimise the job's expected time to first
+//! token under the configured KL ceiling, and the record carries the choice and its grounds.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use scd_models::translator::rank_curve::{self, LinkEstimate};
+use scd_models::translator::{RankPolicy, Translator};
+use scd_scheduler::{Mode, RanksChoice, RanksRule};
+use scd_transport::CodeDType;
+
+use crate::config::RankSetting;
+
+/// Transfers smaller than this say little about a link: they fit in the pacer's burst or
+/// QUIC's first window, and their time is mostly round trips.
+pub const MIN_SAMPLE_BYTES: u64 = 512 << 10;
+
+/// Weight of a new measurement in a link's running estimate: links change (other traffic,
+/// another route), and the last few jobs are the best guide to the next one.
+const NEW_SAMPLE_WEIGHT: f64 = 0.5;
+
+/// The producer's rank rule and what it has measured.
+#[derive(Debug)]
+pub struct RankPlanner {
+    setting: RankSetting,
+    policy: RankPolicy,
+    dtype: CodeDType,
+    /// Bytes per second to each consumer node, by node id.
+    links: Mutex<HashMap<String, f64>>,
+    /// Seconds of prefill per prompt token.
+    prefill_per_token: Mutex<Option<f64>>,
+}
+
+fn blend(old: Option<f64>, sample: f64) -> f64 {
+    match old {
+        Some(o) => o + NEW_SAMPLE_WEIGHT * (sample - o),
+        None => sample,
+    }
+}
+
+impl RankPlanner {
+    /// A planner with nothing measured yet.
+    pub fn new(setting: RankSetting, policy: RankPolicy, dtype: CodeDType) -> Self {
+        Self {
+            setting,
+            policy,
+            dtype,
+            links: Mutex::new(HashMap::new()),
+            prefill_per_token: Mutex::new(None),
+        }
+    }
+
+    /// A finished transfer of `bytes` to `peer`, carried at `rate` bytes per second
+    /// ([`scd_transport::SendReport::link_rate`]).
+    pub fn observe_transfer(&self, peer: &str, bytes: u64, rate: Option<f64>) {
+        let Some(rate) = rate.filter(|r| r.is_finite() && *r > 0.0) else {
+            return;
+        };
+        if bytes < MIN_SAMPLE_BYTES {
+            return;
+        }
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let old = links.get(peer).copied();
+        links.insert(peer.to_string(), blend(old, rate));
+    }
+
+    /// A prefill of `tokens` tokens took `secs` seconds.
+    pub fn observe_prefill(&self, tokens: usize, secs: f64) {
+        if tokens == 0 || !(secs.is_finite() && secs > 0.0) {
+            return;
+        }
+        let mut p = self
+            .prefill_per_token
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *p = Some(blend(*p, secs / tokens as f64));
+    }
+
+    /// The link estimate to `peer`, bytes per second.
+    pub fn link(&self, peer: &str) -> Option<f64> {
+        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.get(peer).copied()
+    }
+
+    /// The ranks of a job of `mode` on consumer `expert` of `translator`, whose prefix of
+    /// `rows` tokens goes to `peer`.
+    pub fn plan(
+        &self,
+        translator: &Arc<Translator>,
+        expert: usize,
+        mode: Mode,
+        rows: usize,
+        peer: &str,
+    ) -> RanksChoice {
+        let defaults = |rule| RanksChoice {
+            ranks: translator.manifest.default_ranks,
+            rule,
+            link_mbit: None,
+            curve_kl: None,
+        };
+        match self.setting {
+            RankSetting::Default => return defaults(RanksRule::Default),
+            RankSetting::Fixed(ranks) => {
+                return RanksChoice {
+                    ranks,
+                    ..defaults(RanksRule::Fixed)
+                }
+            }
+            RankSetting::Adaptive => {}
+        }
+        let Some(curve) = &translator.manifest.rank_curve else {
+            return defaults(RanksRule::NoCurve);
+        };
+        let Some(bytes_per_sec) = self.link(peer) else {
+            return defaults(RanksRule::Unmeasured);
+        };
+        let per_token = *self
+            .prefill_per_token
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let link = LinkEstimate {
+            bytes_per_sec,
+            prefill_secs: per_token.unwrap_or(0.0) * rows as f64,
+        };
+        let link_mbit = Some(bytes_per_sec * 8.0 / 1e6);
+        match rank_curve::choose(
+            translator,
+            expert,
+            mode,
+            rows,
+            self.dtype,
+            &link,
+            &self.policy,
+        ) {
+            Some(c) => RanksChoice {
+                ranks: c.ranks,
+                rule: RanksRule::Adaptive,
+                link_mbit,
+                curve_kl: Some(c.kl),
+            },
+            // Nothing meets the ceiling: the best the translator can do, whatever it costs.
+            None => match curve
+                .points
+                .iter()
+                .filter(|p| p.mode == mode)
+                .filter_map(|p| Some((p.ranks, *p.kl.get(expert)?)))
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+            {
+                Some((ranks, kl)) => RanksChoice {
+                    ranks,
+                    rule: RanksRule::OverCeiling,
+                    link_mbit,
+                    curve_kl: Some(kl),
+                },
+                None => defaults(RanksRule::NoCurve),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_transfers_do_not_move_the_estimate_and_large_ones_blend() {
+        let p = RankPlanner::new(RankSetting::Adaptive, RankPolicy::default(), CodeDType::F16);
+        let n = MIN_SAMPLE_BYTES;
+        p.observe_transfer("c", n - 1, Some(1e9));
+        assert_eq!(p.link("c"), None);
+        p.observe_transfer("c", n, Some(100.0));
+        assert_eq!(p.link("c"), Some(100.0));
+        p.observe_transfer("c", n, Some(300.0));
+        assert_eq!(p.link("c"), Some(200.0));
+        p.observe_transfer("c", n, None);
+        p.observe_transfer("c", n, Some(f64::INFINITY));
+        assert_eq!(p.link("c"), Some(200.0));
+        assert_eq!(p.link("other"), None);
+    }
+}
