@@ -1,6 +1,6 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
-use super::{bench_decode, bench_docs, bench_memory, bench_model, bench_transport};
+use super::{bench_decode, bench_docs, bench_links, bench_memory, bench_model, bench_transport};
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
@@ -9,7 +9,8 @@ use super::{bench_decode, bench_docs, bench_memory, bench_model, bench_transport
     scd bench transport\n  \
     scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
     scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3\n  \
-    scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16")]
+    scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16\n  \
+    scd bench links --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --links 50,500,5000")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -41,6 +42,12 @@ enum Command {
     #[command(after_help = "Example:\n  \
         scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16")]
     Docs(bench_docs::Args),
+    /// Codes sized for the link: the same prompts over emulated links of several speeds as raw
+    /// KV, at the translator's default ranks and at ranks the producer picks for the link it
+    /// measured; ranks, payload, time to first token and KL per link.
+    #[command(after_help = "Example:\n  \
+        scd bench links --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --links 50,500,5000")]
+    Links(bench_links::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -50,5 +57,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Command::Memory(a) => bench_memory::run(a),
         Command::Decode(a) => bench_decode::run(a),
         Command::Docs(a) => bench_docs::run(a),
+        Command::Links(a) => bench_links::run(a),
     }
 }

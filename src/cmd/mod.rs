@@ -4,6 +4,7 @@ pub mod admin;
 pub mod bench;
 pub mod bench_decode;
 pub mod bench_docs;
+pub mod bench_links;
 pub mod bench_memory;
 pub mod bench_model;
 pub mod bench_transport;
