@@ -63,6 +63,10 @@ pub struct NodeConfig {
     /// `[links]`: link emulation.
     #[serde(default)]
     pub links: LinksConfig,
+    /// `[drift]`: the consumer's shadow checks of translated jobs (defaults when absent; see
+    /// [`NodeConfig::drift`]).
+    #[serde(default)]
+    pub drift: Option<DriftConfig>,
 }
 
 /// `[gateway]`: who may call the HTTP API and how its jobs reach the expert.
@@ -139,6 +143,34 @@ impl<'de> Deserialize<'de> for RankSetting {
             other => other.parse().map(Self::Fixed).map_err(|e| {
                 serde::de::Error::custom(format!("{e}, or \"adaptive\" or \"default\""))
             }),
+        }
+    }
+}
+
+/// `[drift]`: the drift guard of a consumer ([`crate::drift_guard`]).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DriftConfig {
+    /// `shadow_share`: the share of `reuse` / `scd` jobs also checked against the expert's own
+    /// prefill, in the background after they answer (0 turns the guard off). Default 0.02.
+    pub shadow_share: f64,
+    /// `kl_bound`: the mean shadow KL over the window above which the live translator version
+    /// is marked degraded. Default 0.5 (raw transfer of the shipped experts measures
+    /// 0.03-0.15 on held-out text; BENCHMARKS.md).
+    pub kl_bound: f64,
+    /// `window`: checks the mean is over (the most recent). Default 50.
+    pub window: usize,
+    /// `min_jobs`: checks needed before a version can be marked. Default 10.
+    pub min_jobs: usize,
+}
+
+impl Default for DriftConfig {
+    fn default() -> Self {
+        Self {
+            shadow_share: 0.02,
+            kl_bound: 0.5,
+            window: 50,
+            min_jobs: 10,
         }
     }
 }
@@ -675,6 +707,32 @@ impl NodeConfig {
                 format!("{} must be between 0 and 10, e.g. 0.05", c.rank_slack),
             ));
         }
+        if let Some(d) = &self.drift {
+            if !self.has_role(NodeRole::Consumer) {
+                return Err(unused("drift", "only consumers check their jobs"));
+            }
+            if !(0.0..=1.0).contains(&d.shadow_share) {
+                return Err(invalid(
+                    "drift.shadow_share",
+                    format!("{} must be between 0 and 1, e.g. 0.02", d.shadow_share),
+                ));
+            }
+            if !(d.kl_bound > 0.0 && d.kl_bound.is_finite()) {
+                return Err(invalid(
+                    "drift.kl_bound",
+                    format!("{} must be a positive number, e.g. 0.5", d.kl_bound),
+                ));
+            }
+            if d.window == 0 || d.min_jobs == 0 || d.min_jobs > d.window {
+                return Err(invalid(
+                    "drift.min_jobs",
+                    format!(
+                        "{} must be at least 1 and at most drift.window ({})",
+                        d.min_jobs, d.window
+                    ),
+                ));
+            }
+        }
         for (peer, &mbit) in &self.links.pace_mbit {
             pki::validate_name(peer).map_err(|e| invalid(format!("links.pace_mbit.{peer}"), e))?;
             if mbit == 0 {
@@ -685,6 +743,11 @@ impl NodeConfig {
             }
         }
         Ok(())
+    }
+
+    /// The drift guard's settings: `[drift]`, or its defaults.
+    pub fn drift(&self) -> DriftConfig {
+        self.drift.unwrap_or_default()
     }
 
     /// The producer's rule for adaptive ranks, from `[codec]`.
@@ -1081,6 +1144,37 @@ frames_in_flight = 16
         }
         let err = parse(&(VALID.to_owned() + "\n[codec]\nranks = \"k=1\"\n")).unwrap_err();
         assert!(err.to_string().contains("adaptive"), "{err}");
+    }
+
+    #[test]
+    fn the_drift_guard_is_a_consumers_and_its_values_are_checked() {
+        assert_eq!(parse(VALID).unwrap().drift(), DriftConfig::default());
+        let set = VALID.to_owned()
+            + "\n[drift]\nshadow_share = 1\nkl_bound = 0.2\nwindow = 5\nmin_jobs = 5\n";
+        let d = parse(&set).unwrap().drift();
+        assert_eq!(
+            (d.shadow_share, d.kl_bound, d.window, d.min_jobs),
+            (1.0, 0.2, 5, 5)
+        );
+        for (extra, key) in [
+            ("shadow_share = 1.5", "drift.shadow_share"),
+            ("kl_bound = -1", "drift.kl_bound"),
+            ("window = 3\nmin_jobs = 4", "drift.min_jobs"),
+        ] {
+            match parse(&(VALID.to_owned() + "\n[drift]\n" + extra + "\n")) {
+                Err(ConfigError::Invalid { key: k, .. }) if k == key => {}
+                other => panic!("{key}: {:?}", other.map(drop)),
+            }
+        }
+        let producer_only = VALID.replace(
+            "roles = [\"producer\", \"consumer\"]",
+            "roles = [\"producer\"]",
+        );
+        assert_ne!(producer_only, VALID);
+        match parse(&(producer_only + "\n[drift]\nshadow_share = 0.5\n")) {
+            Err(ConfigError::Unused { key, .. }) if key == "drift" => {}
+            other => panic!("{:?}", other.map(drop)),
+        }
     }
 
     #[test]

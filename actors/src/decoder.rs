@@ -141,6 +141,8 @@ pub struct DecodeJob {
     pub tokens: mpsc::Sender<u32>,
     /// The job's cancellation.
     pub cancel: CancellationToken,
+    /// Where a copy of the rebuilt cache goes, for a job the drift guard checks.
+    pub shadow: Option<oneshot::Sender<KvCache>>,
 }
 
 /// Messages of the decoder.
@@ -300,6 +302,7 @@ fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, Decode
         mut inbound,
         tokens,
         cancel,
+        shadow,
     } = job;
     let Some((&last, prefix)) = prompt.split_last().filter(|(_, p)| !p.is_empty()) else {
         return Err(DecoderError::PromptTooShort);
@@ -343,6 +346,16 @@ fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, Decode
             .map_err(|source| DecoderError::Code { layer, source })?;
     }
     let cache = decoder.finish().map_err(DecoderError::Finish)?;
+    if let Some(shadow) = shadow {
+        // A copy that shares no buffer: decoding writes into the cache in place. Failing to
+        // copy only skips the check.
+        match cache.try_clone() {
+            Ok(copy) => {
+                let _ = shadow.send(copy);
+            }
+            Err(e) => tracing::warn!(%job, error = %e, "copying a cache for its shadow check"),
+        }
+    }
     let rebuild = Span {
         start: rebuild_start.unwrap_or(made),
         end: Instant::now(),

@@ -24,6 +24,8 @@
 //!   (the aligner's Patch work happens inside the `scd` codec's decoder today); the rebuilt
 //!   cache goes to the [`decode_loop`], which decodes all the node's jobs together in one batch
 //!   per step and streams each job's tokens back.
+//! - [`drift_guard`]: the consumer's shadow checks of a share of translated jobs against the
+//!   expert's own prefill, and the mark on a translator version whose codes drifted.
 //! - [`timeline`]: when each stage of a job ran, and the bytes per layer.
 //! - `stages`: a job's two halves (producer side, consumer side) as requests to a node's actors,
 //!   and how their replies settle into a result or a cause; both the pipeline and the node use
@@ -51,6 +53,7 @@ pub mod client;
 pub mod config;
 pub mod decode_loop;
 pub mod decoder;
+pub mod drift_guard;
 pub mod encoder;
 pub mod follow;
 pub mod job;

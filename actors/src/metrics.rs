@@ -59,6 +59,13 @@ pub struct TranslatorLabels {
     pub version: String,
 }
 
+/// Labels of an expert.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ExpertLabels {
+    /// The expert.
+    pub expert: String,
+}
+
 /// Labels of a lookup's result.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
@@ -116,6 +123,10 @@ pub struct NodeMetrics {
     pub queues: Family<QueueLabels, Gauge>,
     /// Jobs in the cluster by state, when last scraped.
     pub cluster_jobs: Family<StateLabels, Gauge>,
+    /// Drift guard checks made here, by expert.
+    pub shadow_checks: Family<ExpertLabels, Counter>,
+    /// The drift guard's mean KL over its window, per expert and translator version.
+    pub shadow_kl: Family<TranslatorLabels, Gauge<f64, AtomicU64>>,
     restarts: Gauge<u64, AtomicU64>,
     decode_steps: Gauge<u64, AtomicU64>,
     decode_rows: Gauge<u64, AtomicU64>,
@@ -222,6 +233,19 @@ impl NodeMetrics {
              yet started (producer), job streams that arrived and wait for a decoder (consumer)",
             queues.clone(),
         );
+        let shadow_checks = Family::<ExpertLabels, Counter>::default();
+        registry.register(
+            "shadow_checks",
+            "Translated jobs this consumer checked against the expert's own prefill (drift guard)",
+            shadow_checks.clone(),
+        );
+        let shadow_kl = Family::<TranslatorLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "shadow_kl",
+            "Mean KL(expert's own prefill || rebuilt cache) over the drift guard's recent checks, \
+             per translator version",
+            shadow_kl.clone(),
+        );
         let restarts = Gauge::<u64, AtomicU64>::default();
         registry.register(
             "actor_restarts",
@@ -258,6 +282,8 @@ impl NodeMetrics {
             prefix_cache_blocks,
             queues,
             cluster_jobs,
+            shadow_checks,
+            shadow_kl,
             restarts,
         }
     }
@@ -276,6 +302,22 @@ impl NodeMetrics {
                 outcome: outcome.into(),
             })
             .inc();
+    }
+
+    /// Counts a drift guard check of `expert`'s translator version `hash` and sets the mean
+    /// over its window.
+    pub fn shadow_check(&self, expert: &str, hash: scd_scheduler::TranslatorHash, mean_kl: f64) {
+        self.shadow_checks
+            .get_or_create(&ExpertLabels {
+                expert: expert.to_string(),
+            })
+            .inc();
+        self.shadow_kl
+            .get_or_create(&TranslatorLabels {
+                expert: expert.to_string(),
+                version: hash.to_string(),
+            })
+            .set(mean_kl);
     }
 
     /// Counts a prefill's prefix-cache lookup that gave `reused` tokens (0: a miss).

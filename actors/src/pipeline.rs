@@ -436,6 +436,7 @@ impl Pipeline {
             codec: spec.codec.clone(),
             params: spec.params,
             inbound: inbound_rx,
+            shadow: None,
         };
         let (decoded, tokens) = stages::start_decode(&consumer.decoder, decode, q, cancel)?;
         let producer = &self.producer;

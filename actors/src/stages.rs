@@ -135,6 +135,8 @@ pub(crate) struct ConsumerJob {
     pub params: GenerateParams,
     /// Frames as the transfer forwards them.
     pub inbound: mpsc::Receiver<Inbound>,
+    /// Where a copy of the rebuilt cache goes, for a job the drift guard checks.
+    pub shadow: Option<oneshot::Sender<scd_models::KvCache>>,
 }
 
 /// The decoder's reply for a job.
@@ -158,6 +160,7 @@ pub(crate) fn start_decode(
                 inbound: job.inbound,
                 tokens: tokens_tx,
                 cancel: cancel.clone(),
+                shadow: job.shadow,
             },
             reply,
         )

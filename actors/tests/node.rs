@@ -656,3 +656,91 @@ async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
     );
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// The drift guard (M11 §2): a consumer that checks every translated job against the mail
+/// expert's own prefill, with a bound no real translator meets, marks the live version
+/// degraded after two checks; the scheduler then runs scd jobs as raw (the record says why,
+/// and the result is raw's); another version made live brings scd back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_translator_whose_shadow_checks_drift_is_marked_and_its_jobs_fall_back() {
+    let m = models();
+    let prompt = prompt(m);
+    let shipped = m.translator.0.hash();
+    let cluster = Cluster::new();
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+        .await;
+    let mut consumer_config = config("mail-0", "\"consumer\"", true);
+    consumer_config.drift = Some(scd_actors::config::DriftConfig {
+        shadow_share: 1.0,
+        kl_bound: 1e-9,
+        window: 4,
+        min_jobs: 2,
+    });
+    let consumer = cluster.start(&consumer_config).await;
+    let registry = TranslatorRegistry::new(cluster.store.clone(), Keys::default());
+    let base = common::MODEL_FILE;
+    for _ in 0..2 {
+        let job = cluster.run_mail(Mode::Scd, &prompt, 4).await;
+        assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+        assert_eq!((job.mode, job.translator), (Mode::Scd, Some(shipped)));
+    }
+    let mut waited = 0;
+    let degraded = loop {
+        let active = registry.active(base, "mail").await.unwrap().unwrap();
+        if let Some(d) = active.degraded {
+            break d;
+        }
+        waited += 1;
+        assert!(waited < 3000, "the checks never marked the translator");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!((degraded.by.as_str(), degraded.jobs), ("mail-0", 2));
+    assert!(
+        degraded.shadow_kl > 1e-9 && degraded.shadow_kl < 10.0,
+        "{degraded:?}"
+    );
+
+    let job = cluster.run_mail(Mode::Scd, &prompt, MAX_TOKENS).await;
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.mode, Mode::Raw);
+    let fallback = job.fallback.expect("the record says why it ran raw");
+    assert_eq!(fallback.from, Mode::Scd);
+    assert!(fallback.reason.contains("degraded"), "{}", fallback.reason);
+    assert_eq!(
+        job.output.unwrap().tokens,
+        reference_for(m, Mode::Raw, &prompt)
+    );
+
+    // A recalibrated version (here the same weights stored in f32: another hash) made live.
+    let dir = tempfile::tempdir().unwrap();
+    let mut other = Translator::load(&repo().join("experts/mail/translator")).unwrap();
+    other.manifest.weights_dtype = scd_models::translator::WeightsDtype::F32;
+    let other_hash = other.save(dir.path()).unwrap();
+    let manifest = TranslatorManifest {
+        producer_model: base.into(),
+        consumer_model: "mail".into(),
+        version: "recalibrated".into(),
+        content_hash: other_hash,
+        ranks: Default::default(),
+        reuse_layers: Vec::new(),
+        patch_layers: Vec::new(),
+        blob: dir.path().display().to_string(),
+        metrics: Default::default(),
+    };
+    registry.publish(&manifest).await.unwrap();
+    registry
+        .activate(base, "mail", "recalibrated")
+        .await
+        .unwrap();
+    switched(&producer, other_hash).await;
+    switched(&consumer, other_hash).await;
+    let job = cluster.run_mail(Mode::Scd, &prompt, 4).await;
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(
+        (job.mode, job.fallback, job.translator),
+        (Mode::Scd, None, Some(other_hash))
+    );
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

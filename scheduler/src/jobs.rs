@@ -54,6 +54,15 @@ pub struct RanksChoice {
     pub curve_kl: Option<f64>,
 }
 
+/// A job run in a safer mode than the one it was submitted in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModeFallback {
+    /// The mode it was submitted in.
+    pub from: Mode,
+    /// Why it did not run in it.
+    pub reason: String,
+}
+
 /// Why an attempt's codes have the ranks they have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -151,6 +160,10 @@ pub struct JobRecord {
     /// claimed the attempt (for the link to its consumer) and read by the consumer to rebuild.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<RanksChoice>,
+    /// Set when the scheduler ran the job in another mode than it was submitted in (its
+    /// translator was marked degraded): `mode` is what ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<ModeFallback>,
     /// What the job asks for (the prompt's tokens and the generation settings); `None` for a
     /// record made only to be scheduled (the scheduler's own tests).
     #[serde(default)]
@@ -281,6 +294,7 @@ impl JobRecord {
             translator: None,
             cached_prefix_tokens: 0,
             ranks: None,
+            fallback: None,
             request: None,
             output: None,
             error: None,

@@ -49,7 +49,9 @@ pub use assign::{
 };
 #[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError};
-pub use jobs::{Blame, JobError, JobRecord, JobStore, RanksChoice, RanksRule, StageSpan};
+pub use jobs::{
+    Blame, JobError, JobRecord, JobStore, ModeFallback, RanksChoice, RanksRule, StageSpan,
+};
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 pub use membership::{
@@ -62,6 +64,6 @@ pub use scd_types::{
 pub use service::{Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
 pub use translators::{
-    check_translator, ActiveTranslator, PairTranslators, StaleTranslator, TranslatorError,
-    TranslatorManifest, TranslatorRegistry, TranslatorWatcher,
+    check_translator, ActiveTranslator, Degraded, PairTranslators, StaleTranslator,
+    TranslatorError, TranslatorManifest, TranslatorRegistry, TranslatorWatcher,
 };

@@ -7,19 +7,20 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use scd_types::JobState;
+use scd_types::{JobState, Mode};
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
 use crate::admission;
 use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
 use crate::codec::{self, CodecError};
-use crate::jobs::{now_ms, Blame, JobError, JobStore};
+use crate::jobs::{now_ms, Blame, JobError, JobStore, ModeFallback};
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, LeaderGuard, Leadership};
 use crate::membership::{LiveNodes, MembershipError, NodeMap};
 use crate::models::{ModelError, ModelRegistry};
 use crate::store::{MetaStore, StoreError, Txn, TxnOp};
+use crate::translators::TranslatorRegistry;
 
 /// The election the scheduler replicas share.
 pub const SCHEDULER_ELECTION: &str = "scheduler";
@@ -52,6 +53,9 @@ pub struct SchedulerConfig {
     pub orphan_grace: Duration,
     /// Election timing.
     pub election: ElectionConfig,
+    /// The mode a `reuse` / `scd` job runs in while its pair's live translator is marked
+    /// degraded (the drift guard).
+    pub degraded_fallback: Mode,
 }
 
 impl Default for SchedulerConfig {
@@ -64,6 +68,7 @@ impl Default for SchedulerConfig {
             max_unfinished_jobs: crate::admission::DEFAULT_LIMIT,
             orphan_grace: Duration::from_secs(30),
             election: ElectionConfig::default(),
+            degraded_fallback: Mode::Raw,
         }
     }
 }
@@ -92,6 +97,9 @@ pub enum SchedulerError {
     /// Reading models failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// Reading translator versions failed.
+    #[error(transparent)]
+    Translator(#[from] crate::translators::TranslatorError),
     /// This replica stopped leading during a pass.
     #[error("lost leadership during reconciliation")]
     NotLeader,
@@ -186,6 +194,8 @@ pub async fn reconcile(
     // moves it and the recount below does not overwrite that submission's count.
     let admission_before = admission::read_before_listing(store.as_ref(), keys).await?;
     let listing = jobs.list().await?;
+    let registry = TranslatorRegistry::new(store.clone(), keys.clone());
+    let mut degraded = BTreeMap::new();
     admission::recount(
         store.as_ref(),
         keys,
@@ -258,10 +268,23 @@ pub async fn reconcile(
             }
             continue;
         }
+        let fallback = match job.mode {
+            Mode::Reuse | Mode::Scd => {
+                degraded_pair(&registry, experts, &job.expert, &mut degraded).await?
+            }
+            _ => None,
+        };
         let assigned = jobs
             .update_as_leader(job.id, guard, |j| {
                 if j.state != JobState::Queued {
                     return Ok(());
+                }
+                if let (Some(reason), Mode::Reuse | Mode::Scd) = (&fallback, j.mode) {
+                    j.fallback = Some(ModeFallback {
+                        from: j.mode,
+                        reason: reason.clone(),
+                    });
+                    j.mode = config.degraded_fallback;
                 }
                 // On the fresh record: a retry in this pass may have just added to the list.
                 let Some(consumer) = choose_consumer(&j.expert, &view, &j.failed_consumers) else {
@@ -298,6 +321,39 @@ pub async fn reconcile(
 
     report.jobs_swept = jobs.sweep_finished(now_ms(), config.retention).await?;
     Ok(report)
+}
+
+/// Why `expert`'s jobs should not use its translator now (its live version is marked
+/// degraded), read once per pass per expert into `seen`.
+async fn degraded_pair(
+    registry: &TranslatorRegistry,
+    experts: &[ExpertSpec],
+    expert: &str,
+    seen: &mut BTreeMap<String, Option<String>>,
+) -> Result<Option<String>, SchedulerError> {
+    if let Some(known) = seen.get(expert) {
+        return Ok(known.clone());
+    }
+    let reason = match experts.iter().find(|e| e.expert == expert) {
+        Some(spec) => registry
+            .active(&spec.base_model, expert)
+            .await?
+            .and_then(|a| {
+                let d = a.degraded?;
+                Some(format!(
+                    "translator {} ({}) is degraded: shadow KL {:.3} over {} jobs > {:.3}, measured by {}; publish a recalibrated version",
+                    a.version,
+                    a.content_hash.short(),
+                    d.shadow_kl,
+                    d.jobs,
+                    d.bound,
+                    d.by
+                ))
+            }),
+        None => None,
+    };
+    seen.insert(expert.to_string(), reason.clone());
+    Ok(reason)
 }
 
 /// Why a running job's attempt cannot finish, if it cannot, and which node is to blame.

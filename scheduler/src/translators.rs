@@ -60,6 +60,26 @@ pub struct ActiveTranslator {
     /// Earlier live versions, oldest first (rollback pops the last).
     #[serde(default)]
     pub history: Vec<String>,
+    /// Set when consumers' shadow checks found this version's codes worse than their bound
+    /// (the drift guard); the scheduler then runs the pair's `reuse` / `scd` jobs in a safer
+    /// mode until another version is made live.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<Degraded>,
+}
+
+/// Why a live translator version was marked degraded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Degraded {
+    /// The mean KL(own prefill || rebuilt cache) the shadow checks measured.
+    pub shadow_kl: f64,
+    /// The bound it went over.
+    pub bound: f64,
+    /// Shadowed jobs the mean is over.
+    pub jobs: u32,
+    /// The node that measured it.
+    pub by: String,
+    /// When (milliseconds since the Unix epoch).
+    pub at_ms: u64,
 }
 
 /// Errors of translator operations.
@@ -340,6 +360,46 @@ impl TranslatorRegistry {
         .await
     }
 
+    /// Marks the live version degraded, if it is still the version with `content_hash` and not
+    /// marked already. Returns whether this call marked it.
+    pub async fn mark_degraded(
+        &self,
+        producer: &str,
+        consumer: &str,
+        content_hash: TranslatorHash,
+        degraded: Degraded,
+    ) -> Result<bool, TranslatorError> {
+        let key = self.keys.translator_active(producer, consumer)?;
+        for attempt in 0..CAS_ATTEMPTS {
+            let Some(kv) = self.store.get(&key).await? else {
+                return Ok(false);
+            };
+            let mut active: ActiveTranslator = codec::decode(&kv.key, &kv.value)?;
+            if active.content_hash != content_hash || active.degraded.is_some() {
+                return Ok(false);
+            }
+            active.degraded = Some(degraded.clone());
+            let txn = Txn::new()
+                .when([Compare::mod_revision(key.clone(), kv.mod_revision)])
+                .and_then([TxnOp::put(key.clone(), codec::encode(&active)?)]);
+            if self.store.txn(txn).await?.succeeded {
+                tracing::warn!(
+                    producer,
+                    consumer,
+                    version = active.version,
+                    shadow_kl = degraded.shadow_kl,
+                    bound = degraded.bound,
+                    "translator marked degraded"
+                );
+                return Ok(true);
+            }
+            tokio::time::sleep(backoff(attempt)).await;
+        }
+        Err(TranslatorError::Contention {
+            attempts: CAS_ATTEMPTS,
+        })
+    }
+
     /// Compare-and-swap on the active key. `decide` looks at the live version and says what
     /// should be live. The transaction also checks that the target manifest is unchanged
     /// since it was read.
@@ -374,6 +434,7 @@ impl TranslatorRegistry {
                 content_hash: manifest.content_hash,
                 blob: manifest.blob,
                 history,
+                degraded: None,
             };
             let txn = Txn::new()
                 .when([
@@ -588,6 +649,7 @@ mod tests {
             content_hash: hash,
             blob: "file:///t.safetensors".into(),
             history: vec!["v0".into()],
+            degraded: None,
         };
         let value = serde_json::to_value(&active).unwrap();
         assert_eq!(value["content_hash"], "ab".repeat(32));

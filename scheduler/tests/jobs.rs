@@ -314,6 +314,7 @@ fn scheduler_config(retention: Duration) -> SchedulerConfig {
         max_unfinished_jobs: 256,
         orphan_grace: Duration::from_secs(30),
         election: ElectionConfig { ttl: TTL },
+        degraded_fallback: Mode::Raw,
     }
 }
 
@@ -720,7 +721,95 @@ async fn admission_bounds_unfinished_jobs_exactly(b: Backend) {
     ));
 }
 
+/// The drift guard's fallback: while the pair's live translator is marked degraded, a scd job
+/// is assigned as raw and says why; `reuse`/`scd` are back once another version is live, and a
+/// mark on a version that is no longer live changes nothing.
+async fn a_degraded_translator_sends_its_jobs_to_a_safer_mode(b: Backend) {
+    use scd_scheduler::{Degraded, TranslatorHash, TranslatorManifest, TranslatorRegistry};
+    let _p = register(&b, producer("p1")).await;
+    let _c = register(&b, consumer("c1")).await;
+    let registry = TranslatorRegistry::new(b.store.clone(), b.keys.clone());
+    let version = |name: &str, byte| TranslatorManifest {
+        producer_model: "base".into(),
+        consumer_model: "sotu".into(),
+        version: name.into(),
+        content_hash: TranslatorHash::from_bytes([byte; 32]),
+        ranks: Default::default(),
+        reuse_layers: Vec::new(),
+        patch_layers: Vec::new(),
+        blob: format!("/t/{name}"),
+        metrics: Default::default(),
+    };
+    for (name, byte) in [("v1", 1), ("v2", 2)] {
+        registry.publish(&version(name, byte)).await.unwrap();
+    }
+    registry.activate("base", "sotu", "v1").await.unwrap();
+    let mark = || Degraded {
+        shadow_kl: 0.9,
+        bound: 0.5,
+        jobs: 12,
+        by: "c1".into(),
+        at_ms: now_ms(),
+    };
+    let hash = |byte| TranslatorHash::from_bytes([byte; 32]);
+    // Not the live version: nothing is marked.
+    assert!(!registry
+        .mark_degraded("base", "sotu", hash(2), mark())
+        .await
+        .unwrap());
+    assert!(registry
+        .mark_degraded("base", "sotu", hash(1), mark())
+        .await
+        .unwrap());
+    assert!(
+        !registry
+            .mark_degraded("base", "sotu", hash(1), mark())
+            .await
+            .unwrap(),
+        "marked once"
+    );
+    let _s = Scheduler::start(
+        b.client().await,
+        b.keys.clone(),
+        "s1",
+        scheduler_config(Duration::from_secs(3600)),
+    )
+    .await
+    .unwrap();
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let (during, raw, after) = (JobId::random(), JobId::random(), JobId::random());
+    jobs.create(&sotu_job(during, 3)).await.unwrap();
+    jobs.create(&JobRecord::new(raw, "sotu", Mode::Q4, 3))
+        .await
+        .unwrap();
+    reaches(&jobs, during, JobState::Assigned).await;
+    reaches(&jobs, raw, JobState::Assigned).await;
+    let job = jobs.get(during).await.unwrap().unwrap();
+    assert_eq!(job.mode, Mode::Raw);
+    let fallback = job.fallback.expect("the record says why");
+    assert_eq!(fallback.from, Mode::Scd);
+    assert!(
+        fallback.reason.contains("v1") && fallback.reason.contains("0.900"),
+        "{}",
+        fallback.reason
+    );
+    let q4 = jobs.get(raw).await.unwrap().unwrap();
+    assert_eq!(
+        (q4.mode, q4.fallback),
+        (Mode::Q4, None),
+        "other modes are left alone"
+    );
+    // A recalibrated version made live clears the mark.
+    let live = registry.activate("base", "sotu", "v2").await.unwrap();
+    assert_eq!(live.degraded, None);
+    jobs.create(&sotu_job(after, 3)).await.unwrap();
+    reaches(&jobs, after, JobState::Assigned).await;
+    let job = jobs.get(after).await.unwrap().unwrap();
+    assert_eq!((job.mode, job.fallback), (Mode::Scd, None));
+}
+
 on_both_stores!(
+    a_degraded_translator_sends_its_jobs_to_a_safer_mode,
     admission_bounds_unfinished_jobs_exactly,
     a_job_nobody_can_decode_fails_after_the_grace,
     cancel_is_a_compare_and_swap,

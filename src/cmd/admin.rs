@@ -603,6 +603,14 @@ fn describe(s: &serde_json::Value) -> String {
     if let Some(b) = s["payload_bytes"].as_u64().filter(|b| *b > 0) {
         parts.push(format!("{b} bytes on the wire"));
     }
+    if let Some(f) = s["fallback"].as_object() {
+        parts.push(format!(
+            "ran as {} instead of {}: {}",
+            s["mode"].as_str().unwrap_or("?"),
+            f.get("from").and_then(|v| v.as_str()).unwrap_or("?"),
+            f.get("reason").and_then(|v| v.as_str()).unwrap_or("?")
+        ));
+    }
     if let Some(r) = s["ranks"].as_object() {
         let n = |k: &str| r["ranks"][k].as_u64().unwrap_or(0);
         let mut how = r["rule"].as_str().unwrap_or("?").to_string();

@@ -383,6 +383,7 @@ fn summary(job: &JobRecord) -> String {
         "cached_prefix_tokens": job.cached_prefix_tokens,
         "translator": job.translator.map(|h| h.to_string()),
         "ranks": job.ranks,
+        "fallback": job.fallback,
         "timings_ms": job.timings_ms,
         "traceparent": job.trace.get("traceparent"),
     })

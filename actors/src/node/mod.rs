@@ -248,6 +248,7 @@ impl Node {
                 code_dtype: config.codec.code_dtype.dtype(),
                 ..CodecOptions::default()
             },
+            drift: Arc::new(crate::drift_guard::DriftGuard::new(config.drift())),
             ranks: crate::rank_planner::RankPlanner::new(
                 config.codec.ranks,
                 config.rank_policy(),

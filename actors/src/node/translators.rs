@@ -235,6 +235,7 @@ impl NodeTranslators {
             content_hash: m.content_hash,
             blob: m.blob.clone(),
             history: Vec::new(),
+            degraded: None,
         };
         let version = entry.load(&self.base, &live).await?;
         entry.keep(version.clone());

@@ -61,6 +61,8 @@ pub(crate) struct Work {
     /// How this producer picks the ranks of a job's codes, and the link and prefill speeds
     /// it has measured for it.
     pub ranks: crate::rank_planner::RankPlanner,
+    /// The consumer's shadow checks of translated jobs.
+    pub drift: Arc<crate::drift_guard::DriftGuard>,
     pub queues: PipelineOptions,
     /// Whether this node prefills.
     pub producer_role: bool,
@@ -586,12 +588,27 @@ impl Work {
             self.fail(id, attempt, Side::Consumer, &reason).await;
             return;
         }
+        // A job the drift guard checks keeps a copy of its rebuilt cache for after it answers.
+        let checked = matches!(
+            job.mode,
+            scd_scheduler::Mode::Reuse | scd_scheduler::Mode::Scd
+        ) && job.translator.is_some()
+            && self.drift.sampled(id);
+        let (shadow_tx, shadow_rx) = match checked {
+            true => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                (Some(tx), Some(rx))
+            }
+            false => (None, None),
+        };
+        let shadow_prompt = checked.then(|| prompt.clone());
         let decode = ConsumerJob {
             job: id,
             prompt,
             codec,
             params,
             inbound: inbound_rx,
+            shadow: shadow_tx,
         };
         let (decoded, mut tokens_rx) =
             match stages::start_decode(&decoder, decode, &self.queues, &cancel) {
@@ -743,6 +760,9 @@ impl Work {
                     let whole = wall(started, Instant::now());
                     t.record_half(&job.trace, "consumer", whole, attrs, stages, None);
                 }
+                if let (Some(rx), Some(prompt)) = (shadow_rx, shadow_prompt) {
+                    self.shadow_check(&job, prompt, output.tokens.clone(), rx);
+                }
             }
             Err(e @ JobError::ActorGone(_)) => {
                 let reason = format!("consumer {me}: {e}");
@@ -762,6 +782,75 @@ impl Work {
                     .await
             }
         }
+    }
+
+    /// The drift guard's check of a finished job, in the background: the expert's own prefill
+    /// against the rebuilt cache over the tokens the job generated; the mean over recent
+    /// checks goes to the metrics, and past the bound the live translator version is marked
+    /// degraded in the store.
+    fn shadow_check(
+        &self,
+        job: &JobRecord,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        rebuilt: tokio::sync::oneshot::Receiver<scd_models::KvCache>,
+    ) {
+        let (Some(hash), Some(model)) = (
+            job.translator,
+            self.served
+                .experts
+                .get(&job.expert)
+                .and_then(|e| e.model.clone()),
+        ) else {
+            return;
+        };
+        let (id, expert) = (job.id, job.expert.clone());
+        let registry =
+            scd_scheduler::TranslatorRegistry::new(self.store.clone(), self.keys.clone());
+        let (base, me) = (self.served.base_id.clone(), self.id.clone());
+        let metrics = self.metrics.clone();
+        let guard = self.drift.clone();
+        tokio::spawn(async move {
+            let Ok(cache) = rebuilt.await else { return };
+            let Some((&last, prefix)) = prompt.split_last() else {
+                return;
+            };
+            let prefix = prefix.to_vec();
+            let kl = tokio::task::spawn_blocking(move || {
+                crate::drift_guard::shadow_kl(&model, &prefix, last, &output, cache)
+            })
+            .await;
+            let kl = match kl {
+                Ok(Ok(kl)) => kl,
+                Ok(Err(e)) => return tracing::warn!(job = %id, error = %e, "shadow check failed"),
+                Err(e) => return tracing::warn!(job = %id, error = %e, "shadow check failed"),
+            };
+            let verdict = guard.record(&expert, hash, kl);
+            metrics.shadow_check(&expert, hash, verdict.mean_kl);
+            tracing::debug!(job = %id, kl, mean = verdict.mean_kl, "shadow check");
+            if !verdict.degraded_now {
+                return;
+            }
+            let mark = scd_scheduler::Degraded {
+                shadow_kl: verdict.mean_kl,
+                bound: guard.bound(),
+                jobs: verdict.jobs as u32,
+                by: me,
+                at_ms: now_ms(),
+            };
+            match registry.mark_degraded(&base, &expert, hash, mark).await {
+                Ok(true) => tracing::warn!(
+                    %expert,
+                    translator = %hash.short(),
+                    mean_kl = verdict.mean_kl,
+                    "translator marked degraded: its jobs run in a safer mode until another version is live"
+                ),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(%expert, error = %e, "marking a translator degraded failed")
+                }
+            }
+        });
     }
 
     /// Writes the tokens so far into the record of a job still decoding here.
