@@ -40,6 +40,14 @@ pub enum ClientError {
     /// the hint.
     #[error(transparent)]
     Busy(scd_scheduler::Busy),
+    /// A fan-out that cannot run as asked.
+    #[error("fan-out to {experts}: {reason}")]
+    FanOut {
+        /// The experts asked for.
+        experts: String,
+        /// Why not, and what would do.
+        reason: String,
+    },
     /// The prompt cannot be a job.
     #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
     PromptTooShort(usize),
@@ -121,10 +129,37 @@ impl ClusterClient {
         request: JobRequest,
         trace: TraceContext,
     ) -> Result<(), ClientError> {
+        self.submit_fan_out(id, &[expert.to_string()], mode, request, trace)
+            .await
+    }
+
+    /// [`ClusterClient::submit_as`] for several experts of one base at once (a fan-out): one
+    /// prefill and one code stream to a consumer node hosting them all, which decodes each.
+    /// Modes whose codes do not depend on the expert (raw, q4, droidspeak, oracle) fan out to
+    /// any experts of the base; `reuse` and `scd` need the experts' live translators to be one
+    /// joint translator (`scd calibrate` with a `--consumer-adapter` for each).
+    pub async fn submit_fan_out(
+        &self,
+        id: JobId,
+        experts: &[String],
+        mode: Mode,
+        request: JobRequest,
+        trace: TraceContext,
+    ) -> Result<(), ClientError> {
+        let Some((expert, more)) = experts.split_first() else {
+            return Err(ClientError::FanOut {
+                experts: String::new(),
+                reason: "no expert named".into(),
+            });
+        };
+        let expert = expert.as_str();
         if request.prompt.len() < 2 {
             return Err(ClientError::PromptTooShort(request.prompt.len()));
         }
         let nodes = self.nodes().await?;
+        if !more.is_empty() {
+            self.check_fan_out(experts, mode, &nodes).await?;
+        }
         if !nodes
             .values()
             .any(|n| n.consumer_models.iter().any(|m| m == expert))
@@ -173,6 +208,7 @@ impl ClusterClient {
             None => Vec::new(),
         };
         let mut record = JobRecord::new(id, expert, mode, DEFAULT_ATTEMPTS)
+            .with_fan_out(more.to_vec())
             .with_request(request)
             .with_trace(trace);
         record.prefix_hashes = prefix_hashes;
@@ -180,6 +216,59 @@ impl ClusterClient {
             Err(RecordError::Busy(busy)) => Err(ClientError::Busy(busy)),
             other => Ok(other?),
         }
+    }
+
+    /// Refuses a fan-out that cannot run: an expert named twice, experts of different bases, no
+    /// node hosting them all, or (`reuse`, `scd`) live translators that are not one joint one.
+    async fn check_fan_out(
+        &self,
+        experts: &[String],
+        mode: Mode,
+        nodes: &scd_scheduler::NodeMap,
+    ) -> Result<(), ClientError> {
+        let refuse = |reason: String| ClientError::FanOut {
+            experts: experts.join(", "),
+            reason,
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(twice) = experts.iter().find(|e| !seen.insert(e.as_str())) {
+            return Err(refuse(format!("{twice} is named twice")));
+        }
+        let models = scd_scheduler::ModelRegistry::new(self.store.clone(), self.keys.clone());
+        let mut bases = Vec::new();
+        for e in experts {
+            let base = models.get(e).await.ok().flatten().and_then(|r| r.base);
+            bases.push(base.ok_or_else(|| refuse(format!("{e} has no base model on record")))?);
+        }
+        if bases.iter().any(|b| b != &bases[0]) {
+            return Err(refuse(format!(
+                "the experts have different bases ({}): one prefill serves experts of one base",
+                bases.join(", ")
+            )));
+        }
+        if scd_scheduler::choose_consumer(experts, nodes, &[]).is_none() {
+            return Err(refuse(
+                "no consumer node hosts all of them: list them all in one node's [[experts]]"
+                    .into(),
+            ));
+        }
+        if matches!(mode, Mode::Reuse | Mode::Scd) {
+            let registry =
+                scd_scheduler::TranslatorRegistry::new(self.store.clone(), self.keys.clone());
+            let mut live = Vec::new();
+            for e in experts {
+                let active = registry.active(&bases[0], e).await.ok().flatten();
+                live.push(active.map(|a| a.content_hash));
+            }
+            if live[0].is_none() || live.iter().any(|h| h != &live[0]) {
+                return Err(refuse(format!(
+                    "mode {mode} sends one code stream, so the experts' live translators must be \
+                     one joint translator (scd calibrate with a --consumer-adapter for each, set \
+                     as every one's translator); raw, q4, droidspeak and oracle fan out without"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The job's record now.

@@ -123,6 +123,8 @@ pub struct NodeMetrics {
     pub queues: Family<QueueLabels, Gauge>,
     /// Jobs in the cluster by state, when last scraped.
     pub cluster_jobs: Family<StateLabels, Gauge>,
+    /// Decodes this consumer finished, by expert (a fan-out job counts one per expert).
+    pub decodes: Family<ExpertLabels, Counter>,
     /// Drift guard checks made here, by expert.
     pub shadow_checks: Family<ExpertLabels, Counter>,
     /// The drift guard's mean KL over its window, per expert and translator version.
@@ -233,6 +235,12 @@ impl NodeMetrics {
              yet started (producer), job streams that arrived and wait for a decoder (consumer)",
             queues.clone(),
         );
+        let decodes = Family::<ExpertLabels, Counter>::default();
+        registry.register(
+            "decodes",
+            "Decodes this consumer finished, by expert (a fan-out job counts one per expert)",
+            decodes.clone(),
+        );
         let shadow_checks = Family::<ExpertLabels, Counter>::default();
         registry.register(
             "shadow_checks",
@@ -282,6 +290,7 @@ impl NodeMetrics {
             prefix_cache_blocks,
             queues,
             cluster_jobs,
+            decodes,
             shadow_checks,
             shadow_kl,
             restarts,
@@ -318,6 +327,15 @@ impl NodeMetrics {
                 version: hash.to_string(),
             })
             .set(mean_kl);
+    }
+
+    /// Counts a finished decode of `expert`.
+    pub fn decoded(&self, expert: &str) {
+        self.decodes
+            .get_or_create(&ExpertLabels {
+                expert: expert.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a prefill's prefix-cache lookup that gave `reused` tokens (0: a miss).

@@ -744,3 +744,120 @@ async fn a_translator_whose_shadow_checks_drift_is_marked_and_its_jobs_fall_back
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// A metric's value in a node's scrape (`name{labels}` as rendered), 0 when absent.
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Fan-out (M11 §1): one job names three experts of the base; one consumer node hosts them all
+/// (adapters on the fly over one copy of the base). The producer prefills once and sends one
+/// code stream (the counters: one more prefill, the payload of one job); the consumer decodes
+/// each expert, and each result equals that expert's own job. Fan-outs that cannot run are
+/// refused at submission with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_prefill_and_one_code_stream_serve_three_experts() {
+    use scd_actors::config::ExpertConfig;
+    use scd_scheduler::{JobId, TraceContext};
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let mut producer_config = config("prefill-0", "\"producer\", \"scheduler\"", true);
+    producer_config.limits.prefix_cache_mib = 0;
+    let mut consumer_config = config("experts-0", "\"consumer\"", true);
+    for name in ["sotu", "melville"] {
+        let dir = repo().join("experts").join(name);
+        let expert = ExpertConfig {
+            name: name.into(),
+            adapter: Some(dir.clone()),
+            translator: dir.join("translator"),
+        };
+        producer_config.experts.push(expert.clone());
+        consumer_config.experts.push(expert);
+    }
+    let producer = cluster.start(&producer_config).await;
+    let consumer = cluster.start(&consumer_config).await;
+    let experts: Vec<String> = ["mail", "sotu", "melville"].map(String::from).to_vec();
+
+    let mut alone = std::collections::BTreeMap::new();
+    let mut one_payload = 0;
+    for e in &experts {
+        let id = cluster
+            .client
+            .submit(e, Mode::Raw, request(&prompt, MAX_TOKENS))
+            .await
+            .unwrap();
+        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{e}: {:?}", job.error);
+        alone.insert(e.clone(), job.output.unwrap().tokens);
+        one_payload = job.payload_bytes;
+    }
+    let prefills = "scd_stage_seconds_count{stage=\"prefill\"}";
+    let decodes = |e: &str| format!("scd_decodes_total{{expert=\"{e}\"}}");
+    let before = (producer.metrics_text(), consumer.metrics_text());
+    let id = JobId::random();
+    cluster
+        .client
+        .submit_fan_out(
+            id,
+            &experts,
+            Mode::Raw,
+            request(&prompt, MAX_TOKENS),
+            TraceContext::new(),
+        )
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.experts(), ["mail", "sotu", "melville"]);
+    assert_eq!(job.output.unwrap().tokens, alone["mail"]);
+    for e in ["sotu", "melville"] {
+        assert_eq!(job.outputs[e].tokens, alone[e], "{e}");
+    }
+    assert_ne!(
+        alone["mail"], alone["sotu"],
+        "the experts answer differently"
+    );
+    assert_eq!(job.payload_bytes, one_payload, "one code stream");
+    // The producer records its half when its stream has been read, which may be after the
+    // consumer's record update; wait (bounded) for it, then make sure no second one came.
+    let mut waited = 0;
+    while metric(&producer.metrics_text(), prefills) == metric(&before.0, prefills) {
+        waited += 1;
+        assert!(waited < 500, "the producer never counted its prefill");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let after = (producer.metrics_text(), consumer.metrics_text());
+    assert_eq!(
+        metric(&after.0, prefills) - metric(&before.0, prefills),
+        1.0
+    );
+    for e in &experts {
+        let d = metric(&after.1, &decodes(e)) - metric(&before.1, &decodes(e));
+        assert_eq!(d, 1.0, "{e} decoded once");
+    }
+
+    // What cannot fan out is refused before anything is created.
+    for (names, mode, why) in [
+        (vec!["mail", "sotu"], Mode::Scd, "joint translator"),
+        (vec!["mail", "mail"], Mode::Raw, "named twice"),
+    ] {
+        let names: Vec<String> = names.into_iter().map(String::from).collect();
+        let err = cluster
+            .client
+            .submit_fan_out(
+                JobId::random(),
+                &names,
+                mode,
+                request(&prompt, 4),
+                TraceContext::new(),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

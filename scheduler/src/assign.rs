@@ -319,13 +319,21 @@ pub fn choose_producer(
         })
 }
 
-/// Picks the consumer for an expert: a live node that decodes it, least loaded first, avoiding
-/// the `excluded` ones (consumers that lost the job before) while another hosts the expert.
-pub fn choose_consumer(expert: &str, nodes: &NodeMap, excluded: &[String]) -> Option<String> {
+/// Picks the consumer for a job's experts (one, or several for a fan-out, all decoded on one
+/// node from one code stream): a live node that decodes every one of them, least loaded
+/// first, avoiding the `excluded` ones (consumers that lost the job before) while another
+/// hosts them.
+pub fn choose_consumer<S: AsRef<str>>(
+    experts: &[S],
+    nodes: &NodeMap,
+    excluded: &[String],
+) -> Option<String> {
     let hosts = || {
-        nodes
-            .values()
-            .filter(|n| n.consumer_models.iter().any(|m| m == expert))
+        nodes.values().filter(|n| {
+            experts
+                .iter()
+                .all(|e| n.consumer_models.iter().any(|m| m == e.as_ref()))
+        })
     };
     let fresh = hosts().any(|n| !excluded.contains(&n.id));
     hosts()
@@ -557,14 +565,23 @@ mod tests {
         let mut c2 = NodeInfo::new("c2", "x", 2);
         c2.consumer_models = vec!["sotu".into(), "law".into()];
         let ns = nodes(vec![c1, c2, producer("p", 1, &["base"])]);
-        assert_eq!(choose_consumer("sotu", &ns, &[]).as_deref(), Some("c2"));
-        assert_eq!(choose_consumer("none", &ns, &[]), None);
+        assert_eq!(choose_consumer(&["sotu"], &ns, &[]).as_deref(), Some("c2"));
+        assert_eq!(choose_consumer(&["none"], &ns, &[]), None);
+        // A fan-out goes to a node that hosts every one of its experts.
+        assert_eq!(
+            choose_consumer(&["sotu", "law"], &ns, &[]).as_deref(),
+            Some("c2")
+        );
+        assert_eq!(choose_consumer(&["sotu", "none"], &ns, &[]), None);
         // A consumer that lost the job is avoided while another hosts the expert, and used
         // when it is the only one.
         let c2 = vec!["c2".to_string()];
-        assert_eq!(choose_consumer("sotu", &ns, &c2).as_deref(), Some("c1"));
+        assert_eq!(choose_consumer(&["sotu"], &ns, &c2).as_deref(), Some("c1"));
         let both = vec!["c1".to_string(), "c2".to_string()];
-        assert_eq!(choose_consumer("sotu", &ns, &both).as_deref(), Some("c2"));
-        assert_eq!(choose_consumer("law", &ns, &c2).as_deref(), Some("c2"));
+        assert_eq!(
+            choose_consumer(&["sotu"], &ns, &both).as_deref(),
+            Some("c2")
+        );
+        assert_eq!(choose_consumer(&["law"], &ns, &c2).as_deref(), Some("c2"));
     }
 }

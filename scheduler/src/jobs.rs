@@ -160,6 +160,14 @@ pub struct JobRecord {
     /// claimed the attempt (for the link to its consumer) and read by the consumer to rebuild.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<RanksChoice>,
+    /// More experts served by the same prompt (a fan-out): one prefill and one code stream to
+    /// one consumer node hosting them all, which decodes each. `output` is `expert`'s,
+    /// `outputs` the others'.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fan_out: Vec<String>,
+    /// The fan-out experts' results, by expert.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub outputs: BTreeMap<String, JobResult>,
     /// Set when the scheduler ran the job in another mode than it was submitted in (its
     /// translator was marked degraded): `mode` is what ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -294,6 +302,8 @@ impl JobRecord {
             translator: None,
             cached_prefix_tokens: 0,
             ranks: None,
+            fan_out: Vec::new(),
+            outputs: BTreeMap::new(),
             fallback: None,
             request: None,
             output: None,
@@ -301,6 +311,19 @@ impl JobRecord {
             created_at_ms: now,
             updated_at_ms: now,
         }
+    }
+
+    /// Every expert the job serves: `expert`, then the fan-out ones.
+    pub fn experts(&self) -> Vec<&str> {
+        std::iter::once(self.expert.as_str())
+            .chain(self.fan_out.iter().map(String::as_str))
+            .collect()
+    }
+
+    /// The same job serving `more` experts too (a fan-out).
+    pub fn with_fan_out(mut self, more: Vec<String>) -> Self {
+        self.fan_out = more;
+        self
     }
 
     /// The same job carrying `request`.

@@ -243,17 +243,17 @@ pub async fn reconcile(
         let Some(pool) = pools.get(&job.expert) else {
             continue;
         };
-        if choose_consumer(&job.expert, &view, &[]).is_none() {
+        if choose_consumer(&job.experts(), &view, &[]).is_none() {
             let waited = Duration::from_millis(now_ms().saturating_sub(job.updated_at_ms));
             if waited >= config.orphan_grace {
                 let reason = format!(
                     "no live node hosts expert {} (waited {}s); start a consumer with it and submit again",
-                    job.expert,
+                    job.experts().join(" + "),
                     waited.as_secs()
                 );
                 let failed = jobs
                     .update_as_leader(job.id, guard, |j| {
-                        let hosted = choose_consumer(&j.expert, nodes, &[]).is_some();
+                        let hosted = choose_consumer(&j.experts(), nodes, &[]).is_some();
                         if j.state == JobState::Queued && !hosted {
                             j.fail(&reason, now_ms())?;
                         }
@@ -287,7 +287,8 @@ pub async fn reconcile(
                     j.mode = config.degraded_fallback;
                 }
                 // On the fresh record: a retry in this pass may have just added to the list.
-                let Some(consumer) = choose_consumer(&j.expert, &view, &j.failed_consumers) else {
+                let Some(consumer) = choose_consumer(&j.experts(), &view, &j.failed_consumers)
+                else {
                     return Ok(());
                 };
                 let excluded = if pool

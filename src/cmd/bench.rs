@@ -1,6 +1,8 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
-use super::{bench_decode, bench_docs, bench_links, bench_memory, bench_model, bench_transport};
+use super::{
+    bench_decode, bench_docs, bench_fanout, bench_links, bench_memory, bench_model, bench_transport,
+};
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
@@ -10,7 +12,8 @@ use super::{bench_decode, bench_docs, bench_links, bench_memory, bench_model, be
     scd bench memory --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf\n  \
     scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3\n  \
     scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16\n  \
-    scd bench links --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --links 50,500,5000")]
+    scd bench links --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --links 50,500,5000\n  \
+    scd bench fanout --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --experts mail,sotu,melville")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -48,6 +51,11 @@ enum Command {
     #[command(after_help = "Example:\n  \
         scd bench links --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --links 50,500,5000")]
     Links(bench_links::Args),
+    /// One prompt for several experts: one fan-out job (one prefill, one code stream) against
+    /// one job per expert at the same time; bytes and time to first token.
+    #[command(after_help = "Example:\n  \
+        scd bench fanout --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --experts mail,sotu,melville")]
+    Fanout(bench_fanout::Args),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -58,5 +66,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Command::Decode(a) => bench_decode::run(a),
         Command::Docs(a) => bench_docs::run(a),
         Command::Links(a) => bench_links::run(a),
+        Command::Fanout(a) => bench_fanout::run(a),
     }
 }

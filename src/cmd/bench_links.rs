@@ -6,22 +6,22 @@
 //! expert's own prefill over a continuation, measured in-process at the ranks each job used.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use scd_actors::{ClusterClient, Node, NodeConfig, Served};
+use scd_actors::{ClusterClient, Served};
 use scd_models::codec::{self, Codec, CodecOptions, Prefix};
 use scd_models::corpus;
 use scd_models::stats::{bootstrap_mean, Estimate};
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::{Input, Llama, LogitsWanted};
-use scd_scheduler::{EmbeddedStore, JobRecord, JobRequest, JobState, Keys, MetaStore, Ranks};
-use scd_transport::{ClusterCa, Role};
+use scd_scheduler::{EmbeddedStore, Keys, MetaStore, Ranks};
+use scd_transport::ClusterCa;
 use scd_types::Mode;
-use tokio_util::sync::CancellationToken;
 
+use crate::cmd::local_cluster::{config, models_section, Cluster};
 use crate::paths::DataDirs;
 
 /// Arguments of `scd bench links`.
@@ -70,25 +70,6 @@ pub struct Args {
 /// The three ways a prompt crosses a link.
 const KINDS: [&str; 3] = ["raw", "default ranks", "adaptive ranks"];
 
-fn config(id: &str, roles: &str, body: &str) -> anyhow::Result<NodeConfig> {
-    let text = format!(
-        "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n\n{body}\n\
-         [store]\nkind = \"embedded\"\n\n\
-         [tls]\nca = \"unused.pem\"\ncert = \"unused.pem\"\nkey = \"unused.key\"\n"
-    );
-    NodeConfig::parse(&text, Path::new(".")).context("building the bench's node configs")
-}
-
-fn models_section(model: &Path, name: &str, expert: &Path) -> String {
-    format!(
-        "[models]\nbase = \"{}\"\n\n[[experts]]\nname = \"{name}\"\nadapter = \"{}\"\n\
-         translator = \"{}\"\n",
-        model.display(),
-        expert.display(),
-        expert.join("translator").display()
-    )
-}
-
 /// One job's figures.
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
@@ -101,50 +82,6 @@ struct Row {
     payload_bytes: u64,
     ttft_ms: f64,
     kl: f64,
-}
-
-struct Cluster {
-    store: Arc<dyn MetaStore>,
-    ca: ClusterCa,
-    served: Arc<Served>,
-    client: ClusterClient,
-}
-
-impl Cluster {
-    async fn start(&self, cfg: &NodeConfig) -> anyhow::Result<Node> {
-        let identity = self.ca.issue(&cfg.node.id, Role::Node)?;
-        Node::start(
-            cfg,
-            &identity,
-            self.served.clone(),
-            self.store.clone(),
-            None,
-            CancellationToken::new(),
-        )
-        .await
-        .with_context(|| format!("starting node {}", cfg.node.id))
-    }
-
-    async fn run(&self, expert: &str, mode: Mode, prompt: &[u32]) -> anyhow::Result<JobRecord> {
-        let request = JobRequest {
-            prompt: prompt.to_vec(),
-            max_tokens: 1,
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            stop_tokens: Vec::new(),
-        };
-        let id = self.client.submit(expert, mode, request).await?;
-        let job = self.client.wait(id, Duration::from_secs(600)).await?;
-        if job.state != JobState::Done {
-            bail!(
-                "job {id} ({mode}) ended {}: {}",
-                job.state,
-                job.error.as_deref().unwrap_or("no reason recorded")
-            );
-        }
-        Ok(job)
-    }
 }
 
 /// KL(oracle || expert) over the continuation, the expert's cache rebuilt by `codec` from the
@@ -178,7 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .iter()
         .map(|&m| (format!("link-{m}m"), m))
         .collect();
-    let models = models_section(&model, &name, &expert_dir);
+    let models = models_section(&model, &[(&name, &expert_dir)]);
     let consumer_cfg = config(&links[0].0, "\"consumer\"", &models)?;
     let served = Arc::new(Served::load(&consumer_cfg).context("loading the models")?);
     let loaded = served

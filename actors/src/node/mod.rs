@@ -353,6 +353,11 @@ impl Node {
         self.metrics_addr
     }
 
+    /// Its metrics as a scrape of `GET /metrics` would show them.
+    pub fn metrics_text(&self) -> String {
+        self.work.metrics.render()
+    }
+
     /// Jobs it works on now.
     pub fn load(&self) -> usize {
         self.work.load()

@@ -444,7 +444,7 @@ impl Work {
         cancel: &CancellationToken,
     ) -> Result<stages::ProducerReplies, Refusal> {
         let request = self.check_request(job)?;
-        let codec = self.codec(job).await?;
+        let codec = self.codec(job, &job.expert).await?;
         let consumer = job
             .consumer
             .clone()
@@ -556,13 +556,24 @@ impl Work {
         let attempt = job.attempts;
         let me = self.id.clone();
         let started = Instant::now();
-        let set_up = self
-            .consumer_job(&job)
-            .await
-            .and_then(|(decoder, params, codec)| {
-                let request = self.check_request(&job)?;
-                Ok((decoder, params, codec, request.prompt.clone()))
-            });
+        // A fan-out's other experts decode on this node too, from the same codes.
+        let mut set_up =
+            self.consumer_job(&job, &job.expert)
+                .await
+                .and_then(|(decoder, params, codec)| {
+                    let request = self.check_request(&job)?;
+                    Ok((decoder, params, codec, request.prompt.clone()))
+                });
+        let mut others = Vec::with_capacity(job.fan_out.len());
+        for expert in &job.fan_out {
+            if set_up.is_err() {
+                break;
+            }
+            match self.consumer_job(&job, expert).await {
+                Ok(part) => others.push((expert.clone(), part)),
+                Err(refusal) => set_up = Err(refusal),
+            }
+        }
         let (decoder, params, codec, prompt) = match set_up {
             Ok(s) => s,
             Err(refusal) => {
@@ -577,7 +588,36 @@ impl Work {
                 return;
             }
         };
-        let (inbound_tx, inbound_rx) = mpsc::channel(self.queues.arrival_queue.max(1));
+        let (inbound_tx, mut inbound_rx) =
+            mpsc::channel::<crate::transfer::Inbound>(self.queues.arrival_queue.max(1));
+        // A fan-out's frames go to every expert's decoder: each rebuilds its own cache.
+        let mut other_inbound = Vec::with_capacity(others.len());
+        if !others.is_empty() {
+            let queue = self.queues.arrival_queue.max(1);
+            let (first_tx, first_rx) = mpsc::channel(queue);
+            let mut outs = vec![first_tx];
+            for _ in &others {
+                let (tx, rx) = mpsc::channel(queue);
+                outs.push(tx);
+                other_inbound.push(rx);
+            }
+            let mut from = std::mem::replace(&mut inbound_rx, first_rx);
+            tokio::spawn(async move {
+                while let Some(item) = from.recv().await {
+                    for out in &outs {
+                        let copy = match &item {
+                            Ok(a) => Ok(crate::job::Arrival {
+                                frame: a.frame.clone(),
+                                at: a.at,
+                            }),
+                            Err(e) => Err(e.clone()),
+                        };
+                        // A decoder that stopped taking frames has failed its part already.
+                        let _ = out.send(copy).await;
+                    }
+                }
+            });
+        }
         let attach = TransferInMsg::Attach {
             receiver: Box::new(receiver),
             inbound: inbound_tx,
@@ -602,6 +642,10 @@ impl Work {
             false => (None, None),
         };
         let shadow_prompt = checked.then(|| prompt.clone());
+        let prompt_copy = match job.fan_out.is_empty() {
+            true => Vec::new(),
+            false => prompt.clone(),
+        };
         let decode = ConsumerJob {
             job: id,
             prompt,
@@ -619,6 +663,35 @@ impl Work {
                     return;
                 }
             };
+        let mut fan_out = Vec::with_capacity(others.len());
+        for ((expert, (decoder, params, codec)), inbound) in others.into_iter().zip(other_inbound) {
+            let part = ConsumerJob {
+                job: id,
+                prompt: prompt_copy.clone(),
+                codec,
+                params,
+                inbound,
+                shadow: None,
+            };
+            let (decoded, mut tokens) =
+                match stages::start_decode(&decoder, part, &self.queues, &cancel) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let reason = format!("consumer {me}, fan-out to {expert}: {e}");
+                        self.fail(id, attempt, Side::Consumer, &reason).await;
+                        return;
+                    }
+                };
+            let cancel = cancel.clone();
+            fan_out.push(tokio::spawn(async move {
+                let mut out = Vec::new();
+                while let Some(t) = tokens.recv().await {
+                    out.push(t);
+                }
+                let report = stages::settle(decoded, "decoder", &cancel).await;
+                (expert, report.map(|r| (r, out)))
+            }));
+        }
         // Tokens go into the record as they come (the first at once, then at most every
         // PROGRESS_EVERY), so that clients following the job stream them.
         let mut tokens = Vec::new();
@@ -659,6 +732,32 @@ impl Work {
             Some(r) => r,
             None => stages::settle(decoded, "decoder", &cancel).await,
         };
+        let mut outputs = std::collections::BTreeMap::new();
+        let mut fan_out_first = std::collections::BTreeMap::new();
+        let mut result = result;
+        for part in fan_out {
+            match part.await {
+                Ok((expert, Ok((report, tokens)))) => {
+                    let stop = stop_name(&report.stop);
+                    if let Some(t) = report.first_token {
+                        let ms = t.duration_since(started).as_secs_f64() * 1e3;
+                        fan_out_first.insert(format!("first_token:{expert}"), ms);
+                    }
+                    outputs.insert(expert, JobResult { tokens, stop });
+                }
+                Ok((expert, Err(e))) if result.is_ok() => {
+                    tracing::warn!(job = %id, %expert, error = %e, "a fan-out expert failed");
+                    result = Err(e);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(job = %id, error = %e, "a fan-out decode task failed");
+                    if result.is_ok() {
+                        result = Err(JobError::ActorGone("decoder"));
+                    }
+                }
+            }
+        }
         match result {
             Ok(report) => {
                 let ms = |at: Instant| at.duration_since(started).as_secs_f64() * 1e3;
@@ -681,6 +780,11 @@ impl Work {
                     spans.push(("decode", wall(first, Instant::now())));
                 }
                 m.bytes_received.inc_by(received as u64);
+                // Counted before the record says done, so whoever saw it done sees the count.
+                m.decoded(&job.expert);
+                for expert in outputs.keys() {
+                    m.decoded(expert);
+                }
                 let mut ttft_ms = None;
                 let output = JobResult {
                     tokens,
@@ -702,6 +806,7 @@ impl Work {
                         if let Some(t) = first_token {
                             j.timings_ms.insert("first_token".into(), t);
                         }
+                        j.timings_ms.extend(fan_out_first.clone());
                         j.timings_ms.insert("consumer_total".into(), decode_total);
                         let total = now_ms().saturating_sub(j.created_at_ms) as f64;
                         j.timings_ms.insert("total".into(), total);
@@ -713,6 +818,7 @@ impl Work {
                             ttft_ms = Some(ttft);
                         }
                         j.output = Some(output.clone());
+                        j.outputs = outputs.clone();
                         for (k, span) in &spans {
                             j.stages.insert((*k).into(), *span);
                         }
@@ -882,12 +988,13 @@ impl Work {
     async fn consumer_job(
         &self,
         job: &JobRecord,
+        expert: &str,
     ) -> Result<(ActorRef<DecoderMsg>, GenerateParams, JobCodec), Refusal> {
         let decoder = read(&self.actors)
             .decoders
-            .get(&job.expert)
+            .get(expert)
             .cloned()
-            .ok_or_else(|| Refusal::UnknownExpert(job.expert.clone()))?;
+            .ok_or_else(|| Refusal::UnknownExpert(expert.to_string()))?;
         let request = self.check_request(job)?;
         let sampling = Sampling::from_params(request.temperature, request.top_p)
             .map_err(|e| Refusal::Sampling(e.to_string()))?;
@@ -897,18 +1004,19 @@ impl Work {
             seed: request.seed,
             stop_tokens: request.stop_tokens.clone(),
         };
-        Ok((decoder, params, self.codec(job).await?))
+        Ok((decoder, params, self.codec(job, expert).await?))
     }
 
-    /// The job's codec, with the translator version its record names (the current one for a
-    /// record that names none: modes without a translator, or a record from before versions).
-    async fn codec(&self, job: &JobRecord) -> Result<JobCodec, Refusal> {
-        if !self.served.experts.contains_key(&job.expert) {
-            return Err(Refusal::UnknownExpert(job.expert.clone()));
+    /// The job's codec for `expert` (the job's own, or one of its fan-out), with the translator
+    /// version its record names (the current one for a record that names none: modes without
+    /// a translator, or a record from before versions).
+    async fn codec(&self, job: &JobRecord, expert: &str) -> Result<JobCodec, Refusal> {
+        if !self.served.experts.contains_key(expert) {
+            return Err(Refusal::UnknownExpert(expert.to_string()));
         }
         let version = match job.translator {
-            Some(hash) => self.translators.get(&job.expert, hash).await,
-            None => self.translators.current(&job.expert),
+            Some(hash) => self.translators.get(expert, hash).await,
+            None => self.translators.current(expert),
         }
         .map_err(|e| Refusal::Translator(e.to_string()))?;
         let options = CodecOptions {
