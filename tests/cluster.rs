@@ -365,6 +365,15 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         summary["text"].as_str().unwrap().trim_end(),
         want_mail_scd.trim_end()
     );
+    // A fan-out to mail and sotu: no node hosts both here, so it is refused before anything
+    // is created, with the reason.
+    let out = submit(&["--expert", "mail", "--expert", "sotu", "--mode", "raw"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{stderr}");
+    assert!(
+        stderr.contains("fan-out to mail, sotu") && stderr.contains("no consumer node hosts all"),
+        "{stderr}"
+    );
     // The operator's views: nodes, pools, jobs, one job's record.
     let admin_cmd = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_scd"))

@@ -861,3 +861,73 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// Fan-out with codes (M11 §1 with M3's joint translator): the shipped joint translator of
+/// mail, sotu and melville is every expert's translator on both nodes; one scd fan-out job
+/// sends the payload of one job, and each expert's result equals its own scd job's (the same
+/// codes, rebuilt with its own decoder of the joint translator).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_joint_code_stream_serves_three_experts() {
+    use scd_actors::config::ExpertConfig;
+    use scd_scheduler::{JobId, TraceContext};
+    let m = models();
+    let prompt = prompt(m);
+    let joint = repo().join("experts/joint/translator");
+    let joint_hash = Translator::load(&joint).unwrap().hash();
+    let experts: Vec<String> = ["mail", "sotu", "melville"].map(String::from).to_vec();
+    let with_joint = |id: &str, roles: &str| {
+        let mut c = config_with(id, roles, true, &joint, "");
+        c.experts.clear();
+        for name in &experts {
+            c.experts.push(ExpertConfig {
+                name: name.clone(),
+                adapter: Some(repo().join("experts").join(name)),
+                translator: joint.clone(),
+            });
+        }
+        c
+    };
+    let cluster = Cluster::new();
+    let mut producer_config = with_joint("prefill-0", "\"producer\", \"scheduler\"");
+    producer_config.limits.prefix_cache_mib = 0;
+    let producer = cluster.start(&producer_config).await;
+    let consumer = cluster
+        .start(&with_joint("experts-0", "\"consumer\""))
+        .await;
+    let mut alone = std::collections::BTreeMap::new();
+    let mut one_payload = 0;
+    for e in &experts {
+        let id = cluster
+            .client
+            .submit(e, Mode::Scd, request(&prompt, MAX_TOKENS))
+            .await
+            .unwrap();
+        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{e}: {:?}", job.error);
+        assert_eq!(job.translator, Some(joint_hash));
+        alone.insert(e.clone(), job.output.unwrap().tokens);
+        one_payload = job.payload_bytes;
+    }
+    let id = JobId::random();
+    cluster
+        .client
+        .submit_fan_out(
+            id,
+            &experts,
+            Mode::Scd,
+            request(&prompt, MAX_TOKENS),
+            TraceContext::new(),
+        )
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!((job.mode, job.translator), (Mode::Scd, Some(joint_hash)));
+    assert_eq!(job.payload_bytes, one_payload, "one code stream");
+    assert_eq!(job.output.unwrap().tokens, alone["mail"]);
+    for e in ["sotu", "melville"] {
+        assert_eq!(job.outputs[e].tokens, alone[e], "{e}");
+    }
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

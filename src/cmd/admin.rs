@@ -113,13 +113,16 @@ impl Target {
 #[command(after_help = "Examples:\n  \
     scd submit --node producer@127.0.0.1:7101 --expert sotu --prompt 'What did the president promise?'\n  \
     scd submit --node producer@127.0.0.1:7101 --expert mail --raw --prompt-file mail.txt --mode raw --json\n  \
-    echo 'Describe the sea.' | scd submit --node producer@127.0.0.1:7101 --expert melville")]
+    echo 'Describe the sea.' | scd submit --node producer@127.0.0.1:7101 --expert melville\n  \
+    scd submit --node producer@127.0.0.1:7101 --expert mail --expert sotu --mode raw --prompt 'Hello'")]
 pub struct SubmitArgs {
     #[command(flatten)]
     pub target: Target,
-    /// The expert that answers.
-    #[arg(long)]
-    pub expert: String,
+    /// The expert that answers; repeat it for a fan-out: one prefill and one code stream
+    /// serve every expert named (of one base, hosted together on a consumer node), each
+    /// answering in turn on stdout.
+    #[arg(long, required = true)]
+    pub expert: Vec<String>,
     /// How the base model's prefill reaches the expert: oracle, raw, q4, droidspeak, reuse, scd.
     #[arg(long, default_value = "scd")]
     pub mode: Mode,
@@ -311,9 +314,14 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         let job_id = JobId::random();
         // The job's trace starts here, so its id is known before the cluster answers.
         let trace = TraceContext::fresh();
+        let (expert, fan_out) = match args.expert.split_first() {
+            Some((e, more)) => (e.clone(), more.to_vec()),
+            None => return Err(fail(2, anyhow::anyhow!("name an --expert"))),
+        };
         let request = Control::Submit(SubmitRequest {
             job_id,
-            expert: args.expert.clone(),
+            expert,
+            fan_out,
             mode: args.mode,
             prompt: Prompt::Text(text),
             chat: !args.raw,
@@ -571,6 +579,12 @@ async fn follow(mut call: AdminCall, json: bool, cancelling: bool) -> Result<(),
         let _ = writeln!(stdout, "{out}");
     } else {
         let _ = writeln!(stdout);
+        // A fan-out's other experts answer after the first, each under its name.
+        if let Some(outputs) = summary["outputs_text"].as_object() {
+            for (expert, text) in outputs {
+                let _ = writeln!(stdout, "[{expert}]\n{}", text.as_str().unwrap_or_default());
+            }
+        }
         eprintln!("[{state}: {}]", describe(&summary));
     }
     match state {

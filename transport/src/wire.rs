@@ -10,7 +10,7 @@ use scd_types::{
 
 /// The wire protocol version. It is in the ALPN string (so a peer with another version fails
 /// the TLS handshake) and in every frame header (so a stray frame of another version is refused).
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// One layer's codes for a job, as they go on the wire.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -106,6 +106,8 @@ pub struct SubmitRequest {
     pub seed: u64,
     /// Trace context of the client's span.
     pub trace: TraceContext,
+    /// More experts of the same base served by the same prompt (a fan-out; protocol 3).
+    pub fan_out: Vec<String>,
 }
 
 // rkyv generates one struct per struct-like variant, without docs; the allow is scoped to this

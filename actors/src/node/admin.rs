@@ -45,6 +45,7 @@ impl From<ClientError> for Refused {
         let code = match &e {
             ClientError::NoConsumer { .. }
             | ClientError::NoProducer { .. }
+            | ClientError::FanOut { .. }
             | ClientError::PromptTooShort(_) => error_code::REFUSED,
             ClientError::Busy(_) => error_code::BUSY,
             ClientError::Gone(_) | ClientError::Record(RecordError::NotFound(_)) => {
@@ -148,9 +149,12 @@ async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Re
         Some(t) => t.start_job(&r.trace, r.job_id, &r.expert, r.mode),
         None => r.trace.clone(),
     };
+    let experts: Vec<String> = std::iter::once(r.expert.clone())
+        .chain(r.fan_out.iter().cloned())
+        .collect();
     let submitted = work
         .client
-        .submit_as(r.job_id, &r.expert, r.mode, request, trace)
+        .submit_fan_out(r.job_id, &experts, r.mode, request, trace)
         .await;
     match submitted {
         Ok(()) => {}
@@ -160,7 +164,10 @@ async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Re
     }
     let detail = format!(
         "queued on {}: {} prompt tokens, expert {}, mode {}",
-        work.id, tokens, r.expert, r.mode
+        work.id,
+        tokens,
+        experts.join(" + "),
+        r.mode
     );
     send(replies, status(r.job_id, JobState::Queued, detail)).await?;
     follow(work, r.job_id, replies, Shown::after(JobState::Queued)).await
@@ -179,7 +186,11 @@ async fn cancel(
         ),
         e => e.into(),
     })?;
-    send(replies, status(job, record.state, summary(&record))).await
+    send(
+        replies,
+        status(job, record.state, summary(&record, &work.served.tokenizer)),
+    )
+    .await
 }
 
 /// Most jobs an `Inspect` of `jobs` lists (the newest first).
@@ -223,7 +234,9 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
             jobs.truncate(MAX_LISTED_JOBS);
             let list: Vec<serde_json::Value> = jobs
                 .iter()
-                .map(|j| serde_json::from_str(&summary(j)).unwrap_or_default())
+                .map(|j| {
+                    serde_json::from_str(&summary(j, &work.served.tokenizer)).unwrap_or_default()
+                })
                 .collect();
             serde_json::Value::Array(list)
         }
@@ -365,9 +378,20 @@ async fn send(replies: &mut AdminReplies, msg: Control) -> Result<(), Refused> {
         .map_err(|e| Refused::new(error_code::INTERNAL, e.to_string()))
 }
 
-/// The record's summary a finished call ends with, as JSON.
-fn summary(job: &JobRecord) -> String {
+/// The record's summary a finished call ends with, as JSON; a fan-out's other experts' texts
+/// come decoded with `tok`.
+fn summary(job: &JobRecord, tok: &scd_models::tokenizer::Tokenizer) -> String {
+    let outputs: serde_json::Map<String, serde_json::Value> = job
+        .outputs
+        .iter()
+        .map(|(e, o)| {
+            let text = tok.decode(&o.tokens, true).unwrap_or_default();
+            (e.clone(), serde_json::Value::String(text))
+        })
+        .collect();
     serde_json::json!({
+        "fan_out": job.fan_out,
+        "outputs_text": outputs,
         "job": job.id,
         "state": job.state,
         "created_ms": job.created_at_ms,
@@ -392,7 +416,11 @@ fn summary(job: &JobRecord) -> String {
 
 /// The admin replies of a followed job's steps: tokens, then statuses (a finished one carrying
 /// the record's summary).
-fn replies_of(job_id: JobId, steps: Vec<Progress>) -> Vec<Control> {
+fn replies_of(
+    job_id: JobId,
+    steps: Vec<Progress>,
+    tok: &scd_models::tokenizer::Tokenizer,
+) -> Vec<Control> {
     steps
         .into_iter()
         .map(|step| match step {
@@ -403,7 +431,7 @@ fn replies_of(job_id: JobId, steps: Vec<Progress>) -> Vec<Control> {
             },
             Progress::State(state, job) => {
                 let detail = if state.is_finished() {
-                    summary(&job)
+                    summary(&job, tok)
                 } else {
                     match (&job.producer, &job.consumer) {
                         (Some(p), Some(c)) => format!("producer {p}, consumer {c}"),
@@ -428,7 +456,7 @@ async fn follow(
         tokio::select! {
             record = following.next() => match record {
                 Some(record) => {
-                    for msg in replies_of(job, shown.steps(tok, &record)) {
+                    for msg in replies_of(job, shown.steps(tok, &record), tok) {
                         send(replies, msg).await?;
                     }
                 }
@@ -439,7 +467,7 @@ async fn follow(
         }
     }
     let last = following.finish().await?;
-    for msg in replies_of(job, shown.steps(tok, &last)) {
+    for msg in replies_of(job, shown.steps(tok, &last), tok) {
         send(replies, msg).await?;
     }
     Ok(())
