@@ -745,6 +745,53 @@ async fn a_translator_whose_shadow_checks_drift_is_marked_and_its_jobs_fall_back
     producer.shutdown(Duration::ZERO).await;
 }
 
+/// Each of `experts` alone on `prompt` in `mode`: their tokens by expert, and one job's payload.
+async fn each_alone(
+    cluster: &Cluster,
+    experts: &[String],
+    mode: Mode,
+    prompt: &[u32],
+) -> (std::collections::BTreeMap<String, Vec<u32>>, u64) {
+    let mut alone = std::collections::BTreeMap::new();
+    let mut one_payload = 0;
+    for e in experts {
+        let id = cluster
+            .client
+            .submit(e, mode, request(prompt, MAX_TOKENS))
+            .await
+            .unwrap();
+        let job = cluster.client.wait(id, WAIT).await.unwrap();
+        assert_eq!(job.state, JobState::Done, "{e}: {:?}", job.error);
+        alone.insert(e.clone(), job.output.unwrap().tokens);
+        one_payload = job.payload_bytes;
+    }
+    (alone, one_payload)
+}
+
+/// One fan-out job of `experts` on `prompt` in `mode`, run to its end.
+async fn fan_out(
+    cluster: &Cluster,
+    experts: &[String],
+    mode: Mode,
+    prompt: &[u32],
+) -> scd_scheduler::JobRecord {
+    let id = scd_scheduler::JobId::random();
+    cluster
+        .client
+        .submit_fan_out(
+            id,
+            experts,
+            mode,
+            request(prompt, MAX_TOKENS),
+            scd_scheduler::TraceContext::new(),
+        )
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    job
+}
+
 /// A metric's value in a node's scrape (`name{labels}` as rendered), 0 when absent.
 fn metric(text: &str, series: &str) -> f64 {
     text.lines()
@@ -781,36 +828,11 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
     let consumer = cluster.start(&consumer_config).await;
     let experts: Vec<String> = ["mail", "sotu", "melville"].map(String::from).to_vec();
 
-    let mut alone = std::collections::BTreeMap::new();
-    let mut one_payload = 0;
-    for e in &experts {
-        let id = cluster
-            .client
-            .submit(e, Mode::Raw, request(&prompt, MAX_TOKENS))
-            .await
-            .unwrap();
-        let job = cluster.client.wait(id, WAIT).await.unwrap();
-        assert_eq!(job.state, JobState::Done, "{e}: {:?}", job.error);
-        alone.insert(e.clone(), job.output.unwrap().tokens);
-        one_payload = job.payload_bytes;
-    }
+    let (alone, one_payload) = each_alone(&cluster, &experts, Mode::Raw, &prompt).await;
     let prefills = "scd_stage_seconds_count{stage=\"prefill\"}";
     let decodes = |e: &str| format!("scd_decodes_total{{expert=\"{e}\"}}");
     let before = (producer.metrics_text(), consumer.metrics_text());
-    let id = JobId::random();
-    cluster
-        .client
-        .submit_fan_out(
-            id,
-            &experts,
-            Mode::Raw,
-            request(&prompt, MAX_TOKENS),
-            TraceContext::new(),
-        )
-        .await
-        .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
-    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    let job = fan_out(&cluster, &experts, Mode::Raw, &prompt).await;
     assert_eq!(job.experts(), ["mail", "sotu", "melville"]);
     assert_eq!(job.output.unwrap().tokens, alone["mail"]);
     for e in ["sotu", "melville"] {
@@ -869,7 +891,6 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_joint_code_stream_serves_three_experts() {
     use scd_actors::config::ExpertConfig;
-    use scd_scheduler::{JobId, TraceContext};
     let m = models();
     let prompt = prompt(m);
     let joint = repo().join("experts/joint/translator");
@@ -894,34 +915,8 @@ async fn one_joint_code_stream_serves_three_experts() {
     let consumer = cluster
         .start(&with_joint("experts-0", "\"consumer\""))
         .await;
-    let mut alone = std::collections::BTreeMap::new();
-    let mut one_payload = 0;
-    for e in &experts {
-        let id = cluster
-            .client
-            .submit(e, Mode::Scd, request(&prompt, MAX_TOKENS))
-            .await
-            .unwrap();
-        let job = cluster.client.wait(id, WAIT).await.unwrap();
-        assert_eq!(job.state, JobState::Done, "{e}: {:?}", job.error);
-        assert_eq!(job.translator, Some(joint_hash));
-        alone.insert(e.clone(), job.output.unwrap().tokens);
-        one_payload = job.payload_bytes;
-    }
-    let id = JobId::random();
-    cluster
-        .client
-        .submit_fan_out(
-            id,
-            &experts,
-            Mode::Scd,
-            request(&prompt, MAX_TOKENS),
-            TraceContext::new(),
-        )
-        .await
-        .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
-    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    let (alone, one_payload) = each_alone(&cluster, &experts, Mode::Scd, &prompt).await;
+    let job = fan_out(&cluster, &experts, Mode::Scd, &prompt).await;
     assert_eq!((job.mode, job.translator), (Mode::Scd, Some(joint_hash)));
     assert_eq!(job.payload_bytes, one_payload, "one code stream");
     assert_eq!(job.output.unwrap().tokens, alone["mail"]);

@@ -9,10 +9,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use scd_actors::{ClusterClient, Served};
+use scd_actors::Served;
 use scd_models::corpus;
-use scd_scheduler::{EmbeddedStore, JobId, JobRecord, JobRequest, JobState, Keys, MetaStore};
-use scd_transport::ClusterCa;
+use scd_scheduler::{JobId, JobRecord, JobRequest, JobState};
 use scd_types::{Mode, TraceContext};
 
 use crate::cmd::local_cluster::{config, models_section, Cluster};
@@ -123,13 +122,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let rows = runtime.block_on(async {
-        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
-        let cluster = Cluster {
-            client: ClusterClient::new(store.clone(), Keys::default()),
-            store,
-            ca: ClusterCa::generate("bench")?,
-            served: served.clone(),
-        };
+        let cluster = Cluster::new(served.clone())?;
         let producer = cluster.start(&producer_cfg).await?;
         let consumer = cluster.start(&consumer_cfg).await?;
         let wait = |id| cluster.client.wait(id, std::time::Duration::from_secs(600));

@@ -11,14 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use scd_actors::{ClusterClient, Served};
+use scd_actors::Served;
 use scd_models::codec::{self, Codec, CodecOptions, Prefix};
 use scd_models::corpus;
 use scd_models::stats::{bootstrap_mean, Estimate};
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::{Input, Llama, LogitsWanted};
-use scd_scheduler::{EmbeddedStore, Keys, MetaStore, Ranks};
-use scd_transport::ClusterCa;
+use scd_scheduler::Ranks;
 use scd_types::Mode;
 
 use crate::cmd::local_cluster::{config, models_section, Cluster};
@@ -180,13 +179,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let rows = runtime.block_on(async {
-        let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
-        let cluster = Cluster {
-            client: ClusterClient::new(store.clone(), Keys::default()),
-            store,
-            ca: ClusterCa::generate("bench")?,
-            served: served.clone(),
-        };
+        let cluster = Cluster::new(served.clone())?;
         let scheduler = cluster
             .start(&config("scheduler", "\"scheduler\"", "")?)
             .await?;

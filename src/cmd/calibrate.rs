@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use scd_models::corpus::{self, Corpus};
 use scd_models::expert::expert_files;
+use scd_models::tokenizer::Tokenizer;
 use scd_models::translator::{
     calibrate, calibrate::CalibrationText, AlignerConfig, CalibrateEvent, CalibrationConfig,
     PatchChoice, Ranks, WeightsDtype,
@@ -23,16 +24,8 @@ use crate::progress::Progress;
     after_help = "Example:\n  scd calibrate --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \\\n    --consumer-adapter experts/sotu --out experts/sotu/translator"
 )]
 pub struct Args {
-    /// The producer (base) model, GGUF file or Hugging Face directory.
-    #[arg(long, env = "SCD_MODEL")]
-    pub producer: PathBuf,
-    /// The consumers' base weights (default: the producer's).
-    #[arg(long)]
-    pub consumer: Option<PathBuf>,
-    /// An expert: its folder (adapter.safetensors inside) or an adapter file. Repeat it for a
-    /// joint translator whose one code stream serves every expert given.
-    #[arg(long = "consumer-adapter", required = true)]
-    pub consumer_adapters: Vec<PathBuf>,
+    #[command(flatten)]
+    pub models: PairArgs,
     /// Where to write the translator folder.
     #[arg(long)]
     pub out: PathBuf,
@@ -97,6 +90,38 @@ pub struct Args {
     pub version: String,
 }
 
+/// The models of a translator: the producer, and each consumer as base plus adapter.
+#[derive(clap::Args)]
+pub struct PairArgs {
+    /// The producer (base) model, GGUF file or Hugging Face directory.
+    #[arg(long, env = "SCD_MODEL")]
+    pub producer: PathBuf,
+    /// The consumers' base weights (default: the producer's).
+    #[arg(long)]
+    pub consumer: Option<PathBuf>,
+    /// An expert: its folder (adapter.safetensors inside) or an adapter file. Repeat it for a
+    /// joint translator whose one code stream serves every expert given (in its order).
+    #[arg(long = "consumer-adapter", required = true)]
+    pub consumer_adapters: Vec<PathBuf>,
+}
+
+impl PairArgs {
+    /// The producer, the tokenizer, and every consumer by name.
+    pub fn load(&self) -> anyhow::Result<(Llama, Tokenizer, Vec<(String, Llama)>)> {
+        let (producer, tok) = super::generate::load(&self.producer)?;
+        let consumer_base = match &self.consumer {
+            Some(p) if p != &self.producer => super::generate::load(p)?.0,
+            _ => producer.clone(),
+        };
+        let experts = self
+            .consumer_adapters
+            .iter()
+            .map(|p| load_expert(&consumer_base, p))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok((producer, tok, experts))
+    }
+}
+
 /// Loads `base` with the adapter at `path` (a folder holding adapter.safetensors, or the file),
 /// named after the folder.
 pub fn load_expert(base: &Llama, path: &Path) -> anyhow::Result<(String, Llama)> {
@@ -128,16 +153,7 @@ fn triple(v: &[usize], what: &str) -> anyhow::Result<[usize; 3]> {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let (producer, tok) = super::generate::load(&args.producer)?;
-    let consumer_base = match &args.consumer {
-        Some(p) if p != &args.producer => super::generate::load(p)?.0,
-        _ => producer.clone(),
-    };
-    let experts = args
-        .consumer_adapters
-        .iter()
-        .map(|p| load_expert(&consumer_base, p))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (producer, tok, experts) = args.models.load()?;
     let kv = producer.config().kv_dim();
     let [rk, rv, rh] = triple(&args.r_max, "r-max")?;
     let r_max = Ranks {

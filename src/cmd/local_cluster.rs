@@ -47,6 +47,17 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// A fresh embedded store, a throwaway CA, and nodes that will share `served`.
+    pub fn new(served: Arc<Served>) -> anyhow::Result<Self> {
+        let store: Arc<dyn MetaStore> = Arc::new(scd_scheduler::EmbeddedStore::new());
+        Ok(Self {
+            client: ClusterClient::new(store.clone(), scd_scheduler::Keys::default()),
+            store,
+            ca: ClusterCa::generate("bench")?,
+            served,
+        })
+    }
+
     /// Starts a node from `cfg`.
     pub async fn start(&self, cfg: &NodeConfig) -> anyhow::Result<Node> {
         let identity = self.ca.issue(&cfg.node.id, Role::Node)?;

@@ -119,15 +119,9 @@ pub struct CurveArgs {
     /// The translator folder; its manifest is rewritten with the curve.
     #[arg(long)]
     pub translator: PathBuf,
-    /// The producer (base) model it was calibrated for.
-    #[arg(long, env = "SCD_MODEL")]
-    pub producer: PathBuf,
-    /// The consumers' base weights (default: the producer's).
-    #[arg(long)]
-    pub consumer: Option<PathBuf>,
-    /// Its experts, in the translator's order (folder or adapter file; repeat for a joint one).
-    #[arg(long = "consumer-adapter", required = true)]
-    pub consumer_adapters: Vec<PathBuf>,
+    /// The models it was calibrated for (experts in the translator's order).
+    #[command(flatten)]
+    pub models: super::calibrate::PairArgs,
     /// The calibration's seed (the held-out prompts are drawn with it).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -218,16 +212,7 @@ fn curve(a: &CurveArgs) -> anyhow::Result<()> {
     let dir = &a.translator;
     let mut t = Translator::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     let before = t.hash();
-    let (producer, tok) = super::generate::load(&a.producer)?;
-    let consumer_base = match &a.consumer {
-        Some(p) if p != &a.producer => super::generate::load(p)?.0,
-        _ => producer.clone(),
-    };
-    let experts = a
-        .consumer_adapters
-        .iter()
-        .map(|p| super::calibrate::load_expert(&consumer_base, p))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (producer, tok, experts) = a.models.load()?;
     let m = &t.manifest;
     let cal = &m.calibration;
     let corpus = Corpus::open(&cal.corpus, &a.dirs.data_dir)
