@@ -105,9 +105,12 @@ pub struct PairArgs {
     pub consumer_adapters: Vec<PathBuf>,
 }
 
+/// A translator's models loaded: the producer, the tokenizer, and every consumer by name.
+pub type PairModels = (Llama, Tokenizer, Vec<(String, Llama)>);
+
 impl PairArgs {
-    /// The producer, the tokenizer, and every consumer by name.
-    pub fn load(&self) -> anyhow::Result<(Llama, Tokenizer, Vec<(String, Llama)>)> {
+    /// Loads the models ([`PairModels`]).
+    pub fn load(&self) -> anyhow::Result<PairModels> {
         let (producer, tok) = super::generate::load(&self.producer)?;
         let consumer_base = match &self.consumer {
             Some(p) if p != &self.producer => super::generate::load(p)?.0,
@@ -124,7 +127,7 @@ impl PairArgs {
 
 /// Loads `base` with the adapter at `path` (a folder holding adapter.safetensors, or the file),
 /// named after the folder.
-pub fn load_expert(base: &Llama, path: &Path) -> anyhow::Result<(String, Llama)> {
+fn load_expert(base: &Llama, path: &Path) -> anyhow::Result<(String, Llama)> {
     let file = if path.is_dir() {
         expert_files(path).0
     } else {
