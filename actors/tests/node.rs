@@ -576,14 +576,16 @@ async fn a_burst_past_the_admission_bound_is_answered_busy_and_loses_nothing() {
 }
 
 /// Codes sized for the link (M11 §2): one producer with adaptive ranks, its link to one
-/// consumer paced at 20 Mbit/s and to the other left at loopback speed. The first job to a
+/// consumer paced at 4 Mbit/s and to the other left at loopback speed. (4 Mbit/s is far below
+/// what even a loaded test machine's prefill produces, so frames queue behind that link and it
+/// is measured, whatever the machine's speed.) The first job to a
 /// consumer has no measurement and goes at the translator's defaults; after it the producer
 /// knows the link, and the same prompt gets smaller codes over the slow link than over the
 /// fast one, both under the KL ceiling per the translator's curve. Each consumer rebuilds with
 /// the ranks the record names: its tokens equal the in-process run at those ranks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
-    const SLOW_MBIT: u64 = 20;
+    const SLOW_MBIT: u64 = 4;
     let m = models();
     let (t, index) = &m.translator;
     assert!(

@@ -16,6 +16,8 @@
 //! - [`framing`]: whole frames on streams: a cancel-safe reader generic over `AsyncRead` whose
 //!   buffer grows with the bytes received, and the writes of encoded frames to quinn.
 //! - [`pacing`]: a token bucket on the send path to emulate a link's bandwidth.
+//! - [`link_meter`]: the rate a job stream's link carried it at, from the spells in which the
+//!   link, not the producer, set the pace.
 //! - [`config`]: transport options and the quinn config derived from the link.
 //! - [`pki`]: the cluster CA and node/admin certificates (`scd cert`).
 //! - `tls`: rustls configurations from the cluster CA (mutual TLS), TLS alerts read back, and
@@ -43,6 +45,7 @@ mod endpoint;
 pub mod framing;
 pub mod fuzz;
 mod handshake;
+pub mod link_meter;
 pub mod pacing;
 pub mod pki;
 pub mod session;

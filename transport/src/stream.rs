@@ -29,6 +29,7 @@ use crate::framing::{
     connection_loss, write_encoded, write_one, FrameReadError, FrameReader, FrameWriteError,
     ReceivedFrame,
 };
+use crate::link_meter::LinkMeter;
 use crate::pacing::Pacer;
 use crate::pki::PeerIdentity;
 use crate::session::{
@@ -99,11 +100,11 @@ pub struct SendReport {
     pub frames: u64,
     /// Bytes sent, frame headers included.
     pub bytes: u64,
-    /// Bytes of the frames that were already queued when the writer was ready for them: while
-    /// those went out, the link (or the peer's reading) and not the producer set the pace.
+    /// Bytes of the frames written while the link, not the producer, set the pace: spells in
+    /// which every frame was already queued when the writer got to it, of at least
+    /// [`crate::link_meter::MIN_SPELL`] ([`crate::link_meter`] says why).
     pub backlogged_bytes: u64,
-    /// Time those frames' writes took (each waits on pacing, flow control and QUIC's send
-    /// window), plus the wait from the last write until the peer had read everything.
+    /// Time of those spells, the last one's wait until the peer had read everything included.
     pub backlogged_busy: Duration,
     /// Time every frame's write took, plus that last wait.
     pub write_busy: Duration,
@@ -114,7 +115,8 @@ impl SendReport {
     /// the producer's next frame. From the frames that queued behind the link when there are
     /// any (after an idle spell a link sends a burst faster than it can keep up, so frames the
     /// writer had to wait for would overstate it); otherwise the link was never the
-    /// bottleneck, and every frame's write time is all there is to go by (an upper estimate).
+    /// bottleneck (or only briefly), and every frame's write time is all there is to go by
+    /// (an upper estimate).
     /// `None` when no time was measured.
     pub fn link_rate(&self) -> Option<f64> {
         let rate = |bytes: u64, busy: Duration| {
@@ -393,6 +395,7 @@ async fn pump(
     rx: &mut mpsc::Receiver<EncodedFrame>,
     pacer: Option<&Pacer>,
     report: &mut SendReport,
+    meter: &mut LinkMeter,
 ) -> Result<(), WriteError> {
     let mut next = Some(first);
     loop {
@@ -400,22 +403,23 @@ async fn pump(
             Some(f) => (f, false),
             None => match rx.try_recv() {
                 Ok(f) => (f, true),
-                Err(mpsc::error::TryRecvError::Empty) => match rx.recv().await {
-                    Some(f) => (f, false),
-                    None => break,
-                },
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    // The writer waits for the producer: a spell of the link's pace ends here.
+                    meter.waiting();
+                    match rx.recv().await {
+                        Some(f) => (f, false),
+                        None => break,
+                    }
+                }
                 Err(mpsc::error::TryRecvError::Disconnected) => break,
             },
         };
         let len = frame.len();
         let started = Instant::now();
         write_encoded(send, frame, pacer).await?;
-        let took = started.elapsed();
-        report.write_busy += took;
-        if queued {
-            report.backlogged_busy += took;
-            report.backlogged_bytes += len as u64;
-        }
+        let ended = Instant::now();
+        report.write_busy += ended - started;
+        meter.wrote(queued, len as u64, started, ended);
         report.frames += 1;
         report.bytes += len as u64;
     }
@@ -431,6 +435,7 @@ async fn writer(
     _guard: TaskGuard,
 ) -> Result<SendReport, SendError> {
     let mut report = SendReport::default();
+    let mut meter = LinkMeter::default();
     let mut pumped_at = None;
     let mut reader = FrameReader::new(CONTROL_MAX_FRAME_BYTES, None);
     let event = {
@@ -440,6 +445,7 @@ async fn writer(
             &mut w.rx,
             w.pacer.as_deref(),
             &mut report,
+            &mut meter,
         );
         let watch = next_reply(&mut w.back, &mut reader);
         tokio::pin!(pump, watch);
@@ -480,12 +486,10 @@ async fn writer(
         Err(WriteError::ClosedStream | WriteError::ZeroRttRejected) => SenderEvent::WriteClosed,
     };
     if let Some(t) = pumped_at {
-        let drain = t.elapsed();
-        report.write_busy += drain;
-        if report.backlogged_bytes > 0 {
-            report.backlogged_busy += drain;
-        }
+        report.write_busy += t.elapsed();
+        meter.finish(Instant::now());
     }
+    (report.backlogged_bytes, report.backlogged_busy) = meter.spells();
     let (action, result) = sender_end(event);
     carry_out(action, &mut w.send, &mut w.back).await;
     result.map(|()| report)
