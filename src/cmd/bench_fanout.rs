@@ -14,7 +14,7 @@ use scd_models::corpus;
 use scd_scheduler::{JobId, JobRecord, JobRequest, JobState};
 use scd_types::{Mode, TraceContext};
 
-use crate::cmd::local_cluster::{config, models_section, Cluster};
+use crate::cmd::local_cluster::{config, median, models_section, Cluster};
 use crate::paths::DataDirs;
 
 /// Arguments of `scd bench fanout`.
@@ -66,15 +66,6 @@ fn ttfts(job: &JobRecord) -> Vec<f64> {
         }
     }
     out
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

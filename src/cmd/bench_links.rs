@@ -20,7 +20,7 @@ use scd_models::{Input, Llama, LogitsWanted};
 use scd_scheduler::Ranks;
 use scd_types::Mode;
 
-use crate::cmd::local_cluster::{config, models_section, Cluster};
+use crate::cmd::local_cluster::{config, median, models_section, Cluster};
 use crate::paths::DataDirs;
 
 /// Arguments of `scd bench links`.
@@ -266,15 +266,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         eprintln!("wrote {}", out.display());
     }
     Ok(())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn print_table(rows: &[Row], args: &Args) {

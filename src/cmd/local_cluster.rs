@@ -1,6 +1,6 @@
 //! An in-process cluster for the benchmarks that run jobs through real nodes: node configs on
-//! the embedded store with a throwaway CA, nodes that share one set of loaded models, and a job
-//! run to its end.
+//! the embedded store with a throwaway CA, nodes that share one set of loaded models, a job run
+//! to its end, and the median the tables report.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -93,5 +93,15 @@ impl Cluster {
             );
         }
         Ok(job)
+    }
+}
+
+/// The median of `v` (NaN when empty): the benchmarks' summary of per-job figures.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
