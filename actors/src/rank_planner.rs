@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use scd_models::translator::rank_curve::{self, LinkEstimate};
 use scd_models::translator::{RankPolicy, Translator};
 use scd_scheduler::{Mode, RanksChoice, RanksRule};
-use scd_transport::CodeDType;
+use scd_transport::{CodeDType, LinkRate};
 
 use crate::config::RankSetting;
 
@@ -33,9 +33,16 @@ pub struct RankPlanner {
     policy: RankPolicy,
     dtype: CodeDType,
     /// Bytes per second to each consumer node, by node id.
-    links: Mutex<HashMap<String, f64>>,
+    links: Mutex<HashMap<String, Estimate>>,
     /// Seconds of prefill per prompt token.
     prefill_per_token: Mutex<Option<f64>>,
+}
+
+/// A link's running estimate, and whether any job measured it.
+#[derive(Debug, Clone, Copy)]
+enum Estimate {
+    Measured(f64),
+    KeptUp(f64),
 }
 
 fn blend(old: Option<f64>, sample: f64) -> f64 {
@@ -57,10 +64,15 @@ impl RankPlanner {
         }
     }
 
-    /// A finished transfer of `bytes` to `peer`, carried at `rate` bytes per second
-    /// ([`scd_transport::SendReport::link_rate`]).
-    pub fn observe_transfer(&self, peer: &str, bytes: u64, rate: Option<f64>) {
-        let Some(rate) = rate.filter(|r| r.is_finite() && *r > 0.0) else {
+    /// A finished transfer of `bytes` to `peer` at `rate`
+    /// ([`scd_transport::SendReport::link_rate`]). A measured rate moves the estimate; a
+    /// "kept up" one (an upper estimate from a job the link never held back) only stands in
+    /// while nothing was measured, so one slow prefill cannot make a slow link look fast.
+    pub fn observe_transfer(&self, peer: &str, bytes: u64, rate: Option<LinkRate>) {
+        let Some(rate) = rate.filter(|r| {
+            let r = r.bytes_per_sec();
+            r.is_finite() && r > 0.0
+        }) else {
             return;
         };
         if bytes < MIN_SAMPLE_BYTES {
@@ -68,7 +80,18 @@ impl RankPlanner {
         }
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
         let old = links.get(peer).copied();
-        links.insert(peer.to_string(), blend(old, rate));
+        let new = match (rate, old) {
+            (LinkRate::Measured(r), Some(Estimate::Measured(o))) => blend(Some(o), r),
+            (LinkRate::Measured(r), _) => r,
+            (LinkRate::KeptUp(_), Some(Estimate::Measured(_))) => return,
+            (LinkRate::KeptUp(r), Some(Estimate::KeptUp(o))) => blend(Some(o), r),
+            (LinkRate::KeptUp(r), None) => r,
+        };
+        let estimate = match rate {
+            LinkRate::Measured(_) => Estimate::Measured(new),
+            LinkRate::KeptUp(_) => Estimate::KeptUp(new),
+        };
+        links.insert(peer.to_string(), estimate);
     }
 
     /// A prefill of `tokens` tokens took `secs` seconds.
@@ -86,7 +109,9 @@ impl RankPlanner {
     /// The link estimate to `peer`, bytes per second.
     pub fn link(&self, peer: &str) -> Option<f64> {
         let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links.get(peer).copied()
+        links.get(peer).map(|e| match *e {
+            Estimate::Measured(r) | Estimate::KeptUp(r) => r,
+        })
     }
 
     /// The ranks of a job of `mode` on consumer `expert` of `translator`, whose prefix of
@@ -173,15 +198,24 @@ mod tests {
     fn small_transfers_do_not_move_the_estimate_and_large_ones_blend() {
         let p = RankPlanner::new(RankSetting::Adaptive, RankPolicy::default(), CodeDType::F16);
         let n = MIN_SAMPLE_BYTES;
-        p.observe_transfer("c", n - 1, Some(1e9));
+        let measured = |r| Some(LinkRate::Measured(r));
+        p.observe_transfer("c", n - 1, measured(1e9));
         assert_eq!(p.link("c"), None);
-        p.observe_transfer("c", n, Some(100.0));
+        p.observe_transfer("c", n, measured(100.0));
         assert_eq!(p.link("c"), Some(100.0));
-        p.observe_transfer("c", n, Some(300.0));
+        p.observe_transfer("c", n, measured(300.0));
         assert_eq!(p.link("c"), Some(200.0));
         p.observe_transfer("c", n, None);
-        p.observe_transfer("c", n, Some(f64::INFINITY));
+        p.observe_transfer("c", n, measured(f64::INFINITY));
         assert_eq!(p.link("c"), Some(200.0));
+        // A job the link never held back says little once the link was measured...
+        p.observe_transfer("c", n, Some(LinkRate::KeptUp(1e12)));
+        assert_eq!(p.link("c"), Some(200.0));
+        // ...and stands in while nothing was, until a measurement replaces it.
+        p.observe_transfer("fast", n, Some(LinkRate::KeptUp(1e9)));
+        assert_eq!(p.link("fast"), Some(1e9));
+        p.observe_transfer("fast", n, measured(5e8));
+        assert_eq!(p.link("fast"), Some(5e8));
         assert_eq!(p.link("other"), None);
     }
 }

@@ -50,7 +50,7 @@ pub struct TransferReport {
     pub wire_bytes: u64,
     /// Bytes per second the link carried them at, not counting waits for the encoder
     /// ([`scd_transport::SendReport::link_rate`]).
-    pub link_rate: Option<f64>,
+    pub link_rate: Option<scd_transport::LinkRate>,
 }
 
 /// The producer node's transfer actor.

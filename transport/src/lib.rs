@@ -67,7 +67,7 @@ pub use scd_types::{
 };
 pub use session::{error_code, RecvError, SendError};
 pub use stream::{
-    AcceptJobError, JobReceiver, JobSender, OpenJobError, ReportError, SendReport,
+    AcceptJobError, JobReceiver, JobSender, LinkRate, OpenJobError, ReportError, SendReport,
     CONTROL_MAX_FRAME_BYTES,
 };
 pub use tls::{verify_signed_by_ca, TlsConfigError};

@@ -110,21 +110,36 @@ pub struct SendReport {
     pub write_busy: Duration,
 }
 
+/// What a job stream says about its link's rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LinkRate {
+    /// Measured over spells in which frames queued behind the link: the link's own rate.
+    Measured(f64),
+    /// No such spell: the link kept up with the producer. From every frame's write time, which
+    /// after idle moments is a burst, not a rate: an upper estimate that only says "keeps up".
+    KeptUp(f64),
+}
+
+impl LinkRate {
+    /// Bytes per second either way.
+    pub fn bytes_per_sec(self) -> f64 {
+        match self {
+            Self::Measured(r) | Self::KeptUp(r) => r,
+        }
+    }
+}
+
 impl SendReport {
     /// Bytes per second the link carried this job at, not counting time spent waiting for
-    /// the producer's next frame. From the frames that queued behind the link when there are
-    /// any (after an idle spell a link sends a burst faster than it can keep up, so frames the
-    /// writer had to wait for would overstate it); otherwise the link was never the
-    /// bottleneck (or only briefly), and every frame's write time is all there is to go by
-    /// (an upper estimate).
-    /// `None` when no time was measured.
-    pub fn link_rate(&self) -> Option<f64> {
+    /// the producer's next frame ([`LinkRate`]); `None` when no time was measured.
+    pub fn link_rate(&self) -> Option<LinkRate> {
         let rate = |bytes: u64, busy: Duration| {
             let secs = busy.as_secs_f64();
             (bytes > 0 && secs > 0.0).then(|| bytes as f64 / secs)
         };
         rate(self.backlogged_bytes, self.backlogged_busy)
-            .or_else(|| rate(self.bytes, self.write_busy))
+            .map(LinkRate::Measured)
+            .or_else(|| rate(self.bytes, self.write_busy).map(LinkRate::KeptUp))
     }
 }
 
