@@ -156,7 +156,7 @@ pub struct DriftConfig {
     pub shadow_share: f64,
     /// `kl_bound`: the mean shadow KL over the window above which the live translator version
     /// is marked degraded. Default 0.5 (raw transfer of the shipped experts measures
-    /// 0.03-0.15 on held-out text; BENCHMARKS.md).
+    /// 0.03-0.11: docs/drift.md, BENCHMARKS.md "Codes sized for the link").
     pub kl_bound: f64,
     /// `window`: checks the mean is over (the most recent). Default 50.
     pub window: usize,

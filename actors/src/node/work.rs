@@ -641,14 +641,10 @@ impl Work {
             }
             false => (None, None),
         };
-        let shadow_prompt = checked.then(|| prompt.clone());
-        let prompt_copy = match job.fan_out.is_empty() {
-            true => Vec::new(),
-            false => prompt.clone(),
-        };
+        // Kept for the fan-out's other decoders and the shadow check (a few KB of token ids).
         let decode = ConsumerJob {
             job: id,
-            prompt,
+            prompt: prompt.clone(),
             codec,
             params,
             inbound: inbound_rx,
@@ -667,7 +663,7 @@ impl Work {
         for ((expert, (decoder, params, codec)), inbound) in others.into_iter().zip(other_inbound) {
             let part = ConsumerJob {
                 job: id,
-                prompt: prompt_copy.clone(),
+                prompt: prompt.clone(),
                 codec,
                 params,
                 inbound,
@@ -866,7 +862,7 @@ impl Work {
                     let whole = wall(started, Instant::now());
                     t.record_half(&job.trace, "consumer", whole, attrs, stages, None);
                 }
-                if let (Some(rx), Some(prompt)) = (shadow_rx, shadow_prompt) {
+                if let Some(rx) = shadow_rx {
                     self.shadow_check(&job, prompt, output.tokens.clone(), rx);
                 }
             }
