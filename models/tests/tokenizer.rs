@@ -329,6 +329,31 @@ fn chat_template_matches_the_reference_rendering() {
 }
 
 #[test]
+fn calibration_chat_turns_are_the_template_around_the_text() {
+    use scd_models::translator::calibrate::ChatWrap;
+    let tok = gguf_tokenizer();
+    let wrap = ChatWrap::for_tokenizer(tok, 0.25).unwrap();
+    let message = "It was the best of times.";
+    let whole = tok
+        .apply_chat_template(&[ChatMessage::user(message)], true)
+        .unwrap();
+    let mut pieces = wrap.head.clone();
+    pieces.extend(tok.encode(message, false).unwrap());
+    pieces.extend(&wrap.tail);
+    // The special tokens split the text, so the pieces tokenise as the whole turn does.
+    assert_eq!(pieces, tok.encode(&whole, false).unwrap());
+    assert_eq!(
+        tok.id_to_token(wrap.head[0]).as_deref(),
+        Some("<|im_start|>")
+    );
+    assert!(tok
+        .decode(&wrap.tail, false)
+        .unwrap()
+        .ends_with("<|im_start|>assistant\n"));
+    assert!(ChatWrap::for_tokenizer(tok, 1.5).is_err());
+}
+
+#[test]
 fn tokenizer_json_round_trip_agrees() {
     let tok = gguf_tokenizer();
     let dir = TempDir::new();

@@ -10,8 +10,9 @@ use scd_models::corpus::{self, Corpus};
 use scd_models::expert::expert_files;
 use scd_models::tokenizer::Tokenizer;
 use scd_models::translator::{
-    calibrate, calibrate::CalibrationText, AlignerConfig, CalibrateEvent, CalibrationConfig,
-    PatchChoice, Ranks, WeightsDtype,
+    calibrate,
+    calibrate::{CalibrationText, ChatWrap},
+    AlignerConfig, CalibrateEvent, CalibrationConfig, PatchChoice, Ranks, WeightsDtype,
 };
 use scd_models::{AdapterMode, Llama, LoraAdapter};
 
@@ -41,6 +42,10 @@ pub struct Args {
     /// Tokens per fitting prompt.
     #[arg(long, default_value_t = 320)]
     pub prefix_tokens: usize,
+    /// Share of the prompts (fitting and held-out) given as chat turns: the text as the
+    /// user's message in the model's chat template, as served prompts are (0: plain text).
+    #[arg(long, default_value_t = 0.25)]
+    pub chat_share: f64,
     /// Held-out prompts for the Patch-layer and DroidSpeak choices.
     #[arg(long, default_value_t = 12)]
     pub heldout: usize,
@@ -204,6 +209,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         droidspeak_block: ds_block,
         droidspeak_blocks: ds_blocks,
         version: args.version.clone(),
+        chat: (args.chat_share > 0.0)
+            .then(|| ChatWrap::for_tokenizer(&tok, args.chat_share))
+            .transpose()
+            .context("--chat-share")?,
         ..defaults
     };
     if args.out.join("translator.json").exists() {
@@ -217,8 +226,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     eprintln!("tokenising the {} train split", corpus.name);
     let tokens = corpus::tokenize_long(&tok, &corpus.train).context("tokenising")?;
     let split = format!(
-        "train split ({}); {} fitting prompts spread over the split, held-out prompts from its last tenth",
-        corpus.split_rule, cfg.prefixes
+        "train split ({}); {} fitting prompts spread over the split, held-out prompts from its last tenth; {:.0}% of each as chat turns",
+        corpus.split_rule, cfg.prefixes, 100.0 * args.chat_share
     );
     let text = CalibrationText {
         corpus: &corpus.name,

@@ -205,7 +205,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// split, checked by its hash, same seed), measured at the default grid of ranks.
 fn curve(a: &CurveArgs) -> anyhow::Result<()> {
     use scd_models::corpus::{self, Corpus};
-    use scd_models::translator::calibrate::{heldout_prompts, CalibrationText};
+    use scd_models::translator::calibrate::{heldout_prompts, CalibrationText, ChatWrap};
     use scd_models::translator::{rank_curve, CalibrationConfig};
     use scd_types::{CodeDType, Mode};
 
@@ -238,6 +238,9 @@ fn curve(a: &CurveArgs) -> anyhow::Result<()> {
         heldout_prefix_tokens: metric("heldout_prefix_tokens", 256),
         heldout_continuation: metric("heldout_continuation", 32),
         seed: a.seed,
+        chat: (cal.chat_share > 0.0)
+            .then(|| ChatWrap::for_tokenizer(&tok, cal.chat_share))
+            .transpose()?,
         ..CalibrationConfig::for_model(m.kv_dim)
     };
     let text = CalibrationText {

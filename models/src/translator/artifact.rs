@@ -105,6 +105,10 @@ pub struct CalibrationInfo {
     pub tokens: u64,
     /// Seconds the calibration took.
     pub seconds: f64,
+    /// Share of the prompts (fitting and held-out) wrapped as chat turns (0 for translators
+    /// from before the option).
+    #[serde(default)]
+    pub chat_share: f64,
 }
 
 /// The manifest of a translator.

@@ -35,6 +35,7 @@ use super::select::{greedy, knee, HeldOutPrompt};
 use super::TranslatorError;
 use crate::cache::KvCache;
 use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, Proj};
+use crate::tokenizer::{ChatMessage, Tokenizer};
 use scd_types::{CodeDType, Mode};
 
 /// How many Patch layers to use.
@@ -94,6 +95,96 @@ pub struct CalibrationConfig {
     /// Measure the quality-vs-ranks curve ([`super::rank_curve`]) at the end, on the held-out
     /// prompts, at this grid of (K, V) ranks (`None`: not measured).
     pub rank_grid: Option<Vec<(usize, usize)>>,
+    /// Wrap a share of the prompts (fitting and held-out) in the model's chat template
+    /// (`None`: plain text only).
+    pub chat: Option<ChatWrap>,
+}
+
+/// A share of the calibration prompts as chat turns: the corpus text as the user's message,
+/// between the template's tokens before it (the system turn, if the template adds one) and
+/// after it (the generation prompt).
+///
+/// Served prompts are chat turns, and every one of them starts with the same template tokens,
+/// whose K and V (the first positions, attention sinks) look like nothing in running text: a
+/// translator fitted on running text alone has never seen those rows. Wrapping keeps each
+/// prompt's length, so the fitting cost does not change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatWrap {
+    /// Share of the prompts wrapped, spread evenly over them (0 to 1).
+    pub share: f64,
+    /// The template's tokens before the user's text.
+    pub head: Vec<u32>,
+    /// The template's tokens after it, up to the generation prompt.
+    pub tail: Vec<u32>,
+}
+
+impl ChatWrap {
+    /// The wrap of `tok`'s chat template, one user message and the generation prompt.
+    pub fn for_tokenizer(tok: &Tokenizer, share: f64) -> Result<Self, TranslatorError> {
+        // A marker no template writes, split out of the rendered turn: the template decides
+        // what comes before and after the message (a default system turn, say).
+        const MARK: &str = "\u{1}SCD-MESSAGE\u{1}";
+        let rendered = tok
+            .apply_chat_template(&[ChatMessage::user(MARK)], true)
+            .map_err(|e| TranslatorError::Fit(format!("chat template: {e}")))?;
+        let (head, tail) = rendered.split_once(MARK).ok_or_else(|| {
+            TranslatorError::Fit("the chat template does not write the user's message".into())
+        })?;
+        let encode = |t: &str| {
+            tok.encode(t, false)
+                .map_err(|e| TranslatorError::Fit(format!("tokenising the chat template: {e}")))
+        };
+        if !(0.0..=1.0).contains(&share) {
+            return Err(TranslatorError::Fit(format!(
+                "chat share {share} is not between 0 and 1"
+            )));
+        }
+        Ok(Self {
+            share,
+            head: encode(head)?,
+            tail: encode(tail)?,
+        })
+    }
+
+    /// Whether prompt `i` is wrapped: every prompt where the running count of
+    /// `share * (i + 1)` steps up, so the wrapped ones spread evenly.
+    fn wraps(&self, i: usize) -> bool {
+        ((i + 1) as f64 * self.share).floor() > (i as f64 * self.share).floor()
+    }
+
+    /// `window` as a chat turn of the same length: the head, the window's first tokens as
+    /// the message, the tail, then (for held-out prompts) `after` more of the window's tokens
+    /// as the reply the continuation scores. `None` when the window is too short for it.
+    fn wrap(&self, window: &[u32], after: usize) -> Option<Vec<u32>> {
+        let fixed = self.head.len() + self.tail.len();
+        let message = window.len().checked_sub(fixed + after)?;
+        if message == 0 {
+            return None;
+        }
+        let mut out = Vec::with_capacity(window.len());
+        out.extend_from_slice(&self.head);
+        out.extend_from_slice(&window[..message]);
+        out.extend_from_slice(&self.tail);
+        out.extend_from_slice(&window[message..message + after]);
+        Some(out)
+    }
+
+    /// Wraps this share of `windows`, each keeping `after` tokens for after the turn.
+    fn apply(&self, windows: &mut [Vec<u32>], after: usize) -> Result<(), TranslatorError> {
+        for (i, w) in windows.iter_mut().enumerate() {
+            if self.wraps(i) {
+                *w = self.wrap(w, after).ok_or_else(|| {
+                    TranslatorError::Fit(format!(
+                        "prompts of {} tokens are too short for the chat template's {} + {}",
+                        w.len(),
+                        self.head.len(),
+                        self.tail.len()
+                    ))
+                })?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl CalibrationConfig {
@@ -133,6 +224,7 @@ impl CalibrationConfig {
                 v: kv_dim,
                 h: 256,
             })),
+            chat: None,
         }
     }
 }
@@ -284,12 +376,17 @@ fn prompts(
 ) -> Result<Prompts, TranslatorError> {
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let heldout_len = cfg.heldout_prefix_tokens + 1 + cfg.heldout_continuation;
-    let fit_prompts = spread_windows(text.tokens, cfg.prefixes, cfg.prefix_tokens, &mut rng)?;
+    let mut fit_prompts = spread_windows(text.tokens, cfg.prefixes, cfg.prefix_tokens, &mut rng)?;
     // Held-out prompts come from the stretch after the fitting ones' sample: a separate draw
     // over the whole text would overlap them; instead take them from the text's last tenth,
     // which the fitting prompts cover only in proportion.
     let tail = &text.tokens[text.tokens.len() * 9 / 10..];
-    let held_prompts = spread_windows(tail, cfg.heldout, heldout_len, &mut rng)?;
+    let mut held_prompts = spread_windows(tail, cfg.heldout, heldout_len, &mut rng)?;
+    if let Some(chat) = &cfg.chat {
+        chat.apply(&mut fit_prompts, 0)?;
+        // The last transferred token and the continuation follow the turn, as a reply would.
+        chat.apply(&mut held_prompts, 1 + cfg.heldout_continuation)?;
+    }
     Ok((fit_prompts, held_prompts, rng))
 }
 
@@ -517,12 +614,14 @@ pub fn calibrate(
         }
         held.push(per_prompt_layers);
     }
-    // Mean held-out KL over consumers and prompts with each layer taken from `pick`.
-    let kl = |pick: &dyn Fn(&HeldOutLayers, usize) -> Option<Kv>| -> Result<f64, TranslatorError> {
+    // Mean held-out KL over consumers and the prompts `which` takes, with each layer taken
+    // from `pick`.
+    type Pick<'p> = &'p dyn Fn(&HeldOutLayers, usize) -> Option<Kv>;
+    let kl_of = |which: &dyn Fn(usize) -> bool, pick: Pick| -> Result<f64, TranslatorError> {
         let mut total = 0.0;
         let mut n = 0usize;
         for ((_, consumer), prompts) in consumers.iter().zip(&held) {
-            for h in prompts {
+            for (_, h) in prompts.iter().enumerate().filter(|(i, _)| which(*i)) {
                 total += h
                     .prompt
                     .kl(consumer, h.cache(consumer, |l| Ok(pick(h, l)))?)?;
@@ -531,12 +630,31 @@ pub fn calibrate(
         }
         Ok(total / n.max(1) as f64)
     };
+    let kl = |pick: Pick| kl_of(&|_| true, pick);
     let kl_raw = kl(&|h, l| Some(h.raw[l].clone()))?;
     let kl_reuse = kl(&|_, _| None)?;
     on_event(&CalibrateEvent::Note(format!(
         "held-out KL: raw {kl_raw:.4}, reuse at ranks {}/{} {kl_reuse:.4}",
         dr.k, dr.v
     )));
+    // The same on the chat turns and on the running text apart: what the mix costs or buys
+    // on each kind of prompt.
+    let by_kind = match &cfg.chat {
+        Some(chat) if chat.share > 0.0 && chat.share < 1.0 => {
+            let mut kinds = serde_json::Map::new();
+            for (name, is_chat) in [("chat", true), ("text", false)] {
+                let which = |i: usize| chat.wraps(i) == is_chat;
+                let raw = kl_of(&which, &|h, l| Some(h.raw[l].clone()))?;
+                let reuse = kl_of(&which, &|_, _| None)?;
+                on_event(&CalibrateEvent::Note(format!(
+                    "held-out KL on {name} prompts: raw {raw:.4}, reuse {reuse:.4}"
+                )));
+                kinds.insert(name.into(), json!({"kl_raw": raw, "kl_reuse": reuse}));
+            }
+            serde_json::Value::Object(kinds)
+        }
+        _ => serde_json::Value::Null,
+    };
 
     clock.begin("choosing the Patch layers".into(), &mut on_event);
     let max_patch = match &cfg.patch {
@@ -650,6 +768,7 @@ pub fn calibrate(
         "heldout_continuation": cfg.heldout_continuation,
         "kl_raw": kl_raw,
         "kl_reuse": kl_reuse,
+        "heldout_by_kind": by_kind,
         "kl_scd": patch_curve[k].kl,
         "value_share_of_raw_scd": payload_share(patch_layers.len()),
         "patch_curve": patch_curve,
@@ -711,6 +830,7 @@ pub fn calibrate(
             prefix_tokens: cfg.prefix_tokens,
             tokens: tokens_seen,
             seconds: started.elapsed().as_secs_f64(),
+            chat_share: cfg.chat.as_ref().map_or(0.0, |c| c.share),
         },
         metrics,
         weights_dtype: WeightsDtype::F32,
@@ -789,5 +909,79 @@ mod tests {
             assert!(pair[0][99] < pair[1][0]);
         }
         assert!(spread_windows(&tokens, 20, 100, &mut rng).is_err());
+    }
+
+    fn wrap(share: f64) -> ChatWrap {
+        ChatWrap {
+            share,
+            head: vec![900, 901, 902],
+            tail: vec![990, 991],
+        }
+    }
+
+    #[test]
+    fn a_chat_share_wraps_that_share_of_the_prompts_spread_evenly() {
+        for (share, n, wrapped) in [(0.25, 200, 50), (0.5, 12, 6), (0.0, 10, 0), (1.0, 7, 7)] {
+            let w = wrap(share);
+            let picked: Vec<usize> = (0..n).filter(|&i| w.wraps(i)).collect();
+            assert_eq!(picked.len(), wrapped, "share {share} of {n}");
+            if share == 0.25 {
+                assert!(picked.windows(2).all(|p| p[1] - p[0] == 4), "{picked:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_wrapped_prompt_keeps_its_length_and_puts_the_reply_after_the_turn() {
+        let w = wrap(1.0);
+        let window: Vec<u32> = (0..20).collect();
+        // A fitting prompt: head, the first 15 tokens as the message, tail.
+        let fit = w.wrap(&window, 0).unwrap();
+        assert_eq!(fit.len(), 20);
+        assert_eq!(&fit[..3], &[900, 901, 902]);
+        assert_eq!(&fit[3..18], &window[..15]);
+        assert_eq!(&fit[18..], &[990, 991]);
+        // A held-out prompt: 5 tokens kept after the turn (the last transferred token and
+        // the scored continuation), following on from the message.
+        let held = w.wrap(&window, 5).unwrap();
+        assert_eq!(held.len(), 20);
+        assert_eq!(&held[3..13], &window[..10]);
+        assert_eq!(&held[13..15], &[990, 991]);
+        assert_eq!(&held[15..], &window[10..15]);
+        // No room for a message: refused, not truncated.
+        assert!(w.wrap(&window[..5], 0).is_none());
+        let mut too_short = vec![window[..6].to_vec()];
+        assert!(w.apply(&mut too_short, 1).is_err());
+    }
+
+    #[test]
+    fn chat_prompts_replace_their_share_of_the_plain_ones_and_nothing_else() {
+        let tokens: Vec<u32> = (0..50_000).collect();
+        let text = CalibrationText {
+            corpus: "t",
+            split: "s",
+            sha256: "0",
+            tokens: &tokens,
+        };
+        let mut cfg = CalibrationConfig::for_model(8);
+        cfg.prefixes = 8;
+        cfg.heldout = 4;
+        let (fit, held, _) = prompts(&text, &cfg).unwrap();
+        cfg.chat = Some(wrap(0.5));
+        let (fit_chat, held_chat, _) = prompts(&text, &cfg).unwrap();
+        for (i, (a, b)) in fit.iter().zip(&fit_chat).enumerate() {
+            assert_eq!(a.len(), b.len());
+            assert_eq!(a == b, i % 2 == 0, "fitting prompt {i}");
+        }
+        for (i, (a, b)) in held.iter().zip(&held_chat).enumerate() {
+            assert_eq!(a.len(), b.len());
+            assert_eq!(a == b, i % 2 == 0, "held-out prompt {i}");
+            if i % 2 == 1 {
+                // The continuation the KL scores is the window's text after the message.
+                let after = 1 + cfg.heldout_continuation;
+                let message = a.len() - 5 - after;
+                assert_eq!(&b[b.len() - after..], &a[message..message + after]);
+            }
+        }
     }
 }
