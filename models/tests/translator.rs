@@ -11,7 +11,7 @@ use candle_core::{Device, Tensor};
 use common::tiny_model;
 use rand::{Rng, SeedableRng};
 use scd_models::codec::{self, codec_with, CodecError, CodecOptions, Prefix};
-use scd_models::translator::calibrate::CalibrationText;
+use scd_models::translator::calibrate::{CalibrationText, ChatWrap};
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::translator::{
     calibrate, rank_curve, AlignerConfig, CalibrationConfig, LinkEstimate, PatchChoice, RankPolicy,
@@ -537,6 +537,54 @@ fn a_joint_translator_serves_two_experts_from_one_code_stream() {
         Prefix::new(prefix)
     )
     .is_err());
+}
+
+#[test]
+fn a_calibration_with_chat_turns_records_the_share_and_each_kinds_quality() {
+    let f = fixture();
+    let text = CalibrationText {
+        corpus: "synthetic",
+        split: "all",
+        sha256: "00",
+        tokens: &f.tokens,
+    };
+    let cfg = CalibrationConfig {
+        chat: Some(ChatWrap {
+            share: 0.5,
+            head: vec![1, 2, 3],
+            tail: vec![4, 5],
+        }),
+        ..config()
+    };
+    let t = calibrate(&f.base, &[("alpha", &f.experts[0])], &text, &cfg, |_| {}).unwrap();
+    let m = &t.manifest;
+    assert_eq!(m.calibration.chat_share, 0.5);
+    for kind in ["chat", "text"] {
+        let k = &m.metrics["heldout_by_kind"][kind];
+        let (raw, reuse) = (
+            k["kl_raw"].as_f64().unwrap(),
+            k["kl_reuse"].as_f64().unwrap(),
+        );
+        assert!(raw > 0.0 && reuse > 0.0, "{kind}: {k}");
+    }
+    // The overall held-out figures are the two kinds' mean (two prompts of each).
+    let mean = |what: &str| {
+        ["chat", "text"]
+            .iter()
+            .map(|k| m.metrics["heldout_by_kind"][*k][what].as_f64().unwrap())
+            .sum::<f64>()
+            / 2.0
+    };
+    for what in ["kl_raw", "kl_reuse"] {
+        assert!(
+            (mean(what) - m.metrics[what].as_f64().unwrap()).abs() < 1e-9,
+            "{what}"
+        );
+    }
+    // Without the wrap, nothing is recorded per kind and the share is 0.
+    let plain = pair_translator();
+    assert_eq!(plain.manifest.calibration.chat_share, 0.0);
+    assert!(plain.manifest.metrics["heldout_by_kind"].is_null());
 }
 
 #[test]
