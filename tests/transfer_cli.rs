@@ -108,3 +108,39 @@ fn a_translator_for_another_expert_is_refused() {
         "stderr: {stderr}"
     );
 }
+
+/// `scd eval --text` cuts its continuation windows from an expert's own validation split
+/// instead of WikiText-2, and says so in the record; an unknown text is refused by name.
+#[test]
+fn eval_measures_transfer_on_an_experts_own_text() {
+    let eval = |text: &str| {
+        Command::new(env!("CARGO_BIN_EXE_scd"))
+            .args(["eval", "--producer"])
+            .arg(model_path())
+            .arg("--consumer-adapter")
+            .arg(expert("sotu").join("adapter.safetensors"))
+            .args(["--text", text, "--methods", "oracle,raw"])
+            .args(["--wikitext-windows", "2", "--prefix-tokens", "24"])
+            .args(["--continuation-tokens", "4", "--greedy-tokens", "2"])
+            .args(["--squad-questions", "0"])
+            .output()
+            .unwrap()
+    };
+    let (own, _) = ok(&eval("sotu"));
+    assert!(own.contains("sotu valid: 2 windows"), "{own}");
+    assert!(own.contains("| sotu valid PPL |"), "{own}");
+    let (wiki, _) = ok(&eval("wikitext2"));
+    assert!(wiki.contains("WikiText-2: 2 windows"), "{wiki}");
+    let raw_row = |md: &str| {
+        md.lines()
+            .find(|l| l.starts_with("| raw |"))
+            .map(str::to_owned)
+    };
+    assert_ne!(raw_row(&own), raw_row(&wiki));
+    let out = eval("no-such-corpus");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--text no-such-corpus"),
+        "{stderr}"
+    );
+}

@@ -2,6 +2,7 @@
 //! its `adapter_config.json`) and `manifest.json`, which says what base it adapts, what corpus
 //! and hyperparameters trained it, how it validated, and the adapter file's hash.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use candle_core::DType;
@@ -149,13 +150,24 @@ pub fn save_adapter(
     let tmp = dir.join(format!("{ADAPTER_FILE}.tmp"));
     adapter.save(&tmp, base.config())?;
     std::fs::rename(&tmp, &path).map_err(io(&path))?;
-    let cfg = serde_json::json!({
+    // PEFT's config names the projections the adapter has, and the layers when not all.
+    let targets: BTreeSet<(usize, Proj)> = adapter.targets().collect();
+    let modules: Vec<&str> = Proj::ALL
+        .iter()
+        .filter(|p| targets.iter().any(|(_, q)| q == *p))
+        .map(|p| p.hf_name().rsplit('.').next().unwrap_or(""))
+        .collect();
+    let layers: BTreeSet<usize> = targets.iter().map(|(l, _)| *l).collect();
+    let mut cfg = serde_json::json!({
         "peft_type": "LORA",
         "r": adapter.rank(),
         "lora_alpha": adapter.alpha(),
-        "target_modules": Proj::ALL.iter().map(|p| p.hf_name().rsplit('.').next().unwrap_or("")).collect::<Vec<_>>(),
+        "target_modules": modules,
         "bias": "none",
     });
+    if layers.len() < base.config().num_layers {
+        cfg["layers_to_transform"] = serde_json::json!(layers);
+    }
     let side = dir.join("adapter_config.json");
     json_file::write_atomic(&side, &cfg).map_err(|e| AdapterError::Format {
         path: side.clone(),

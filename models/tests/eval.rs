@@ -146,6 +146,61 @@ fn raw_transfer_into_a_different_consumer_loses_quality() {
 }
 
 #[test]
+fn the_drift_report_measures_raw_transfer_on_the_experts_own_text_too() {
+    let (model, tok) = base();
+    // An "expert corpus" of real text unlike WikiText: the SQuAD paragraphs.
+    let own: String = data()
+        .squad
+        .iter()
+        .take(40)
+        .map(|q| q.context.as_str())
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    let corpus = scd_models::corpus::Corpus::from_texts(
+        "paragraphs",
+        "train.txt".into(),
+        "valid.txt".into(),
+        "test: SQuAD paragraphs",
+        own.clone(),
+        own.clone(),
+    );
+    let opts = eval::DriftOptions {
+        expert: "perturbed".into(),
+        corpus,
+        windows: 2,
+        window_tokens: 33,
+        eval: small_cfg(),
+        adapter: None,
+    };
+    let report = eval::drift(model, perturbed(), tok, data(), &opts, |_| {}).unwrap();
+    let own_run = report.domain_transfer.as_ref().unwrap();
+    assert_eq!(own_run.data.text_name, "paragraphs valid");
+    assert_eq!(report.transfer.data.text_name, "WikiText-2");
+    assert_eq!(
+        own_run.data.wikitext.sha256,
+        scd_models::corpus::sha256_hex(own.as_bytes())
+    );
+    // Windows of the expert's text, no QA; raw transfer loses quality there too, and the
+    // oracle measures zero as everywhere.
+    assert!(own_run.data.squad_ids.is_empty());
+    let [oracle, raw] = &own_run.results[..] else {
+        panic!("two methods expected")
+    };
+    assert_eq!((oracle.kl.value, oracle.kl.n), (0.0, 2));
+    assert!(raw.kl.value > 1e-3, "raw KL {:?}", raw.kl);
+    assert_ne!(raw.kl.value, report.transfer.results[1].kl.value);
+    let md = report.markdown();
+    assert!(md.contains("expert's own held-out text"), "{md}");
+    assert!(md.contains("paragraphs valid: 2 windows"), "{md}");
+    assert!(md.contains("| paragraphs valid PPL |"), "{md}");
+    // A report from before the field reads back without it.
+    let mut old = serde_json::to_value(&report).unwrap();
+    old.as_object_mut().unwrap().remove("domain_transfer");
+    let back: eval::DriftReport = serde_json::from_value(old).unwrap();
+    assert!(back.domain_transfer.is_none());
+}
+
+#[test]
 fn methods_build_the_prefix_cache_the_consumer_continues_from() {
     let (model, tok) = base();
     let prompt = tok

@@ -9,13 +9,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::DType;
 use common::{max_abs_diff, real as base};
 use scd_models::corpus::{self, Corpus};
-use scd_models::expert::Manifest;
+use scd_models::expert::{save_adapter, Manifest};
 use scd_models::perplexity::score_windows;
 use scd_models::train::{
     self, finetune, FinetuneOptions, FinetuneOutcome, LoopEnd, Schedule, TrainConfig, TrainData,
     TrainEvent, Trainer,
 };
-use scd_models::{AdapterMode, Llama, Proj};
+use scd_models::{AdapterMode, Llama, LoraAdapter, Proj};
 
 fn mean_loss(model: &Llama, windows: &[Vec<u32>]) -> f64 {
     score_windows(model, windows).unwrap().unwrap().mean_nll
@@ -219,6 +219,24 @@ fn an_attention_only_run_adapts_those_projections_and_resumes_as_one() {
         only.len()
     );
     assert_eq!(Proj::parse_list("k,mlp"), None);
+
+    // PEFT's config beside a saved adapter names what it adapts: the attention run's four
+    // projections on every layer, the first-layer run's seven on layer 0 only.
+    let peft = |adapter: &LoraAdapter| {
+        let dir = tempfile::tempdir().unwrap();
+        save_adapter(adapter, model, dir.path(), DType::F32).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()
+    };
+    let cfg = peft(&adapter);
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!(["q_proj", "k_proj", "v_proj", "o_proj"])
+    );
+    assert!(cfg.get("layers_to_transform").is_none(), "{cfg}");
+    let cfg = peft(&t.adapter(model, DType::F32).unwrap());
+    assert_eq!(cfg["target_modules"].as_array().unwrap().len(), 7, "{cfg}");
+    assert_eq!(cfg["layers_to_transform"], serde_json::json!([0]));
 }
 
 #[test]

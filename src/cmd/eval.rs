@@ -54,6 +54,11 @@ pub struct Args {
     /// the translator's chosen set).
     #[arg(long)]
     pub patch_k: Option<usize>,
+    /// Text the continuation windows are cut from: `wikitext2` (its validation text), or a
+    /// corpus (`mail`, `sotu`, `moby-dick`, a folder, ...) whose validation split is used:
+    /// an expert's own held-out text.
+    #[arg(long, default_value = "wikitext2")]
+    pub text: String,
     #[command(flatten)]
     pub common: Common,
     /// Where to write the JSON record.
@@ -240,6 +245,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => (consumer_base, None),
     };
     let data = load_data(&args.common.dirs)?;
+    let data = match args.text.as_str() {
+        "wikitext2" => data,
+        spec => {
+            let c = Corpus::open(spec, &args.common.dirs.data_dir)
+                .with_context(|| format!("--text {spec}"))?;
+            let path = c.valid_path.display().to_string();
+            data.with_text(&format!("{} valid", c.name), &c.valid, &path)
+        }
+    };
     let cfg = args.common.config();
     let translator = match &args.translator {
         Some(dir) => {

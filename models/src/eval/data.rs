@@ -16,7 +16,10 @@ use crate::tokenizer::{ChatMessage, Tokenizer};
 /// Texts the harness reads, with their hashes.
 #[derive(Debug, Clone)]
 pub struct EvalData {
-    /// WikiText-2 validation text.
+    /// What the continuation windows are cut from: "WikiText-2" (its validation text) unless
+    /// [`EvalData::with_text`] put another text there.
+    pub text_name: String,
+    /// WikiText-2 validation text (or the text named by `text_name`).
     pub wikitext: String,
     /// Where it came from and its SHA-256.
     pub wikitext_file: FileInfo,
@@ -111,6 +114,7 @@ impl EvalData {
             source,
         })?;
         Ok(Self {
+            text_name: WIKITEXT.into(),
             wikitext_file: FileInfo {
                 path: wpath.display().to_string(),
                 sha256: corpus::sha256_hex(wikitext.as_bytes()),
@@ -123,7 +127,25 @@ impl EvalData {
             },
         })
     }
+
+    /// The same data with the continuation windows cut from `text` (named `name`, read from
+    /// `path`) instead of WikiText-2: the transfer measured on another kind of text, such as
+    /// an expert's own held-out split.
+    pub fn with_text(&self, name: &str, text: &str, path: &str) -> Self {
+        Self {
+            text_name: name.into(),
+            wikitext: text.into(),
+            wikitext_file: FileInfo {
+                path: path.into(),
+                sha256: corpus::sha256_hex(text.as_bytes()),
+            },
+            ..self.clone()
+        }
+    }
 }
+
+/// The name of the default continuation text.
+pub const WIKITEXT: &str = "WikiText-2";
 
 /// Windows of `len` tokens at seeded random starts.
 pub fn seeded_windows(tokens: &[u32], len: usize, n: usize, seed: u64) -> Vec<Vec<u32>> {

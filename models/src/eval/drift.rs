@@ -81,6 +81,11 @@ pub struct DriftReport {
     pub wikitext: TextDrift,
     /// The harness with producer = base, consumer = expert, methods oracle and raw.
     pub transfer: EvalRecord,
+    /// The same transfer on windows of the expert's own validation split (no QA): the text
+    /// such an expert is asked to continue when it serves its domain (absent in reports from
+    /// before it was measured).
+    #[serde(default)]
+    pub domain_transfer: Option<EvalRecord>,
 }
 
 /// Where a drift report's data comes from and how much of it to use.
@@ -129,23 +134,42 @@ pub fn drift(
     );
     progress("WikiText-2 perplexity and KL");
     let wikitext = text_drift(base, expert, "WikiText-2 valid", &wiki_windows, seed)?;
+    let pair = Pair {
+        producer: base,
+        consumer: expert,
+    };
     let transfer = evaluate(
-        Pair {
-            producer: base,
-            consumer: expert,
-        },
+        pair,
         &[&Oracle, &Raw],
         tok,
         data,
         &opts.eval,
         opts.adapter.clone(),
-        progress,
+        &mut progress,
+    )?;
+    let own = data.with_text(
+        &format!("{} valid", opts.corpus.name),
+        &opts.corpus.valid,
+        &format!("{} corpus, validation split", opts.corpus.name),
+    );
+    let domain_transfer = evaluate(
+        pair,
+        &[&Oracle, &Raw],
+        tok,
+        &own,
+        &EvalConfig {
+            squad_questions: 0,
+            ..opts.eval.clone()
+        },
+        opts.adapter.clone(),
+        &mut progress,
     )?;
     Ok(DriftReport {
         expert: opts.expert.clone(),
         domain,
         wikitext,
         transfer,
+        domain_transfer: Some(domain_transfer),
     })
 }
 
@@ -173,6 +197,10 @@ impl DriftReport {
             "\nNaive transfer (the expert decoding on the base's KV) against the oracle:\n\n",
         );
         s.push_str(&self.transfer.markdown());
+        if let Some(own) = &self.domain_transfer {
+            s.push_str("\nThe same on the expert's own held-out text (no QA):\n\n");
+            s.push_str(&own.markdown());
+        }
         s
     }
 }

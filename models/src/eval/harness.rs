@@ -241,7 +241,12 @@ pub fn evaluate(
                 u.positions += cont.len();
                 u.greedy.push(metrics::agreement(&ref_greedy, &g));
             }
-            progress(&format!("wikitext window {}/{}", wi + 1, windows.len()));
+            progress(&format!(
+                "{} window {}/{}",
+                data.text_name,
+                wi + 1,
+                windows.len()
+            ));
         }
     }
 
@@ -291,6 +296,7 @@ pub fn evaluate(
             consumer_adapter,
         },
         data: DataInfo {
+            text_name: data.text_name.clone(),
             wikitext: data.wikitext_file.clone(),
             squad: data.squad_file.clone(),
             squad_ids: questions.iter().map(|q| q.id.clone()).collect(),

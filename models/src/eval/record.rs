@@ -87,12 +87,19 @@ pub struct ModelsInfo {
 /// Data files of a record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DataInfo {
-    /// WikiText-2 valid.
+    /// What the continuation windows come from (records from before the field: WikiText-2).
+    #[serde(default = "wikitext_name")]
+    pub text_name: String,
+    /// WikiText-2 valid (or the text `text_name` names).
     pub wikitext: FileInfo,
     /// SQuAD part.
     pub squad: FileInfo,
     /// Ids of the sampled questions, in evaluation order.
     pub squad_ids: Vec<String>,
+}
+
+fn wikitext_name() -> String {
+    super::data::WIKITEXT.into()
 }
 
 /// One evaluation: what ran on what, and every metric.
@@ -142,8 +149,9 @@ impl EvalRecord {
                 .map(|a| format!(" with adapter `{}` ({})", a.path, short(&a.sha256)))
                 .unwrap_or_default()
         );
+        let text = &self.data.text_name;
         s.push_str(&format!(
-            "WikiText-2: {} windows of {} prompt + {} continuation tokens (greedy agreement over {} tokens); SQuAD: {} answerable questions, greedy answers of up to {} tokens, first line; seed {}. Brackets: bootstrap 95% intervals over windows / questions.\n\n",
+            "{text}: {} windows of {} prompt + {} continuation tokens (greedy agreement over {} tokens); SQuAD: {} answerable questions, greedy answers of up to {} tokens, first line; seed {}. Brackets: bootstrap 95% intervals over windows / questions.\n\n",
             c.wikitext_windows, c.prefix_tokens, c.continuation_tokens, c.greedy_tokens,
             self.data.squad_ids.len(), c.answer_tokens, c.seed
         ));
@@ -152,10 +160,10 @@ impl EvalRecord {
             c.qa_template.replace('\n', "\\n")
         ));
         s.push_str(&format!(
-            "Oracle WikiText-2 continuation perplexity: {}.\n\n",
+            "Oracle {text} continuation perplexity: {}.\n\n",
             self.oracle_perplexity.display(3)
         ));
-        s.push_str("| method | payload (share of raw bf16) | KL(oracle‖method) | TV | WikiText-2 PPL | greedy agreement | SQuAD F1 | SQuAD EM | QA answer agreement | producer prefill / encode / rebuild ms |\n");
+        s.push_str(&format!("| method | payload (share of raw bf16) | KL(oracle‖method) | TV | {text} PPL | greedy agreement | SQuAD F1 | SQuAD EM | QA answer agreement | producer prefill / encode / rebuild ms |\n"));
         s.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
         for r in &self.results {
             s.push_str(&format!(
