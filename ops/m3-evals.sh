@@ -5,6 +5,7 @@
 # turns the ablation records into the frontier tables.
 #
 #   ops/m3-evals.sh main sotu mail melville   # the main table per expert
+#   ops/m3-evals.sh own mail                  # the same modes on the expert's own held-out text
 #   ops/m3-evals.sh ablate mail               # patch budget and rank sweeps on one expert
 #
 # Needs target/release/scd, the model (ops/fetch-model.sh), WikiText-2 and SQuAD
@@ -22,7 +23,7 @@ QUESTIONS=${QUESTIONS:-100}
 CODES=${CODES:-i8-rows}
 
 mkdir -p "$OUT"
-what=${1:?usage: ops/m3-evals.sh main|ablate EXPERT...}
+what=${1:?usage: ops/m3-evals.sh main|own|ablate EXPERT...}
 shift
 
 run() { # name, then scd eval arguments
@@ -37,6 +38,12 @@ for e in "$@"; do
   case $what in
     main)
       run "$e-main" "${pair[@]}" "${COMMON[@]}" --squad-questions "$QUESTIONS" \
+        --methods oracle,raw,q4,droidspeak,reuse,scd --code-dtype "$CODES"
+      ;;
+    own)
+      # The same modes on windows of the expert's own validation split (what it serves), no QA.
+      corpus=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['corpus']['name'])" "experts/$e/manifest.json")
+      run "$e-own" "${pair[@]}" "${COMMON[@]}" --squad-questions 0 --text "$corpus" \
         --methods oracle,raw,q4,droidspeak,reuse,scd --code-dtype "$CODES"
       ;;
     ablate)
@@ -60,7 +67,7 @@ for e in "$@"; do
       done
       ;;
     *)
-      echo "unknown step $what: main or ablate" >&2
+      echo "unknown step $what: main, own or ablate" >&2
       exit 2
       ;;
   esac
