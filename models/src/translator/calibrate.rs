@@ -2,7 +2,7 @@
 //!
 //! 1. Cut calibration prompts from a corpus split the evaluation never reads (Brown's train
 //!    split by default): `prefixes` for fitting and `heldout` more for choices, each from its
-//!    own stretch of the text.
+//!    own stretch of the text; a share of both as chat turns ([`ChatWrap`]).
 //! 2. Run every model's prefill over each fitting prompt, capturing K before RoPE, V and
 //!    `H_in` at every layer; add them to the per-layer moments, and keep a bounded sample of
 //!    `H_in` rows for the aligners.
