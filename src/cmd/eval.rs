@@ -72,10 +72,10 @@ pub struct Args {
 /// Harness settings shared by `eval` and `eval drift`.
 #[derive(clap::Args, Clone)]
 pub struct Common {
-    /// WikiText-2 windows.
+    /// Continuation windows (of WikiText-2, or of the text `scd eval --text` names).
     #[arg(long, default_value_t = 16)]
     pub wikitext_windows: usize,
-    /// Prompt tokens per WikiText-2 window.
+    /// Prompt tokens per window.
     #[arg(long, default_value_t = 256)]
     pub prefix_tokens: usize,
     /// Continuation tokens per window (teacher-forced).
