@@ -470,6 +470,9 @@ pub struct Llama {
     /// The kernel of prefill products ([`crate::prefill_matmul`]).
     pub(crate) prefill: PrefillMatmul,
     pub(crate) rope: Rope,
+    /// The base model file's RoPE, which `rope` differs from when an adapter brings its own:
+    /// the producer (the base) rotated the keys of any cache it serves with this one.
+    pub(crate) base_rope: Rope,
     pub(crate) identity: ModelIdentity,
 }
 
@@ -645,6 +648,7 @@ impl Llama {
         let head_narrow = head_packed.map(|p| Narrow::new(p, &lm_head));
         let mut model = Llama {
             rope: Rope::new(&cfg),
+            base_rope: Rope::new(&cfg),
             cfg,
             embed,
             blocks,
@@ -667,6 +671,12 @@ impl Llama {
     /// The RoPE of this model, for re-positioning captured or injected keys.
     pub fn rope(&self) -> &Rope {
         &self.rope
+    }
+
+    /// The RoPE of the base model file this model was loaded from (its adapter may bring
+    /// another): the rotation of the keys in a cache the base serves.
+    pub fn base_rope(&self) -> &Rope {
+        &self.base_rope
     }
 
     /// Where the weights came from.
@@ -745,8 +755,13 @@ impl Llama {
         let Some(base) = seqs.first().map(|s| s.model) else {
             return Err(ForwardError::EmptyInput);
         };
+        // An expert may rotate with its own RoPE base; everything else is the base's.
+        let shape = |m: &Llama| LlamaConfig {
+            rope_theta: 0.0,
+            ..m.cfg.clone()
+        };
         for s in seqs.iter() {
-            if s.model.cfg != base.cfg || s.model.identity.sha256 != base.identity.sha256 {
+            if shape(s.model) != shape(base) || s.model.identity.sha256 != base.identity.sha256 {
                 return Err(ForwardError::MixedBases {
                     first: base.identity.sha256.clone(),
                     other: s.model.identity.sha256.clone(),
@@ -908,9 +923,10 @@ impl Llama {
     }
 
     /// The layers of `layers` over the rows of `x`: one sequence's, or several sequences'
-    /// stacked (`seqs` in row order, each with its model, positions and cache). Norms, RoPE and
-    /// the embedding are the base's (`self`'s), which every sequence's model shares; the
-    /// projections are each sequence's model's ([`forward_rows`]); attention is per sequence.
+    /// stacked (`seqs` in row order, each with its model, positions and cache). Norms and the
+    /// embedding are the base's (`self`'s), which every sequence's model shares; RoPE and the
+    /// projections are each sequence's model's (an expert may rotate with its own base);
+    /// attention is per sequence.
     fn run_layers(
         &self,
         mut x: Tensor,
@@ -937,7 +953,21 @@ impl Llama {
             }
             positions.extend((s.start_pos..needed).map(|p| p as u32));
         }
-        let (cos, sin) = self.rope.cos_sin(&positions, &Device::Cpu)?;
+        let (cos, sin) = if seqs.iter().all(|s| s.model.rope == self.rope) {
+            self.rope.cos_sin(&positions, &Device::Cpu)?
+        } else {
+            let (mut cos, mut sin, mut at) = (Vec::new(), Vec::new(), 0);
+            for s in seqs.iter() {
+                let (c, si) = s
+                    .model
+                    .rope
+                    .cos_sin(&positions[at..at + s.rows], &Device::Cpu)?;
+                cos.push(c);
+                sin.push(si);
+                at += s.rows;
+            }
+            (Tensor::cat(&cos, 0)?, Tensor::cat(&sin, 0)?)
+        };
         let eps = self.cfg.rms_norm_eps;
         for l in layers {
             let block = &self.blocks[l];

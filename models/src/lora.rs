@@ -38,12 +38,17 @@ pub enum AdapterMode {
 }
 
 /// A LoRA adapter: per (layer, projection) a pair `A (rank, in)`, `B (out, rank)`, with `B`'s
-/// rows in the model's internal (interleaved RoPE) layout.
+/// rows in the model's internal (interleaved RoPE) layout, and optionally a RoPE base of its
+/// own.
 #[derive(Debug, Clone)]
 pub struct LoraAdapter {
     rank: usize,
     alpha: f64,
     weights: BTreeMap<(usize, Proj), (Tensor, Tensor)>,
+    /// The expert rotates with this base instead of the base model's, as long-context fine-tunes
+    /// do (MistralLite: 10^6 over Mistral's 10^4). Stored in the file's metadata (`rope_theta`):
+    /// PEFT has no field for it, a Hugging Face user sets it in the model's config.
+    rope_theta: Option<f64>,
 }
 
 /// The PEFT name of one LoRA matrix (`which` is `'A'` or `'B'`).
@@ -68,6 +73,7 @@ impl LoraAdapter {
             rank,
             alpha,
             weights,
+            rope_theta: None,
         };
         adapter.check(cfg)?;
         Ok(adapter)
@@ -132,7 +138,30 @@ impl LoraAdapter {
                 path: path.clone(),
                 what: "alpha",
             })?;
-        Self::from_peft_tensors(cfg, rank, alpha, tensors)
+        let adapter = Self::from_peft_tensors(cfg, rank, alpha, tensors)?;
+        match meta.get("rope_theta") {
+            None => Ok(adapter),
+            Some(s) => match s.parse::<f64>() {
+                Ok(theta) => adapter.with_rope_theta(Some(theta)),
+                Err(_) => Err(format(format!("rope_theta {s:?} is not a number"))),
+            },
+        }
+    }
+
+    /// This adapter with its own RoPE base (`None`: the base model's).
+    pub fn with_rope_theta(mut self, theta: Option<f64>) -> Result<Self, AdapterError> {
+        if let Some(t) = theta {
+            if !(t.is_finite() && t > 1.0) {
+                return Err(AdapterError::Hyper(format!("rope_theta {t}")));
+            }
+        }
+        self.rope_theta = theta;
+        Ok(self)
+    }
+
+    /// The expert's own RoPE base, when it has one.
+    pub fn rope_theta(&self) -> Option<f64> {
+        self.rope_theta
     }
 
     /// Builds an adapter from tensors in PEFT naming and layout (half-split q/k rows).
@@ -206,10 +235,13 @@ impl LoraAdapter {
             out.push((peft_name(layer, proj, 'A'), a.contiguous()?));
             out.push((peft_name(layer, proj, 'B'), b.contiguous()?));
         }
-        let meta = HashMap::from([
+        let mut meta = HashMap::from([
             ("r".to_string(), self.rank.to_string()),
             ("lora_alpha".to_string(), self.alpha.to_string()),
         ]);
+        if let Some(theta) = self.rope_theta {
+            meta.insert("rope_theta".to_string(), theta.to_string());
+        }
         safetensors::serialize_to_file(out.iter().map(|(n, t)| (n, t)), Some(meta), path).map_err(
             |e| AdapterError::Format {
                 path: path.to_path_buf(),
@@ -238,9 +270,11 @@ impl LoraAdapter {
         self.weights.get(&(layer, proj)).map(|(a, b)| (a, b))
     }
 
-    /// SHA-256 (hex) of the adapter's content: rank, alpha and every matrix as f32 in
-    /// (layer, projection) order. The same for the same adapter however it was stored (bf16 or
-    /// f32 file, in memory), so an expert's identity does not depend on the file format.
+    /// SHA-256 (hex) of the adapter's content: rank, alpha, every matrix as f32 in
+    /// (layer, projection) order, and the RoPE base when it has its own (adapters without one
+    /// keep the hashes they had before the field existed). The same for the same adapter however
+    /// it was stored (bf16 or f32 file, in memory), so an expert's identity does not depend on
+    /// the file format.
     pub fn content_sha256(&self) -> Result<String, AdapterError> {
         use sha2::{Digest, Sha256};
         let mut h = Sha256::new();
@@ -254,6 +288,10 @@ impl LoraAdapter {
                     h.update(x.to_le_bytes());
                 }
             }
+        }
+        if let Some(theta) = self.rope_theta {
+            h.update(b"rope_theta");
+            h.update(theta.to_le_bytes());
         }
         Ok(hex::encode(h.finalize()))
     }
@@ -350,6 +388,10 @@ impl Llama {
         adapter.check(&self.cfg)?;
         let mut model = self.clone();
         model.identity.adapter_sha256 = Some(adapter.content_sha256()?);
+        if let Some(theta) = adapter.rope_theta {
+            model.cfg.rope_theta = theta;
+            model.rope = crate::rope::Rope::with_params(model.cfg.head_dim, theta);
+        }
         let scale = adapter.scale();
         for (&(layer, proj), (a, b)) in &adapter.weights {
             let lin = model.blocks[layer].linear_mut(proj);

@@ -12,7 +12,7 @@ use crate::config::LlamaConfig;
 use crate::error::ForwardError;
 
 /// The rotation of one model: head width and base frequency.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
     head_dim: usize,
     inv_freq: Vec<f64>,

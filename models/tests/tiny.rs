@@ -109,6 +109,52 @@ fn adapter_save_load_round_trip_in_peft_layout() {
     assert_eq!(LoraAdapter::load(&path, &cfg).unwrap().alpha(), 16.0);
 }
 
+/// An expert with its own RoPE base: the base travels with the adapter (file metadata and
+/// identity), the expert rotates with it, and the base model keeps its own.
+#[test]
+fn an_adapter_with_its_own_rope_base_keeps_it_through_save_load_and_identity() {
+    let (dir, model) = tiny_model(1);
+    let cfg = model.config().clone();
+    let plain = LoraAdapter::init(&cfg, 2, 4.0, &Proj::ALL, 7).unwrap();
+    let own = plain.clone().with_rope_theta(Some(1e6)).unwrap();
+    assert_eq!((plain.rope_theta(), own.rope_theta()), (None, Some(1e6)));
+    // Same matrices, another expert: the identity tells them apart.
+    assert_ne!(
+        plain.content_sha256().unwrap(),
+        own.content_sha256().unwrap()
+    );
+    let path = dir.path().join("adapter.safetensors");
+    own.save(&path, &cfg).unwrap();
+    let loaded = LoraAdapter::load(&path, &cfg).unwrap();
+    assert_eq!(loaded.rope_theta(), Some(1e6));
+    assert_eq!(
+        loaded.content_sha256().unwrap(),
+        own.content_sha256().unwrap()
+    );
+    // An identity edit (B = 0) with another base changes every position but the first.
+    let expert = model.with_adapter(&loaded, AdapterMode::Merge).unwrap();
+    assert_eq!(expert.config().rope_theta, 1e6);
+    assert_eq!(expert.base_rope(), model.rope());
+    assert_ne!(expert.rope(), model.rope());
+    let (a, b) = (all_logits(&expert, &TOKENS), all_logits(&model, &TOKENS));
+    let first = |t: &Tensor| t.narrow(0, 0, 1).unwrap();
+    assert!(max_abs_diff(&first(&a), &first(&b)) < 1e-5);
+    assert!(max_abs_diff(&a, &b) > 1e-3, "the RoPE base changed nothing");
+    // Bad values are refused, in memory and in a file's metadata.
+    for bad in [0.5, f64::NAN, f64::INFINITY] {
+        assert!(plain.clone().with_rope_theta(Some(bad)).is_err(), "{bad}");
+    }
+    let tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let meta = HashMap::from([
+        ("r".to_string(), "2".to_string()),
+        ("lora_alpha".to_string(), "4".to_string()),
+        ("rope_theta".to_string(), "a million".to_string()),
+    ]);
+    safetensors::serialize_to_file(tensors.iter(), Some(meta), &path).unwrap();
+    let err = LoraAdapter::load(&path, &cfg).unwrap_err();
+    assert!(err.to_string().contains("rope_theta"), "{err}");
+}
+
 #[test]
 fn adapter_with_a_wrong_shape_is_a_typed_error_naming_the_tensor() {
     let cfg = tiny_config();
@@ -342,6 +388,9 @@ fn a_batch_of_sequences_at_different_positions_and_experts_equals_each_alone() {
     let a_fly = base.with_adapter(&a, AdapterMode::OnTheFly).unwrap();
     let b_fly = base.with_adapter(&b, AdapterMode::OnTheFly).unwrap();
     let a_merged = base.with_adapter(&a, AdapterMode::Merge).unwrap();
+    // An expert that rotates with its own RoPE base: its rows take its own angles.
+    let c = random_adapter(13, 2).with_rope_theta(Some(1e6)).unwrap();
+    let c_fly = base.with_adapter(&c, AdapterMode::OnTheFly).unwrap();
     // (model, cached prefix, new tokens): interleaved so that rows of one weight are not
     // adjacent in the caller's order; one sequence with no cached prefix, one with 3 new tokens.
     let cases: Vec<(&Llama, &[u32], &[u32])> = vec![
@@ -351,6 +400,7 @@ fn a_batch_of_sequences_at_different_positions_and_experts_equals_each_alone() {
         (&a_merged, &TOKENS[..7], &[1]),
         (&a_fly, &[], &[9]),
         (&b_fly, &TOKENS[..11], &[13]),
+        (&c_fly, &TOKENS[..6], &[4, 5]),
     ];
     let mut alone = Vec::new();
     for &(model, prefix, tokens) in &cases {

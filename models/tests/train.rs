@@ -43,6 +43,7 @@ fn tiny_cfg() -> TrainConfig {
         valid_windows: 2,
         targets: Proj::ALL.to_vec(),
         layers: None,
+        rope_theta: None,
     }
 }
 
@@ -157,6 +158,43 @@ fn resumed_run_equals_uninterrupted_run_and_seeds_matter() {
         err.to_string().contains("different hyperparameters"),
         "{err}"
     );
+}
+
+/// A run with its own RoPE base trains the expert at that base (the first step's loss is the
+/// base model's under the new rotation), ships it in the adapter, and resumes only as such.
+#[test]
+fn a_run_with_its_own_rope_base_trains_and_ships_the_expert_at_it() {
+    let (model, _) = base();
+    let data = tiny_data();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        rope_theta: Some(1e6),
+        ..tiny_cfg()
+    };
+    let mut t = Trainer::new(model, cfg.clone()).unwrap();
+    let mut plain = Trainer::new(model, tiny_cfg()).unwrap();
+    assert_ne!(t.model().rope(), model.rope());
+    assert_eq!(plain.model().rope(), model.rope());
+    t.train_step(&data).unwrap();
+    plain.train_step(&data).unwrap();
+    assert_ne!(t.losses()[0], plain.losses()[0]);
+    t.save_checkpoint(dir.path()).unwrap();
+    assert_eq!(
+        t.adapter(model, DType::F32).unwrap().rope_theta(),
+        Some(1e6)
+    );
+    let resumed = Trainer::resume(model, &cfg, dir.path()).unwrap().unwrap();
+    assert_eq!(resumed.model().rope(), t.model().rope());
+    let err = Trainer::resume(model, &tiny_cfg(), dir.path()).unwrap_err();
+    assert!(
+        err.to_string().contains("different hyperparameters"),
+        "{err}"
+    );
+    let bad = TrainConfig {
+        rope_theta: Some(-1.0),
+        ..tiny_cfg()
+    };
+    assert!(Trainer::new(model, bad).is_err());
 }
 
 #[test]

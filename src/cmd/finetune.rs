@@ -75,6 +75,10 @@ pub struct Args {
     /// Layers to adapt: `all`, or a range such as `0-9` (the first ten).
     #[arg(long, default_value = "all")]
     pub layers: String,
+    /// Give the expert its own RoPE base (the base model's by default), as long-context
+    /// fine-tunes do; stored in the adapter's metadata and in the expert's identity.
+    #[arg(long)]
+    pub rope_theta: Option<f64>,
     /// Steps between checkpoints.
     #[arg(long, default_value_t = 25)]
     pub checkpoint_every: usize,
@@ -112,6 +116,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         clip_norm: (args.clip > 0.0).then_some(args.clip),
         valid_windows: args.valid_windows,
         layers: parse_layers(&args.layers)?,
+        rope_theta: args.rope_theta,
         targets: Proj::parse_list(&args.targets).ok_or_else(|| {
             anyhow::anyhow!(
                 "--targets {}: expected all, attention, or a comma list of q,k,v,o,gate,up,down",

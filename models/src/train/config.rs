@@ -52,6 +52,11 @@ pub struct TrainConfig {
     /// layers reaches every later layer's K and V through the residual stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<Vec<usize>>,
+    /// The expert's own RoPE base, trained into it (`None`: the base model's). A long-context
+    /// fine-tune raises it; the expert then reads a cache rotated with the base's frequencies
+    /// wrongly, which is how the paper's MistralLite breaks raw KV transfer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
 }
 
 fn all_projections() -> Vec<Proj> {
@@ -75,6 +80,7 @@ impl Default for TrainConfig {
             valid_windows: 16,
             targets: all_projections(),
             layers: None,
+            rope_theta: None,
         }
     }
 }
@@ -97,6 +103,9 @@ impl TrainConfig {
         }
         if self.layers.as_ref().is_some_and(Vec::is_empty) {
             return bad("the adapter needs at least one layer");
+        }
+        if self.rope_theta.is_some_and(|t| !(t.is_finite() && t > 1.0)) {
+            return bad("rope theta must be a finite number above 1");
         }
         Ok(())
     }

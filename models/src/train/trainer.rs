@@ -112,7 +112,8 @@ impl Trainer {
             vars.iter()
                 .map(|(&k, (a, b))| (k, (a.as_tensor().clone(), b.as_tensor().clone())))
                 .collect(),
-        )?;
+        )?
+        .with_rope_theta(cfg.rope_theta)?;
         // On the fly, the model holds the Vars' own tensors: updating a Var updates the model,
         // and its forward pass records gradients for them.
         let mut model = base.with_adapter(&live, AdapterMode::OnTheFly)?;
@@ -166,12 +167,10 @@ impl Trainer {
                 ),
             );
         }
-        Ok(LoraAdapter::from_parts(
-            base.config(),
-            self.cfg.rank,
-            self.cfg.alpha,
-            parts,
-        )?)
+        Ok(
+            LoraAdapter::from_parts(base.config(), self.cfg.rank, self.cfg.alpha, parts)?
+                .with_rope_theta(self.cfg.rope_theta)?,
+        )
     }
 
     /// Logits `(T, vocab)` of `tokens` at positions `0..T`, with gradients for the adapter.
