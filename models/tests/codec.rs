@@ -7,7 +7,7 @@ mod common;
 use common::{max_abs, max_abs_diff, tiny_model};
 use rand::{Rng, SeedableRng};
 use scd_models::codec::{self, Codec, CodecError, Oracle, Prefix, Raw};
-use scd_models::{Input, LogitsWanted};
+use scd_models::{AdapterMode, Input, LogitsWanted, LoraAdapter, Proj};
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 const TOKENS: [u32; 9] = [3, 17, 42, 5, 9, 63, 0, 21, 8];
@@ -51,6 +51,39 @@ fn raw_codes_rebuild_the_producers_cache_and_count_wire_bytes() {
         assert!(
             max_abs_diff(&vr, &vo) <= max_abs(&vo) / 128.0,
             "layer {l} V"
+        );
+    }
+}
+
+/// Raw transfer hands an expert the cache the producer serves, keys rotated with the
+/// producer's RoPE: an expert with its own RoPE base gets the base's rotation, not its own
+/// (what breaks raw KV for long-context fine-tunes such as the paper's MistralLite).
+#[test]
+fn raw_keys_keep_the_producers_rotation_for_an_expert_with_its_own_rope_base() {
+    let (_dir, model) = tiny_model(1);
+    let cfg = model.config().clone();
+    // An identity edit (B = 0) with another base: the expert's keys before RoPE are the
+    // producer's, so any difference is the rotation.
+    let adapter = LoraAdapter::init(&cfg, 2, 4.0, &[Proj::K], 1)
+        .unwrap()
+        .with_rope_theta(Some(1e6))
+        .unwrap();
+    let expert = model.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+    let codes = raw_codes(&model);
+    let rebuilt = codec::decode(&Raw, &expert, &codes, Prefix::new(&TOKENS)).unwrap();
+    let served = codec::decode(&Oracle, &model, &[], Prefix::new(&TOKENS)).unwrap();
+    let own = codec::decode(&Oracle, &expert, &[], Prefix::new(&TOKENS)).unwrap();
+    for l in 0..cfg.num_layers {
+        let (k, _) = rebuilt.layer(l).unwrap().unwrap();
+        let (k_served, _) = served.layer(l).unwrap().unwrap();
+        let (k_own, _) = own.layer(l).unwrap().unwrap();
+        assert!(
+            max_abs_diff(&k, &k_served) <= max_abs(&k_served) / 128.0,
+            "layer {l}"
+        );
+        assert!(
+            max_abs_diff(&k, &k_own) > max_abs(&k_own) / 16.0,
+            "layer {l}: the expert's own rotation"
         );
     }
 }

@@ -2,7 +2,7 @@
 //! most layers; for a few layer blocks, chosen offline by profiling on calibration data (see
 //! [`crate::translator::select`]), the producer sends its residual stream at the block's entry
 //! instead, and the consumer runs the block with its own weights, so those layers' K and V are
-//! its own.
+//! its own (rotated with its own RoPE; the raw layers keep the producer's, see [`super::raw`]).
 
 use scd_types::{CodeKind, LayerCode, Mode};
 
@@ -198,7 +198,7 @@ impl LayerDecoder for DroidSpeakDecoder<'_> {
                         kind: "raw_k (before raw_v)",
                     })?;
                     self.cache.fill_layer_pre_rope(
-                        self.consumer.rope(),
+                        self.consumer.base_rope(),
                         l,
                         &k,
                         &t,

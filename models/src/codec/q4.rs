@@ -2,7 +2,9 @@
 //! scale and minimum over a group of tokens, since key outliers sit in fixed channels), values
 //! per token (each token's scale and minimum over a group of channels). Asymmetric 4-bit
 //! levels, scales and minima in f16. It shrinks the payload but keeps the producer's feature
-//! space: the baseline that compression alone does not fix drift.
+//! space: the baseline that compression alone does not fix drift. Keys are quantised before
+//! RoPE (as KVQuant does; per-channel groups stay aligned with the outlier channels at every
+//! position) and rotated on arrival with the producer's RoPE, as [`super::raw`] explains.
 
 use candle_core::{Device, Tensor};
 use half::f16;
@@ -298,8 +300,13 @@ impl LayerDecoder for Q4Decoder<'_> {
             }
             let k = Tensor::from_vec(k, (t, d), &Device::Cpu)?;
             let v = Tensor::from_vec(v, (t, d), &Device::Cpu)?;
-            self.cache
-                .fill_layer_pre_rope(self.consumer.rope(), l, &k, &v, &self.positions)?;
+            self.cache.fill_layer_pre_rope(
+                self.consumer.base_rope(),
+                l,
+                &k,
+                &v,
+                &self.positions,
+            )?;
             self.done[l] = true;
         }
         Ok(())

@@ -1,6 +1,13 @@
-//! Raw KV transfer, what disaggregated serving does today: the producer's keys (before RoPE)
-//! and values of every layer in bf16; the consumer rotates the keys to the true positions and
-//! decodes on them as they are, although they come from another model's feature space.
+//! Raw KV transfer, what disaggregated serving does today: the producer's keys and values of
+//! every layer in bf16, decoded on as they are, although they come from another model's
+//! feature space.
+//!
+//! "As they are" includes the producer's rotation: a served cache holds keys rotated with the
+//! producer's RoPE base, and an expert that rotates with another base (a long-context
+//! fine-tune) reads them wrongly. The keys travel before RoPE and the consumer applies the
+//! producer's rotation ([`Llama::base_rope`]: the producer is the base model the consumer's
+//! adapter was trained on), which is the same cache as shipping rotated keys up to the order of
+//! the bf16 rounding, and keeps one capture and one wire layout for every codec.
 
 use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
@@ -124,7 +131,7 @@ impl LayerDecoder for RawDecoder<'_> {
         }
         Ok(KvCache::from_pre_rope(
             self.consumer.config(),
-            self.consumer.rope(),
+            self.consumer.base_rope(),
             &layers,
             &self.prefix.positions(),
         )?)

@@ -314,6 +314,14 @@ struct LayerStats {
 /// The K and V a held-out prompt's consumer cache gets at one layer, one way or another.
 type Kv = (Tensor, Tensor);
 
+/// One layer of a held-out cache: the producer's as it serves it (keys rotated with its RoPE,
+/// which an expert with its own base reads wrongly), or one the consumer's side derived (rotated
+/// with the consumer's own).
+enum HeldKv {
+    Served(Kv),
+    Own(Kv),
+}
+
 /// Everything measured on one held-out prompt for one consumer, per layer.
 struct HeldOutLayers {
     prompt: HeldOutPrompt,
@@ -329,13 +337,17 @@ impl HeldOutLayers {
     fn cache(
         &self,
         consumer: &Llama,
-        pick: impl Fn(usize) -> Result<Option<Kv>, TranslatorError>,
+        pick: impl Fn(usize) -> Result<Option<HeldKv>, TranslatorError>,
     ) -> Result<KvCache, TranslatorError> {
         let positions: Vec<u32> = (0..self.prompt.prefix.len() as u32).collect();
         let mut cache = consumer.new_cache();
         for l in 0..consumer.config().num_layers {
-            let (k, v) = pick(l)?.unwrap_or_else(|| self.reuse[l].clone());
-            cache.fill_layer_pre_rope(consumer.rope(), l, &k, &v, &positions)?;
+            let (rope, (k, v)) = match pick(l)? {
+                Some(HeldKv::Served(kv)) => (consumer.base_rope(), kv),
+                Some(HeldKv::Own(kv)) => (consumer.rope(), kv),
+                None => (consumer.rope(), self.reuse[l].clone()),
+            };
+            cache.fill_layer_pre_rope(rope, l, &k, &v, &positions)?;
         }
         Ok(cache)
     }
@@ -616,7 +628,7 @@ pub fn calibrate(
     }
     // Mean held-out KL over consumers and the prompts `which` takes, with each layer taken
     // from `pick`.
-    type Pick<'p> = &'p dyn Fn(&HeldOutLayers, usize) -> Option<Kv>;
+    type Pick<'p> = &'p dyn Fn(&HeldOutLayers, usize) -> Option<HeldKv>;
     let kl_of = |which: &dyn Fn(usize) -> bool, pick: Pick| -> Result<f64, TranslatorError> {
         let mut total = 0.0;
         let mut n = 0usize;
@@ -631,7 +643,7 @@ pub fn calibrate(
         Ok(total / n.max(1) as f64)
     };
     let kl = |pick: Pick| kl_of(&|_| true, pick);
-    let kl_raw = kl(&|h, l| Some(h.raw[l].clone()))?;
+    let kl_raw = kl(&|h, l| Some(HeldKv::Served(h.raw[l].clone())))?;
     let kl_reuse = kl(&|_, _| None)?;
     on_event(&CalibrateEvent::Note(format!(
         "held-out KL: raw {kl_raw:.4}, reuse at ranks {}/{} {kl_reuse:.4}",
@@ -644,7 +656,7 @@ pub fn calibrate(
             let mut kinds = serde_json::Map::new();
             for (name, is_chat) in [("chat", true), ("text", false)] {
                 let which = |i: usize| chat.wraps(i) == is_chat;
-                let raw = kl_of(&which, &|h, l| Some(h.raw[l].clone()))?;
+                let raw = kl_of(&which, &|h, l| Some(HeldKv::Served(h.raw[l].clone())))?;
                 let reuse = kl_of(&which, &|_, _| None)?;
                 on_event(&CalibrateEvent::Note(format!(
                     "held-out KL on {name} prompts: raw {raw:.4}, reuse {reuse:.4}"
@@ -667,7 +679,7 @@ pub fn calibrate(
         max_patch,
         cfg.shortlist,
         |_, _| true,
-        |set| kl(&|h, l| set.contains(&l).then(|| h.patch[l].clone())),
+        |set| kl(&|h, l| set.contains(&l).then(|| HeldKv::Own(h.patch[l].clone()))),
         |p| {
             on_event(&CalibrateEvent::Note(format!(
                 "patch {:?}: KL {:.4}",
@@ -697,8 +709,8 @@ pub fn calibrate(
                 starts
                     .iter()
                     .find(|&&s| (s..s + block).contains(&l))
-                    .map(|&s| h.blocks[s][l - s].clone())
-                    .or_else(|| Some(h.raw[l].clone()))
+                    .map(|&s| HeldKv::Own(h.blocks[s][l - s].clone()))
+                    .or_else(|| Some(HeldKv::Served(h.raw[l].clone())))
             })
         },
         |p| {
@@ -738,10 +750,10 @@ pub fn calibrate(
                     let cache = h.cache(consumer, |l| {
                         let (kc, vc) = &codes[l];
                         let (k, v) = &h.raw[l];
-                        Ok(Some((
+                        Ok(Some(HeldKv::Own((
                             kc.decode(&kc.encode(k, dr.k)?, e)?,
                             vc.decode(&vc.encode(v, dr.v)?, e)?,
-                        )))
+                        ))))
                     })?;
                     total += h.prompt.kl(consumer, cache)?;
                     n += 1;
