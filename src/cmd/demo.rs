@@ -102,7 +102,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let expert_dir = std::path::absolute(args.experts.join(&args.expert))?;
     if !expert_dir.join("translator").is_dir() {
         bail!(
-            "{} has no translator/: pick an expert that ships one (mail, sotu, melville)",
+            "{} has no translator/: pick an expert that ships one (mail, mail-rope, sotu, melville)",
             expert_dir.display()
         );
     }
