@@ -28,6 +28,8 @@ enum Command {
     Finetune(cmd::finetune::Args),
     /// Compare ways of building an expert's cache against its own prefill (and `eval drift`).
     Eval(cmd::eval::Args),
+    /// SemPIC: train a writer that compiles documents into position-independent caches.
+    Sempic(cmd::sempic::Args),
     /// Fit the SCD translator of a base model and its experts.
     Calibrate(cmd::calibrate::Args),
     /// Create the cluster CA and issue node and admin certificates.
@@ -74,6 +76,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Finetune(args) => cmd::finetune::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Calibrate(args) => cmd::calibrate::run(args),
+        Command::Sempic(args) => cmd::sempic::run(args),
         Command::Cert(args) => cmd::cert::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Node(args) => cmd::node::run(args),

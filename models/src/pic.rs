@@ -56,6 +56,20 @@ impl CompiledDoc {
         })
     }
 
+    /// A document from its per-layer `(K after RoPE, V)`, each `(len, kv_heads * head_dim)`,
+    /// computed elsewhere (a writer's layers run one at a time under gradient checkpointing).
+    pub(crate) fn from_layers(
+        tokens: Vec<u32>,
+        layers: Vec<(Tensor, Tensor)>,
+        writer: ModelIdentity,
+    ) -> Self {
+        Self {
+            tokens,
+            layers,
+            writer,
+        }
+    }
+
     /// The document's tokens.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens

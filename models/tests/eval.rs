@@ -250,6 +250,7 @@ fn squad_plumbing_scores_and_samples_deterministically() {
             context: "Normandy is a region in France.".into(),
             question: "Where is Normandy?".into(),
             answers: vec!["France".into()],
+            article: 0,
         }]
     );
     assert_eq!(eval::first_line("\n  In France.\nMore"), "In France.");

@@ -232,22 +232,65 @@ fn both_document_modes_read_the_same_tokens_and_answer() {
         assert!(tok.decode(d, false).unwrap().starts_with(text.as_str()));
     }
     for mode in [DocMode::FullRecompute, DocMode::NoRecompute] {
-        let a = answer(model, tok, &p, mode, 8).unwrap();
+        let a = answer(model, None, tok, &p, mode, 8).unwrap();
         assert!(!a.contains('\n'), "{mode}: {a:?}");
     }
-    let scores = evaluate(
-        model,
-        tok,
-        &items,
-        &[DocMode::FullRecompute, DocMode::NoRecompute],
-        8,
-        0,
-        |_, _| {},
-    )
-    .unwrap();
-    assert_eq!(scores.len(), 2);
+    // SemPIC needs a writer; with the base itself as the writer it is plain stitching.
+    assert!(answer(model, None, tok, &p, DocMode::SemPic, 8).is_err());
+    let modes = [
+        DocMode::FullRecompute,
+        DocMode::NoRecompute,
+        DocMode::SemPic,
+    ];
+    let scores = evaluate(model, Some(model), tok, &items, &modes, 8, 0, |_, _| {}).unwrap();
+    assert_eq!(scores.len(), 3);
     for s in &scores {
         assert_eq!(s.f1.n, 2);
         assert!((0.0..=100.0).contains(&s.f1.value));
     }
+    assert!(scores[0].kl.is_none(), "full recompute is the reference");
+    let (plain, own) = (scores[1].kl.unwrap(), scores[2].kl.unwrap());
+    assert!(
+        plain.value > 1e-4,
+        "stitching loses cross-document attention: {plain:?}"
+    );
+    assert_eq!(plain.value, own.value);
+    // The stitched documents' keys and values lie away from full recompute's, inside the
+    // documents as at their starts; the full-recompute cache has no deviation to report.
+    assert!(scores[0].kv_deviation.is_none());
+    let [edge, inside] = scores[1].kv_deviation.unwrap();
+    assert!(
+        edge.value > 1e-3 && inside.value > 1e-3,
+        "{edge:?} {inside:?}"
+    );
+    assert_eq!(scores[2].kv_deviation.unwrap()[1].value, inside.value);
+    assert_eq!(scores[1].f1.value, scores[2].f1.value);
+}
+
+#[test]
+fn the_writer_never_trains_on_an_article_the_evaluation_reads() {
+    use scd_models::eval::multidoc::{writer_split, WRITER_ARTICLES};
+    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let (train, eval) = writer_split(&data.squad);
+    assert_eq!(train.len() + eval.len(), data.squad.len());
+    let arts = |q: &[scd_models::eval::QaItem]| {
+        q.iter()
+            .map(|q| q.article)
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let (ta, ea) = (arts(&train), arts(&eval));
+    assert_eq!(ta.len(), WRITER_ARTICLES);
+    assert!(ta.is_disjoint(&ea) && ea.len() >= 8, "{ta:?} {ea:?}");
+    assert!(
+        ta.iter().all(|a| ea.iter().all(|e| e < a)),
+        "the last articles train"
+    );
+    // No paragraph on both sides either.
+    let contexts = |q: &[scd_models::eval::QaItem]| {
+        q.iter()
+            .map(|q| q.context.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    assert!(contexts(&train).is_disjoint(&contexts(&eval)));
+    assert!(eval.len() >= 300 && train.len() >= 600);
 }

@@ -119,7 +119,12 @@ pub struct MultidocArgs {
     /// The model (reader, and writer of the compiled documents).
     #[arg(long, env = "SCD_MODEL")]
     pub model: PathBuf,
-    /// Questions (SQuAD answerable ones, a seeded sample).
+    /// A SemPIC writer's adapter (`scd sempic train`): adds the SemPIC mode, documents
+    /// compiled by the model with this adapter merged.
+    #[arg(long)]
+    pub writer: Option<PathBuf>,
+    /// Questions (SQuAD answerable ones of the articles the writer never trains on, a seeded
+    /// sample).
     #[arg(long, default_value_t = 300)]
     pub questions: usize,
     /// Fewest distractor paragraphs per question.
@@ -360,22 +365,33 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
 }
 
 fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
-    use eval::multidoc::{build_items, evaluate, DocMode};
+    use eval::multidoc::{build_items, evaluate, writer_split, DocMode};
     if args.min_distractors > args.max_distractors {
         bail!("--min-distractors is above --max-distractors");
     }
     let (model, tok) = super::generate::load(&args.model)?;
+    let writer = args
+        .writer
+        .as_deref()
+        .map(|p| with_adapter(&model, p))
+        .transpose()?;
     let data = load_data(&args.dirs)?;
+    // Never a question or a distractor of the writer's training articles.
+    let (_, held_out) = writer_split(&data.squad);
     let items = build_items(
-        &data.squad,
+        &held_out,
         args.questions,
         (args.min_distractors, args.max_distractors),
         args.seed,
     );
-    let modes = [DocMode::FullRecompute, DocMode::NoRecompute];
+    let mut modes = vec![DocMode::FullRecompute, DocMode::NoRecompute];
+    if writer.is_some() {
+        modes.push(DocMode::SemPic);
+    }
     let started = std::time::Instant::now();
     let scores = evaluate(
         &model,
+        writer.as_ref(),
         &tok,
         &items,
         &modes,
@@ -407,10 +423,27 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
         model.prefill_matmul()
     );
     println!();
-    println!("| mode | F1 | EM |");
-    println!("|---|---:|---:|");
+    if let Some(w) = &args.writer {
+        println!("SemPIC writer: {}", w.display());
+    }
+    println!();
+    println!(
+        "| mode | F1 | EM | KL to full recompute (question and answer) | KV deviation, first {} tokens of a document | KV deviation, rest |",
+        eval::multidoc::BOUNDARY_TOKENS
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let show = |e: Option<&scd_models::stats::Estimate>, d| e.map_or("-".into(), |e| e.display(d));
     for s in &scores {
-        println!("| {} | {} | {} |", s.mode, s.f1.display(1), s.em.display(1));
+        let dev = s.kv_deviation.as_ref();
+        println!(
+            "| {} | {} | {} | {} | {} | {} |",
+            s.mode,
+            s.f1.display(1),
+            s.em.display(1),
+            show(s.kl.as_ref(), 4),
+            show(dev.map(|d| &d[0]), 3),
+            show(dev.map(|d| &d[1]), 3),
+        );
     }
     if let Some(path) = &args.json {
         let record = serde_json::json!({
@@ -427,7 +460,14 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
                 "mode": s.mode.to_string(),
                 "f1": s.f1,
                 "em": s.em,
+                "kl": s.kl,
+                "kv_deviation": s.kv_deviation.as_ref().map(|[edge, rest]| serde_json::json!({
+                    "boundary_tokens": eval::multidoc::BOUNDARY_TOKENS,
+                    "boundary": edge,
+                    "interior": rest,
+                })),
             })).collect::<Vec<_>>(),
+            "writer": args.writer.as_ref().map(|w| w.display().to_string()),
         });
         scd_models::json_file::write_atomic(path, &record)?;
     }

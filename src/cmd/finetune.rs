@@ -91,17 +91,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let schedule = match args.schedule.as_str() {
-        "cosine" => Schedule::Cosine,
-        "linear" => Schedule::Linear,
-        "constant" => Schedule::Constant,
-        other => bail!("unknown schedule {other:?}: expected cosine, linear or constant"),
-    };
-    let dtype = match args.dtype.as_str() {
-        "bf16" => DType::BF16,
-        "f32" => DType::F32,
-        other => bail!("unknown adapter dtype {other:?}: expected bf16 or f32"),
-    };
+    let schedule = parse_schedule(&args.schedule)?;
+    let dtype = parse_dtype(&args.dtype)?;
     let cfg = TrainConfig {
         rank: args.rank,
         alpha: args.alpha,
@@ -135,28 +126,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         dtype,
     };
     let bar = Progress::new(cfg.steps as u64, "steps")?;
-    let outcome = train::finetune(&base, &tok, &corpus, &cfg, &opts, &stop, |e| match e {
-        TrainEvent::Started { from, total } => {
-            bar.set(*from as u64, *total as u64);
-            if !bar.is_tty() {
-                eprintln!("training steps {from}..{total}");
-            }
-        }
-        TrainEvent::Step(r) => {
-            bar.set(r.step as u64, cfg.steps as u64);
-            bar.message(
-                format!(
-                    "step {}/{} loss {:.4} lr {:.2e} |g| {:.3} {:.0} tok/s {:.2} s/step",
-                    r.step, cfg.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.seconds
-                ),
-                true,
-            );
-        }
-        TrainEvent::Checkpoint { step, path } => {
-            bar.line(format!("checkpoint at step {step}: {}", path.display()));
-        }
-        TrainEvent::Note(n) => bar.line(n),
-    })
+    let outcome = train::finetune(
+        &base,
+        &tok,
+        &corpus,
+        &cfg,
+        &opts,
+        &stop,
+        print_events(&bar, cfg.steps),
+    )
     .context("fine-tuning")?;
     bar.finish();
     match outcome {
@@ -188,7 +166,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// Raises `stop` on the first Ctrl-C (the loop finishes its step and checkpoints); a second
 /// Ctrl-C exits at once.
-fn watch_ctrl_c(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+/// Shows a run's events on `bar`: steps as its message, the rest as lines.
+pub(crate) fn print_events(bar: &Progress, steps: usize) -> impl FnMut(&TrainEvent) + '_ {
+    move |e| match e {
+        TrainEvent::Started { from, total } => {
+            bar.set(*from as u64, *total as u64);
+            if !bar.is_tty() {
+                eprintln!("training steps {from}..{total}");
+            }
+        }
+        TrainEvent::Step(r) => {
+            bar.set(r.step as u64, steps as u64);
+            bar.message(
+                format!(
+                    "step {}/{} loss {:.4} lr {:.2e} |g| {:.3} {:.0} tok/s {:.2} s/step",
+                    r.step, steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.seconds
+                ),
+                true,
+            );
+        }
+        TrainEvent::Checkpoint { step, path } => {
+            bar.line(format!("checkpoint at step {step}: {}", path.display()));
+        }
+        TrainEvent::Note(n) => bar.line(n),
+    }
+}
+
+/// Raises `stop` on the first Ctrl-C (the run finishes its step and checkpoints); exits on the
+/// second.
+pub(crate) fn watch_ctrl_c(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -212,6 +218,23 @@ fn watch_ctrl_c(stop: Arc<AtomicBool>) -> anyhow::Result<()> {
 }
 
 /// `all`, or `A-B` (inclusive).
+pub(crate) fn parse_schedule(s: &str) -> anyhow::Result<Schedule> {
+    Ok(match s {
+        "cosine" => Schedule::Cosine,
+        "linear" => Schedule::Linear,
+        "constant" => Schedule::Constant,
+        other => bail!("unknown schedule {other:?}: expected cosine, linear or constant"),
+    })
+}
+
+pub(crate) fn parse_dtype(s: &str) -> anyhow::Result<DType> {
+    Ok(match s {
+        "bf16" => DType::BF16,
+        "f32" => DType::F32,
+        other => bail!("unknown adapter dtype {other:?}: expected bf16 or f32"),
+    })
+}
+
 fn parse_layers(s: &str) -> anyhow::Result<Option<Vec<usize>>> {
     if s == "all" {
         return Ok(None);

@@ -17,4 +17,5 @@ pub mod finetune;
 pub mod generate;
 pub mod local_cluster;
 pub mod node;
+pub mod sempic;
 pub mod translators;

@@ -49,6 +49,8 @@ pub struct QaItem {
     pub question: String,
     /// Gold answers (answerable questions have at least one).
     pub answers: Vec<String>,
+    /// Index of its article in the file (splits by article keep a topic on one side).
+    pub article: usize,
 }
 
 #[derive(Deserialize)]
@@ -84,7 +86,7 @@ pub fn parse_squad(bytes: &[u8], path: &Path) -> Result<Vec<QaItem>, EvalError> 
         reason: e.to_string(),
     })?;
     let mut out = Vec::new();
-    for a in f.data {
+    for (article, a) in f.data.into_iter().enumerate() {
         for p in a.paragraphs {
             for q in p.qas {
                 if q.is_impossible || q.answers.is_empty() {
@@ -95,6 +97,7 @@ pub fn parse_squad(bytes: &[u8], path: &Path) -> Result<Vec<QaItem>, EvalError> 
                     context: p.context.clone(),
                     question: q.question,
                     answers: q.answers.into_iter().map(|a| a.text).collect(),
+                    article,
                 });
             }
         }

@@ -1,7 +1,7 @@
 //! Multi-document QA (M9's evaluation): each SQuAD question's gold paragraph among distractor
 //! paragraphs of other articles, in shuffled order, answered with the documents' caches built
 //! one of two ways:
-//! - full recompute: one plain prefill of the whole prompt (the upper bound);
+//! - full recompute: a plain prefill of the whole prompt (the upper bound);
 //! - no recompute: every document compiled alone and stitched at request time
 //!   ([`crate::pic`]), only the instruction and the question run with the documents' cache.
 //!
@@ -21,6 +21,9 @@ use crate::metrics::{squad_exact_match, squad_f1};
 use crate::pic::{stitch, CompiledDoc};
 use crate::stats::{bootstrap_mean, Estimate};
 use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::train::sempic::{kl_to_teacher, tail_logits};
+use crate::{Input, KvCache, LogitsWanted};
+use candle_core::{Tensor, D};
 
 /// The instruction around the documents; `{documents}` marks where they go.
 pub const MULTIDOC_TEMPLATE: &str = "Answer the question with a short phrase copied from one of the documents.\n\nDocuments:\n{documents}\nQuestion: {question}";
@@ -34,6 +37,18 @@ pub struct MultiDocItem {
     pub documents: Vec<String>,
     /// Where the gold paragraph is.
     pub gold: usize,
+}
+
+/// Articles at the end of the SQuAD file that train the SemPIC writer (`scd sempic train`);
+/// the evaluation never draws a question or a distractor from them.
+pub const WRITER_ARTICLES: usize = 4;
+
+/// The questions of the last [`WRITER_ARTICLES`] articles (the writer's training data) and
+/// those of the others (the evaluation's), in file order.
+pub fn writer_split(squad: &[QaItem]) -> (Vec<QaItem>, Vec<QaItem>) {
+    let articles = squad.iter().map(|q| q.article + 1).max().unwrap_or(0);
+    let first = articles.saturating_sub(WRITER_ARTICLES);
+    squad.iter().cloned().partition(|q| q.article >= first)
 }
 
 /// `n` seeded questions, each with `distractors` (a range, inclusive) paragraphs of other
@@ -82,6 +97,9 @@ pub enum DocMode {
     FullRecompute,
     /// Each document compiled alone, stitched.
     NoRecompute,
+    /// Each document compiled alone by a SemPIC writer (the base with its LoRA), stitched and
+    /// read by the base.
+    SemPic,
 }
 
 impl std::fmt::Display for DocMode {
@@ -89,6 +107,7 @@ impl std::fmt::Display for DocMode {
         f.write_str(match self {
             Self::FullRecompute => "full recompute",
             Self::NoRecompute => "no recompute",
+            Self::SemPic => "SemPIC",
         })
     }
 }
@@ -141,12 +160,65 @@ pub fn pieces(tok: &Tokenizer, item: &MultiDocItem) -> Result<Pieces, EvalError>
     })
 }
 
-/// `model`'s greedy answer to `pieces` with the documents' cache made as `mode` says.
-pub fn answer(
+/// The model that compiles the documents in `mode`: none for full recompute, `model` itself
+/// without recompute, the writer for SemPIC.
+fn doc_writer<'a>(
+    model: &'a Llama,
+    writer: Option<&'a Llama>,
+    mode: DocMode,
+) -> Result<Option<&'a Llama>, EvalError> {
+    match mode {
+        DocMode::FullRecompute => Ok(None),
+        DocMode::NoRecompute => Ok(Some(model)),
+        DocMode::SemPic => writer
+            .map(Some)
+            .ok_or_else(|| EvalError::Config("the SemPIC mode needs a writer adapter".into())),
+    }
+}
+
+/// The cache of everything before the question with the documents made as `mode` says
+/// (`writer` compiles them for [`DocMode::SemPic`]); the question and the answer then run on
+/// top of it.
+pub fn documents_cache(
     model: &Llama,
-    tok: &Tokenizer,
+    writer: Option<&Llama>,
     pieces: &Pieces,
     mode: DocMode,
+) -> Result<KvCache, EvalError> {
+    match doc_writer(model, writer, mode)? {
+        None => {
+            let mut cache = model.new_cache();
+            let mut prefix = pieces.head.clone();
+            pieces.documents.iter().for_each(|d| prefix.extend(d));
+            model.forward(
+                Input::new(&prefix)
+                    .with_cache(&mut cache)
+                    .logits(LogitsWanted::None),
+            )?;
+            Ok(cache)
+        }
+        Some(writer) => {
+            // The head is first in the prompt, so the reader's own prefill of it is exact.
+            let compiled = std::iter::once(CompiledDoc::compile(model, &pieces.head))
+                .chain(
+                    pieces
+                        .documents
+                        .iter()
+                        .map(|t| CompiledDoc::compile(writer, t)),
+                )
+                .collect::<Result<Vec<_>, _>>()?;
+            let refs: Vec<&CompiledDoc> = compiled.iter().collect();
+            Ok(stitch(model, &refs)?)
+        }
+    }
+}
+
+/// `model`'s greedy answer to the question in `tail` over `cache` (consumed), first line.
+fn reply(
+    model: &Llama,
+    tok: &Tokenizer,
+    mut cache: KvCache,
+    tail: &[u32],
     max_tokens: usize,
 ) -> Result<String, EvalError> {
     let params = GenerateParams {
@@ -154,23 +226,25 @@ pub fn answer(
         stop_tokens: tok.stop_ids().to_vec(),
         ..GenerateParams::default()
     };
-    let (mut cache, pending) = match mode {
-        DocMode::FullRecompute => (model.new_cache(), pieces.all()),
-        DocMode::NoRecompute => {
-            // The head is first in the prompt, so compiling it alone is exact.
-            let compiled = std::iter::once(&pieces.head)
-                .chain(&pieces.documents)
-                .map(|t| CompiledDoc::compile(model, t))
-                .collect::<Result<Vec<_>, _>>()?;
-            let refs: Vec<&CompiledDoc> = compiled.iter().collect();
-            (stitch(model, &refs)?, pieces.tail.clone())
-        }
-    };
-    let generation = generate_with_cache(model, &mut cache, &pending, &params, |_| {
+    let generation = generate_with_cache(model, &mut cache, tail, &params, |_| {
         std::ops::ControlFlow::Continue(())
     })?;
     let text = tok.decode(&generation.tokens, true)?;
     Ok(first_line(&text).to_string())
+}
+
+/// `model`'s greedy answer to `pieces` with the documents' cache made as `mode` says (`writer`
+/// compiles them for [`DocMode::SemPic`]).
+pub fn answer(
+    model: &Llama,
+    writer: Option<&Llama>,
+    tok: &Tokenizer,
+    pieces: &Pieces,
+    mode: DocMode,
+    max_tokens: usize,
+) -> Result<String, EvalError> {
+    let cache = documents_cache(model, writer, pieces, mode)?;
+    reply(model, tok, cache, &pieces.tail, max_tokens)
 }
 
 /// One mode's figures.
@@ -182,11 +256,71 @@ pub struct ModeScore {
     pub f1: Estimate,
     /// Exact match (0-100).
     pub em: Estimate,
+    /// KL to full recompute (nats per position) at the question's and the gold answer's
+    /// positions, teacher-forced; `None` for full recompute itself.
+    pub kl: Option<Estimate>,
+    /// How far the documents' keys and values lie from full recompute's, at each document's
+    /// first [`BOUNDARY_TOKENS`] tokens and at the rest ([`kv_deviation`]); `None` for full
+    /// recompute itself.
+    pub kv_deviation: Option<[Estimate; 2]>,
 }
 
-/// Answers every item in every mode; `progress(done, total)` after each item.
+/// Tokens at the start of a document counted as its boundary in [`kv_deviation`].
+pub const BOUNDARY_TOKENS: usize = 8;
+
+/// The mean relative distance `|x - x_full| / |x_full|` of `cache`'s keys and values (one
+/// row per token, both concatenated, averaged over layers) from `full`'s, over the documents'
+/// tokens of `pieces`: at each document's first [`BOUNDARY_TOKENS`] tokens and at the rest.
+/// Our stand-in for the paper's attention deviation near block boundaries and inside blocks: it
+/// measures what a compiled cache stores, where the missing cross-document attention shows.
+pub fn kv_deviation(
+    full: &KvCache,
+    cache: &KvCache,
+    pieces: &Pieces,
+) -> Result<(f64, f64), EvalError> {
+    let n = full.len();
+    if cache.len() != n {
+        return Err(EvalError::Config(format!(
+            "caches of {} and {n} tokens compared",
+            cache.len()
+        )));
+    }
+    let layers = full.num_layers();
+    let mut per_token = vec![0f64; n];
+    for l in 0..layers {
+        let (Some((kf, vf)), Some((kc, vc))) = (full.layer(l)?, cache.layer(l)?) else {
+            return Err(EvalError::Config(format!("layer {l} missing from a cache")));
+        };
+        let f = Tensor::cat(&[kf, vf], 1)?;
+        let c = Tensor::cat(&[kc, vc], 1)?;
+        let dist = (c - &f)?.sqr()?.sum(1)?.sqrt()?;
+        let norm = f.sqr()?.sum(1)?.sqrt()?.clamp(1e-12, f32::MAX)?;
+        for (acc, r) in per_token.iter_mut().zip((dist / norm)?.to_vec1::<f32>()?) {
+            *acc += f64::from(r) / layers as f64;
+        }
+    }
+    let (mut edge, mut inside) = (Vec::new(), Vec::new());
+    let mut at = pieces.head.len();
+    for d in &pieces.documents {
+        for (i, &r) in per_token.iter().skip(at).take(d.len()).enumerate() {
+            if i < BOUNDARY_TOKENS {
+                edge.push(r);
+            } else {
+                inside.push(r);
+            }
+        }
+        at += d.len();
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    Ok((mean(&edge), mean(&inside)))
+}
+
+/// Answers every item in every mode (`writer` compiles the documents of [`DocMode::SemPic`]);
+/// `progress(done, total)` after each item.
+#[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     model: &Llama,
+    writer: Option<&Llama>,
     tok: &Tokenizer,
     items: &[MultiDocItem],
     modes: &[DocMode],
@@ -196,11 +330,48 @@ pub fn evaluate(
 ) -> Result<Vec<ModeScore>, EvalError> {
     let mut f1 = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut em = vec![Vec::with_capacity(items.len()); modes.len()];
+    let mut kl = vec![Vec::with_capacity(items.len()); modes.len()];
+    let mut edge = vec![Vec::with_capacity(items.len()); modes.len()];
+    let mut inside = vec![Vec::with_capacity(items.len()); modes.len()];
+    let end = tok.stop_ids().first().copied();
     for (i, item) in items.iter().enumerate() {
         let p = pieces(tok, item)?;
         let golds: Vec<&str> = item.qa.answers.iter().map(String::as_str).collect();
+        // The teacher-forced question and gold answer, read over each mode's cache.
+        let mut forced = p.tail.clone();
+        forced.extend(tok.encode(golds.first().copied().unwrap_or_default(), false)?);
+        forced.extend(end);
+        let full = documents_cache(model, writer, &p, DocMode::FullRecompute)?;
+        let teacher = candle_nn::ops::log_softmax(
+            &tail_logits(model, &mut full.try_clone()?, &forced)?,
+            D::Minus1,
+        )?;
+        let full_ref = modes
+            .iter()
+            .any(|&m| m != DocMode::FullRecompute)
+            .then(|| full.try_clone())
+            .transpose()?;
+        let mut full = Some(full);
         for (m, &mode) in modes.iter().enumerate() {
-            let a = answer(model, tok, &p, mode, max_tokens)?;
+            let cache = match (mode, full.take()) {
+                (DocMode::FullRecompute, Some(c)) => c,
+                (_, kept) => {
+                    full = kept;
+                    documents_cache(model, writer, &p, mode)?
+                }
+            };
+            if mode != DocMode::FullRecompute {
+                if let Some(f) = &full_ref {
+                    let (e, i) = kv_deviation(f, &cache, &p)?;
+                    edge[m].push(e);
+                    inside[m].push(i);
+                }
+                let logits = tail_logits(model, &mut cache.try_clone()?, &forced)?;
+                kl[m].push(f64::from(
+                    kl_to_teacher(&teacher, &logits)?.to_scalar::<f32>()?,
+                ));
+            }
+            let a = reply(model, tok, cache, &p.tail, max_tokens)?;
             f1[m].push(100.0 * squad_f1(&a, &golds));
             em[m].push(100.0 * squad_exact_match(&a, &golds));
         }
@@ -213,6 +384,13 @@ pub fn evaluate(
             mode,
             f1: bootstrap_mean(&f1[m], seed),
             em: bootstrap_mean(&em[m], seed),
+            kl: (!kl[m].is_empty()).then(|| bootstrap_mean(&kl[m], seed)),
+            kv_deviation: (!edge[m].is_empty()).then(|| {
+                [
+                    bootstrap_mean(&edge[m], seed),
+                    bootstrap_mean(&inside[m], seed),
+                ]
+            }),
         })
         .collect())
 }

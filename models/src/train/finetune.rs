@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use candle_core::DType;
 
-use super::{run, tail_mean, LoopEnd, TrainConfig, TrainData, TrainError, TrainEvent, Trainer};
+use super::{
+    run, start_or_resume, tail_mean, LoopEnd, TrainConfig, TrainData, TrainError, TrainEvent,
+};
 use crate::corpus::{self, Corpus, CorpusError};
 use crate::expert::{
     save_adapter, BaseModelInfo, CorpusInfo, Manifest, ValidationInfo, MANIFEST_FILE,
@@ -78,28 +80,7 @@ pub fn finetune(
     }
     let data = TrainData { train, valid };
     let ckpt_dir = opts.out_dir.join("checkpoints");
-    let resumed = if opts.resume {
-        Trainer::resume(base, cfg, &ckpt_dir)?
-    } else {
-        None
-    };
-    let mut trainer = match resumed {
-        Some(t) => {
-            on_event(&TrainEvent::Note(format!("resuming at step {}", t.step())));
-            t
-        }
-        None => {
-            if ckpt_dir.join("latest.json").exists() {
-                return Err(TrainError::Checkpoint {
-                    path: ckpt_dir,
-                    reason:
-                        "a run already has checkpoints here: pass --resume or use another folder"
-                            .into(),
-                });
-            }
-            Trainer::new(base, cfg.clone())?
-        }
-    };
+    let mut trainer = start_or_resume(base, cfg, &ckpt_dir, opts.resume, &mut on_event)?;
     on_event(&TrainEvent::Note(format!(
         "validating the base on {} windows",
         data.valid.len()

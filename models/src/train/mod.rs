@@ -1,12 +1,15 @@
-//! LoRA fine-tuning of a frozen base: the experts that SCD serves are the base plus an adapter
-//! trained here.
+//! LoRA training of a frozen base: the experts that SCD serves are the base plus an adapter
+//! trained here, and so is SemPIC's writer.
 //!
 //! Files, top-down: [`config`] (hyperparameters and the learning-rate schedule), [`trainer`]
-//! (one optimisation step: random windows of the tokenised train split, next-token
-//! cross-entropy through the model's own forward pass with the adapter applied on the fly,
-//! [`crate::optim::AdamW`]), [`checkpoint`] (written atomically, resumable bit for bit),
-//! [`run`] (the loop with its stop flag and events), and [`finetune`] (the whole command:
-//! tokenise, train, save, validate, write the expert's manifest, see [`crate::expert`]).
+//! (one optimisation step of an [`Objective`], [`crate::optim::AdamW`]; an expert's objective
+//! is next-token cross-entropy on random windows of the tokenised train split, through the
+//! model's own forward pass with the adapter applied on the fly), [`checkpoint`] (written
+//! atomically, resumable bit for bit), [`run`] (the loop with its stop flag and events), and
+//! the two commands: [`finetune`] (an expert: tokenise, train, save, validate, write its
+//! manifest, see [`crate::expert`]) and [`writer`] (a SemPIC writer, whose objective is
+//! [`sempic`]: the KL from the base reading the whole prompt to the base reading documents
+//! the writer compiled alone).
 //!
 //! Determinism: the windows of step `s` come from a generator seeded by `(seed, s)`, so the
 //! only state a checkpoint needs beyond the adapter and the optimiser's moments is the step;
@@ -27,12 +30,14 @@ pub mod checkpoint;
 pub mod config;
 pub mod finetune;
 pub mod run;
+pub mod sempic;
 pub mod trainer;
+pub mod writer;
 
 pub use config::{Schedule, TrainConfig};
 pub use finetune::{finetune, FinetuneOptions, FinetuneOutcome};
-pub use run::{run, LoopEnd, TrainEvent};
-pub use trainer::{StepReport, TrainData, Trainer};
+pub use run::{run, start_or_resume, LoopEnd, TrainEvent};
+pub use trainer::{Objective, StepGrads, StepReport, TrainData, Trainer};
 
 /// Errors of fine-tuning.
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{StepReport, TrainData, TrainError, Trainer};
+use super::{Objective, StepReport, TrainConfig, TrainError, Trainer};
+use crate::llama::Llama;
 
 /// What the training loop tells its caller.
 #[derive(Debug, Clone)]
@@ -42,12 +43,12 @@ pub enum LoopEnd {
     },
 }
 
-/// Runs steps until `cfg.steps` are done or `stop` is raised, checkpointing under `ckpt_dir`
+/// Runs steps of `objective` until `cfg.steps` are done or `stop` is raised, checkpointing under `ckpt_dir`
 /// every `checkpoint_every` steps, at the end, and when stopped. A step in progress when `stop`
 /// is raised finishes first, so no work is lost.
 pub fn run(
     trainer: &mut Trainer,
-    data: &TrainData,
+    objective: &impl Objective,
     ckpt_dir: &Path,
     checkpoint_every: usize,
     stop: &AtomicBool,
@@ -70,7 +71,7 @@ pub fn run(
                 checkpoint: path,
             });
         }
-        let report = trainer.train_step(data)?;
+        let report = trainer.train_step(objective)?;
         on_event(&TrainEvent::Step(report));
         let last = trainer.step() == total;
         if last || (checkpoint_every > 0 && trainer.step().is_multiple_of(checkpoint_every)) {
@@ -82,4 +83,30 @@ pub fn run(
         }
     }
     Ok(LoopEnd::Finished)
+}
+
+/// The run's trainer: resumed from the latest checkpoint under `ckpt_dir` when `resume` and
+/// there is one, fresh otherwise. A fresh run refuses a folder that already holds checkpoints,
+/// so that another run's are never overwritten.
+pub fn start_or_resume(
+    base: &Llama,
+    cfg: &TrainConfig,
+    ckpt_dir: &Path,
+    resume: bool,
+    mut on_event: impl FnMut(&TrainEvent),
+) -> Result<Trainer, TrainError> {
+    if resume {
+        if let Some(t) = Trainer::resume(base, cfg, ckpt_dir)? {
+            on_event(&TrainEvent::Note(format!("resuming at step {}", t.step())));
+            return Ok(t);
+        }
+    }
+    if ckpt_dir.join("latest.json").exists() {
+        return Err(TrainError::Checkpoint {
+            path: ckpt_dir.to_path_buf(),
+            reason: "a run already has checkpoints here: pass --resume or use another folder"
+                .into(),
+        });
+    }
+    Trainer::new(base, cfg.clone())
 }

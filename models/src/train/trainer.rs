@@ -55,7 +55,7 @@ pub struct Trainer {
 
 /// The seed of step `step`'s window generator: splitmix64 of the run seed and the step, so
 /// nearby steps get unrelated streams.
-fn step_seed(seed: u64, step: usize) -> u64 {
+pub(crate) fn step_seed(seed: u64, step: usize) -> u64 {
     let mut z = seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -182,42 +182,41 @@ impl Trainer {
             .ok_or_else(|| candle_core::Error::Msg("forward returned no logits".into()).into())
     }
 
-    /// One optimisation step on `batch` random windows of `data.train`.
-    pub fn train_step(&mut self, data: &TrainData) -> Result<StepReport, TrainError> {
+    /// The trainable parameters in the optimiser's order: per adapted `(layer, projection)`,
+    /// `A` then `B`.
+    pub fn params(&self) -> &[Var] {
+        self.opt.params()
+    }
+
+    /// Adds the gradients that `store` holds for the parameters to `grads` (in
+    /// [`Trainer::params`] order): objectives that run several backward passes per step sum
+    /// them this way.
+    pub fn accumulate(
+        &self,
+        grads: &mut [Option<Tensor>],
+        store: &candle_core::backprop::GradStore,
+    ) -> Result<(), TrainError> {
+        for (slot, var) in grads.iter_mut().zip(self.opt.params()) {
+            if let Some(g) = store.get(var.as_tensor()) {
+                *slot = Some(match slot.take() {
+                    None => g.clone(),
+                    Some(acc) => (acc + g)?,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimisation step on `objective`: its gradients for this step, clipped, then AdamW
+    /// at the step's learning rate.
+    pub fn train_step(&mut self, objective: &impl Objective) -> Result<StepReport, TrainError> {
         let t0 = Instant::now();
-        let (seq, batch) = (self.cfg.seq_len, self.cfg.batch);
-        if data.train.len() < seq + 1 {
-            return Err(CorpusError::TooShort {
-                split: "train",
-                tokens: data.train.len(),
-                needed: seq + 1,
-            }
-            .into());
-        }
         let step = self.step();
-        let mut rng = StdRng::seed_from_u64(step_seed(self.cfg.seed, step));
-        let windows: Vec<Vec<u32>> = (0..batch)
-            .map(|_| random_window(&data.train, seq + 1, &mut rng))
-            .collect();
-        let mut grads: Vec<Option<Tensor>> = vec![None; self.opt.params().len()];
-        let mut loss_sum = 0.0;
-        // One backward per window keeps one window's graph alive at a time; gradients add up.
-        for w in &windows {
-            let logits = self.train_logits(&w[..seq])?;
-            let targets = Tensor::new(&w[1..], &Device::Cpu)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
-            loss_sum += f64::from(loss.to_scalar::<f32>()?);
-            let store = (loss / batch as f64)?.backward()?;
-            for (slot, var) in grads.iter_mut().zip(self.opt.params()) {
-                if let Some(g) = store.get(var.as_tensor()) {
-                    *slot = Some(match slot.take() {
-                        None => g.clone(),
-                        Some(acc) => (acc + g)?,
-                    });
-                }
-            }
-        }
-        let loss = loss_sum / batch as f64;
+        let StepGrads {
+            mut grads,
+            loss,
+            tokens,
+        } = objective.gradients(self, step)?;
         if !loss.is_finite() {
             return Err(TrainError::Diverged { step: step + 1 });
         }
@@ -238,7 +237,62 @@ impl Trainer {
             lr,
             grad_norm,
             seconds,
-            tokens_per_s: (seq * batch) as f64 / seconds.max(1e-9),
+            tokens_per_s: tokens as f64 / seconds.max(1e-9),
+        })
+    }
+}
+
+/// What one step's objective hands the optimiser.
+#[derive(Debug)]
+pub struct StepGrads {
+    /// The gradient of the step's loss per parameter, in [`Trainer::params`] order (`None`: no
+    /// gradient reached it).
+    pub grads: Vec<Option<Tensor>>,
+    /// The step's loss (the mean over its examples).
+    pub loss: f64,
+    /// Tokens the step trained on (for the rate it reports).
+    pub tokens: usize,
+}
+
+/// What a run minimises. Step `step`'s examples must follow from the step alone (seeded), so
+/// that a resumed run equals one never stopped.
+pub trait Objective {
+    /// The loss of step `step` and its gradients for `trainer`'s parameters.
+    fn gradients(&self, trainer: &Trainer, step: usize) -> Result<StepGrads, TrainError>;
+}
+
+/// Next-token cross-entropy on `batch` random windows of the train split: the fine-tuning of
+/// an expert.
+impl Objective for TrainData {
+    fn gradients(&self, trainer: &Trainer, step: usize) -> Result<StepGrads, TrainError> {
+        let (seq, batch) = (trainer.cfg.seq_len, trainer.cfg.batch);
+        if self.train.len() < seq + 1 {
+            return Err(CorpusError::TooShort {
+                split: "train",
+                tokens: self.train.len(),
+                needed: seq + 1,
+            }
+            .into());
+        }
+        let mut rng = StdRng::seed_from_u64(step_seed(trainer.cfg.seed, step));
+        let windows: Vec<Vec<u32>> = (0..batch)
+            .map(|_| random_window(&self.train, seq + 1, &mut rng))
+            .collect();
+        let mut grads: Vec<Option<Tensor>> = vec![None; trainer.params().len()];
+        let mut loss_sum = 0.0;
+        // One backward per window keeps one window's graph alive at a time; gradients add up.
+        for w in &windows {
+            let logits = trainer.train_logits(&w[..seq])?;
+            let targets = Tensor::new(&w[1..], &Device::Cpu)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
+            loss_sum += f64::from(loss.to_scalar::<f32>()?);
+            let store = (loss / batch as f64)?.backward()?;
+            trainer.accumulate(&mut grads, &store)?;
+        }
+        Ok(StepGrads {
+            grads,
+            loss: loss_sum / batch as f64,
+            tokens: seq * batch,
         })
     }
 }

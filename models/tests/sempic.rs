@@ -1,0 +1,193 @@
+//! The SemPIC writer's training (M9 §3): gradients reach the writer through the stitched
+//! caches only, KV gradient checkpointing per writer layer gives the gradients of one graph,
+//! training lowers the KL to full recompute, and `train_writer` runs end to end on the real
+//! model, writing an adapter the evaluation loads, and resumes.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+
+use candle_core::{DType, Tensor};
+use common::{real, tiny_model};
+use scd_models::eval::EvalData;
+use scd_models::train::sempic::{example_kl, training_reader, WriterExample, WriterObjective};
+use scd_models::train::writer::{train_writer, WriterOptions, WriterOutcome};
+use scd_models::train::{Schedule, TrainConfig, Trainer};
+use scd_models::{AdapterMode, LoraAdapter, Proj};
+
+fn cfg(steps: usize) -> TrainConfig {
+    TrainConfig {
+        rank: 4,
+        alpha: 8.0,
+        lr: 2e-2,
+        warmup: 1,
+        schedule: Schedule::Constant,
+        steps,
+        seq_len: 2,
+        batch: 1,
+        seed: 3,
+        weight_decay: 0.0,
+        clip_norm: None,
+        valid_windows: 0,
+        targets: Proj::ALL.to_vec(),
+        layers: None,
+        rope_theta: None,
+    }
+}
+
+/// Head, two documents and a tail that fit the tiny model's 32 positions.
+fn tiny_example(shift: u32) -> WriterExample {
+    let t = |a: u32, n: u32| (a..a + n).map(|i| (i * 7 + shift) % 64).collect::<Vec<_>>();
+    WriterExample {
+        head: t(1, 3),
+        documents: vec![t(10, 7), t(30, 6)],
+        tail: t(50, 6),
+    }
+}
+
+fn grads_of(
+    trainer: &Trainer,
+    objective: &WriterObjective,
+    ex: &WriterExample,
+) -> Vec<Option<Tensor>> {
+    let mut grads = vec![None; trainer.params().len()];
+    objective
+        .example_gradients(trainer, ex, 1.0, &mut grads)
+        .unwrap();
+    grads
+}
+
+#[test]
+fn checkpointing_per_writer_layer_gives_the_gradients_of_one_graph() {
+    let (_dir, base) = tiny_model(11);
+    let ex = tiny_example(0);
+    let plain = WriterObjective::new(&base, vec![ex.clone()], false).unwrap();
+    let ckpt = WriterObjective::new(&base, vec![ex.clone()], true).unwrap();
+    let mut trainer = Trainer::new(plain.reader(), cfg(1)).unwrap();
+    // After one step B is no longer zero, so every A has a gradient too.
+    trainer.train_step(&plain).unwrap();
+    let a = grads_of(&trainer, &plain, &ex);
+    let b = grads_of(&trainer, &ckpt, &ex);
+    assert_eq!(a.len(), trainer.params().len());
+    let (mut largest, mut reached) = (0f32, 0);
+    for (i, pair) in a.iter().zip(&b).enumerate() {
+        match pair {
+            (Some(x), Some(y)) => {
+                let scale = common::max_abs(x).max(1e-12);
+                largest = largest.max(scale);
+                reached += 1;
+                let diff = common::max_abs_diff(x, y);
+                assert!(
+                    diff <= 1e-4 * scale + 1e-7,
+                    "parameter {i}: {diff} of {scale}"
+                );
+            }
+            // The last layer's projections other than K and V reach no stored key or value.
+            (None, None) => {}
+            _ => panic!("parameter {i} has a gradient on one path only"),
+        }
+    }
+    // Every layer's K and V matrices at least (A and B each), and every projection of the
+    // layers below the last.
+    let per_layer = 2 * Proj::ALL.len();
+    assert!(reached >= per_layer + 4, "{reached} parameters reached");
+    assert!(largest > 1e-7, "the writer receives gradients ({largest})");
+}
+
+#[test]
+fn training_the_writer_lowers_the_kl_to_full_recompute() {
+    let (_dir, base) = tiny_model(12);
+    let examples: Vec<WriterExample> = (0..2).map(tiny_example).collect();
+    let objective = WriterObjective::new(&base, examples.clone(), true).unwrap();
+    let reader = objective.reader();
+    let before: f64 = examples
+        .iter()
+        .map(|e| example_kl(reader, reader, e).unwrap())
+        .sum();
+    assert!(
+        before > 1e-5,
+        "plain stitching differs from full recompute: {before}"
+    );
+    let mut c = cfg(30);
+    c.batch = 2;
+    let mut trainer = Trainer::new(reader, c).unwrap();
+    for _ in 0..30 {
+        trainer.train_step(&objective).unwrap();
+    }
+    let adapter = trainer.adapter(reader, DType::F32).unwrap();
+    let writer = reader.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+    let after: f64 = examples
+        .iter()
+        .map(|e| example_kl(reader, &writer, e).unwrap())
+        .sum();
+    assert!(after < 0.5 * before, "KL {before} -> {after}");
+    // The reader is the base: the writer's adapter never reaches its tail.
+    let fresh = training_reader(&base).unwrap();
+    assert_eq!(
+        example_kl(&fresh, &fresh, &examples[0]).unwrap(),
+        example_kl(reader, reader, &examples[0]).unwrap()
+    );
+}
+
+#[test]
+fn train_writer_runs_end_to_end_resumes_and_ships_an_adapter() {
+    let (base, tok) = real();
+    let data = EvalData::load(&common::shared_data_dir()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let opts = WriterOptions {
+        out_dir: dir.path().to_path_buf(),
+        checkpoint_every: 1,
+        resume: false,
+        dtype: DType::F32,
+        checkpointing: true,
+        examples: 3,
+        valid_examples: 1,
+        distractors: (0, 0),
+    };
+    let mut c = cfg(1);
+    c.rank = 2;
+    c.alpha = 4.0;
+    c.lr = 1e-3;
+    c.targets = vec![Proj::K, Proj::V];
+    let stop = AtomicBool::new(false);
+    let run = |c: &TrainConfig, o: &WriterOptions| {
+        train_writer(
+            base,
+            tok,
+            &data.squad,
+            &data.squad_file,
+            c,
+            o,
+            &stop,
+            |_| {},
+        )
+    };
+    let WriterOutcome::Finished(first) = run(&c, &opts).unwrap() else {
+        panic!("stopped")
+    };
+    assert_eq!(first.steps, 1);
+    // A second run in the same folder without --resume is refused; with it, it goes on.
+    assert!(run(&c, &opts).is_err());
+    c.steps = 2;
+    let resumed = WriterOptions {
+        resume: true,
+        ..opts.clone()
+    };
+    let WriterOutcome::Finished(m) = run(&c, &resumed).unwrap() else {
+        panic!("stopped")
+    };
+    assert_eq!(m.steps, 2);
+    assert_eq!(m.data.articles.len(), 4);
+    assert!(m.validation.kl_no_recompute > 0.0 && m.validation.kl_writer.is_finite());
+    assert!(m.final_train_loss.is_finite());
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["steps"], 2);
+    let adapter = LoraAdapter::load(dir.path().join("adapter.safetensors"), base.config()).unwrap();
+    assert_eq!(adapter.rank(), 2);
+    assert_eq!(
+        adapter.targets().count(),
+        2 * base.config().num_layers,
+        "k and v of every layer"
+    );
+}
