@@ -17,6 +17,8 @@ use crate::progress::Progress;
 
 /// `scd sempic`.
 #[derive(clap::Args)]
+#[command(after_help = "Example:\n  \
+    scd sempic train --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --out experts/sempic-writer")]
 pub struct Args {
     #[command(subcommand)]
     pub sub: Sub,
