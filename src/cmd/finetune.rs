@@ -139,11 +139,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     bar.finish();
     match outcome {
         FinetuneOutcome::Stopped { step, checkpoint } => {
-            eprintln!(
-                "interrupted: stopped after step {step}; checkpoint {} written. Continue with the same command plus --resume.",
-                checkpoint.display()
-            );
-            std::process::exit(130);
+            exit_stopped(step, &checkpoint);
         }
         FinetuneOutcome::Finished(m) => {
             let v = &m.validation;
@@ -166,6 +162,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// Raises `stop` on the first Ctrl-C (the loop finishes its step and checkpoints); a second
 /// Ctrl-C exits at once.
+/// Tells the user how to go on after Ctrl-C stopped a run, and exits with 130.
+pub(crate) fn exit_stopped(step: usize, checkpoint: &std::path::Path) -> ! {
+    eprintln!(
+        "interrupted: stopped after step {step}; checkpoint {} written. Continue with the same command plus --resume.",
+        checkpoint.display()
+    );
+    std::process::exit(130)
+}
+
 /// Shows a run's events on `bar`: steps as its message, the rest as lines.
 pub(crate) fn print_events(bar: &Progress, steps: usize) -> impl FnMut(&TrainEvent) + '_ {
     move |e| match e {

@@ -12,7 +12,7 @@ use scd_models::llama::Proj;
 use scd_models::train::writer::{train_writer, WriterOptions, WriterOutcome};
 use scd_models::train::TrainConfig;
 
-use super::finetune::{parse_dtype, parse_schedule, print_events, watch_ctrl_c};
+use super::finetune::{exit_stopped, parse_dtype, parse_schedule, print_events, watch_ctrl_c};
 use crate::progress::Progress;
 
 /// `scd sempic`.
@@ -171,11 +171,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     bar.finish();
     match outcome {
         WriterOutcome::Stopped { step, checkpoint } => {
-            eprintln!(
-                "interrupted: stopped after step {step}; checkpoint {} written. Continue with the same command plus --resume.",
-                checkpoint.display()
-            );
-            std::process::exit(130);
+            exit_stopped(step, &checkpoint);
         }
         WriterOutcome::Finished(m) => {
             let v = &m.validation;
