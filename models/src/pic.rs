@@ -156,3 +156,15 @@ pub fn stitch(reader: &Llama, docs: &[&CompiledDoc]) -> Result<KvCache, ForwardE
         .collect::<Result<Vec<_>, ForwardError>>()?;
     KvCache::from_post_rope(reader.config(), &layers, total)
 }
+
+/// The cache of a prompt's `head` (the tokens before the documents, prefilled by `reader`
+/// itself: exact, since nothing precedes them) followed by `docs` compiled elsewhere.
+pub fn stitch_after_head(
+    reader: &Llama,
+    head: &[u32],
+    docs: &[CompiledDoc],
+) -> Result<KvCache, ForwardError> {
+    let head = CompiledDoc::compile(reader, head)?;
+    let refs: Vec<&CompiledDoc> = std::iter::once(&head).chain(docs).collect();
+    stitch(reader, &refs)
+}

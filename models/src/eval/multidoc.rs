@@ -1,9 +1,15 @@
 //! Multi-document QA (M9's evaluation): each SQuAD question's gold paragraph among distractor
 //! paragraphs of other articles, in shuffled order, answered with the documents' caches built
-//! one of two ways:
+//! one of three ways:
 //! - full recompute: a plain prefill of the whole prompt (the upper bound);
 //! - no recompute: every document compiled alone and stitched at request time
-//!   ([`crate::pic`]), only the instruction and the question run with the documents' cache.
+//!   ([`crate::pic`]), only the instruction and the question run with the documents' cache;
+//! - SemPIC: the same, the documents compiled by a writer (the base with its LoRA, trained by
+//!   [`crate::train::writer`]).
+//!
+//! Besides the answers, each stitched mode's KL to full recompute over the teacher-forced
+//! question and gold answer, and how far its documents' keys and values lie from full
+//! recompute's at document boundaries and inside ([`kv_deviation`]).
 //!
 //! Both read the same token ids: the chat-formatted prompt is split at the documents, and each
 //! piece is tokenised alone. Answers are greedy, their first line scored with SQuAD's F1 and
@@ -18,7 +24,7 @@ use super::EvalError;
 use crate::generate::{generate_with_cache, GenerateParams};
 use crate::llama::Llama;
 use crate::metrics::{squad_exact_match, squad_f1};
-use crate::pic::{stitch, CompiledDoc};
+use crate::pic::{stitch_after_head, CompiledDoc};
 use crate::stats::{bootstrap_mean, Estimate};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::train::sempic::{kl_to_teacher, tail_logits};
@@ -160,6 +166,15 @@ pub fn pieces(tok: &Tokenizer, item: &MultiDocItem) -> Result<Pieces, EvalError>
     })
 }
 
+/// The tokens of `item`'s first gold answer and the end of the turn: what a writer's training
+/// and the evaluation's KL teacher-force after the question.
+pub fn gold_answer(tok: &Tokenizer, item: &MultiDocItem) -> Result<Vec<u32>, EvalError> {
+    let first = item.qa.answers.first().map_or("", String::as_str);
+    let mut tokens = tok.encode(first, false)?;
+    tokens.extend(tok.stop_ids().first());
+    Ok(tokens)
+}
+
 /// The model that compiles the documents in `mode`: none for full recompute, `model` itself
 /// without recompute, the writer for SemPIC.
 fn doc_writer<'a>(
@@ -198,17 +213,12 @@ pub fn documents_cache(
             Ok(cache)
         }
         Some(writer) => {
-            // The head is first in the prompt, so the reader's own prefill of it is exact.
-            let compiled = std::iter::once(CompiledDoc::compile(model, &pieces.head))
-                .chain(
-                    pieces
-                        .documents
-                        .iter()
-                        .map(|t| CompiledDoc::compile(writer, t)),
-                )
+            let docs = pieces
+                .documents
+                .iter()
+                .map(|t| CompiledDoc::compile(writer, t))
                 .collect::<Result<Vec<_>, _>>()?;
-            let refs: Vec<&CompiledDoc> = compiled.iter().collect();
-            Ok(stitch(model, &refs)?)
+            Ok(stitch_after_head(model, &pieces.head, &docs)?)
         }
     }
 }
@@ -333,39 +343,26 @@ pub fn evaluate(
     let mut kl = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut edge = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut inside = vec![Vec::with_capacity(items.len()); modes.len()];
-    let end = tok.stop_ids().first().copied();
     for (i, item) in items.iter().enumerate() {
         let p = pieces(tok, item)?;
         let golds: Vec<&str> = item.qa.answers.iter().map(String::as_str).collect();
         // The teacher-forced question and gold answer, read over each mode's cache.
         let mut forced = p.tail.clone();
-        forced.extend(tok.encode(golds.first().copied().unwrap_or_default(), false)?);
-        forced.extend(end);
+        forced.extend(gold_answer(tok, item)?);
         let full = documents_cache(model, writer, &p, DocMode::FullRecompute)?;
         let teacher = candle_nn::ops::log_softmax(
             &tail_logits(model, &mut full.try_clone()?, &forced)?,
             D::Minus1,
         )?;
-        let full_ref = modes
-            .iter()
-            .any(|&m| m != DocMode::FullRecompute)
-            .then(|| full.try_clone())
-            .transpose()?;
-        let mut full = Some(full);
         for (m, &mode) in modes.iter().enumerate() {
-            let cache = match (mode, full.take()) {
-                (DocMode::FullRecompute, Some(c)) => c,
-                (_, kept) => {
-                    full = kept;
-                    documents_cache(model, writer, &p, mode)?
-                }
+            let cache = match mode {
+                DocMode::FullRecompute => full.try_clone()?,
+                _ => documents_cache(model, writer, &p, mode)?,
             };
             if mode != DocMode::FullRecompute {
-                if let Some(f) = &full_ref {
-                    let (e, i) = kv_deviation(f, &cache, &p)?;
-                    edge[m].push(e);
-                    inside[m].push(i);
-                }
+                let (e, i) = kv_deviation(&full, &cache, &p)?;
+                edge[m].push(e);
+                inside[m].push(i);
                 let logits = tail_logits(model, &mut cache.try_clone()?, &forced)?;
                 kl[m].push(f64::from(
                     kl_to_teacher(&teacher, &logits)?.to_scalar::<f32>()?,

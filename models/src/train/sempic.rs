@@ -25,7 +25,7 @@ use crate::error::ForwardError;
 use crate::eval::multidoc::Pieces;
 use crate::llama::{Capture, Input, Llama, LogitsWanted};
 use crate::lora::AdapterMode;
-use crate::pic::{stitch, CompiledDoc};
+use crate::pic::{stitch_after_head, CompiledDoc};
 use crate::{DecodeWeights, PrefillMatmul};
 
 /// One training context: documents between the reader's own tokens.
@@ -113,9 +113,7 @@ pub fn student_logits(
     ex: &WriterExample,
     docs: &[CompiledDoc],
 ) -> Result<Tensor, ForwardError> {
-    let head = CompiledDoc::compile(reader, &ex.head)?;
-    let refs: Vec<&CompiledDoc> = std::iter::once(&head).chain(docs).collect();
-    let mut cache = stitch(reader, &refs)?;
+    let mut cache = stitch_after_head(reader, &ex.head, docs)?;
     tail_logits(reader, &mut cache, &ex.tail)
 }
 

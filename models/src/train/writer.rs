@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::sempic::{example_kl, WriterExample, WriterObjective};
 use super::{run, start_or_resume, tail_mean, LoopEnd, TrainConfig, TrainError, TrainEvent};
 use crate::eval::data::{FileInfo, QaItem};
-use crate::eval::multidoc::{build_items, pieces, writer_split, WRITER_ARTICLES};
+use crate::eval::multidoc::{build_items, gold_answer, pieces, writer_split, WRITER_ARTICLES};
 use crate::expert::{save_adapter, AdapterFileInfo, BaseModelInfo};
 use crate::json_file;
 use crate::llama::Llama;
@@ -144,14 +144,12 @@ pub fn writer_examples(
             train.len()
         )));
     }
-    let end = tok.stop_ids().first().copied();
     let items = build_items(&train, wanted, opts.distractors, seed);
     let mut examples = items
         .iter()
         .map(|item| {
             let p = pieces(tok, item).map_err(|e| TrainError::Config(e.to_string()))?;
-            let mut answer = tok.encode(&item.qa.answers[0], false)?;
-            answer.extend(end);
+            let answer = gold_answer(tok, item).map_err(|e| TrainError::Config(e.to_string()))?;
             Ok(WriterExample::new(p, &answer))
         })
         .collect::<Result<Vec<_>, TrainError>>()?;
