@@ -27,7 +27,7 @@ enum Command {
     /// Train a LoRA expert of a base model on a text corpus.
     Finetune(cmd::finetune::Args),
     /// Compare ways of building an expert's cache against its own prefill (and `eval drift`).
-    Eval(cmd::eval::Args),
+    Eval(Box<cmd::eval::Args>),
     /// SemPIC: train a writer that compiles documents into position-independent caches.
     Sempic(cmd::sempic::Args),
     /// Fit the SCD translator of a base model and its experts.
@@ -74,7 +74,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
     let done = match cli.command {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Finetune(args) => cmd::finetune::run(args),
-        Command::Eval(args) => cmd::eval::run(args),
+        Command::Eval(args) => cmd::eval::run(*args),
         Command::Calibrate(args) => cmd::calibrate::run(args),
         Command::Sempic(args) => cmd::sempic::run(args),
         Command::Cert(args) => cmd::cert::run(args),

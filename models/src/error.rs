@@ -179,6 +179,18 @@ pub enum ForwardError {
         /// The reader's base.
         reader: String,
     },
+    /// Documents of one prompt compiled by different writer versions (another adapter or other
+    /// boundary tokens): stitching never mixes them.
+    #[error("documents of writer versions {first} and {other} cannot be stitched together")]
+    MixedWriters {
+        /// The first document's writer version ([`crate::pic::WriterVersion::id`]).
+        first: String,
+        /// Another document's.
+        other: String,
+    },
+    /// Boundary tokens that do not belong to the model compiling with them.
+    #[error(transparent)]
+    Boundary(#[from] Box<crate::boundary::BoundaryError>),
     /// The tensor library failed.
     #[error("tensor error: {0}")]
     Tensor(#[from] candle_core::Error),

@@ -35,6 +35,7 @@
 pub mod baseline;
 pub mod batch;
 pub mod bench;
+pub mod boundary;
 pub mod cache;
 pub mod codec;
 pub mod config;

@@ -7,9 +7,13 @@ mod common;
 
 use candle_core::Tensor;
 use common::{max_abs, max_abs_diff, real, tiny_model, wikitext_tokens};
+use scd_models::boundary::{Boundary, BoundaryError};
 use scd_models::pic::{stitch, CompiledDoc};
 use scd_models::sampling::argmax;
-use scd_models::{DecodeWeights, ForwardError, Input, Llama, LogitsWanted, PrefillMatmul};
+use scd_models::{
+    AdapterMode, DecodeWeights, ForwardError, Input, Llama, LogitsWanted, LoraAdapter,
+    PrefillMatmul, Proj,
+};
 
 fn f32_paths(model: &Llama) -> Llama {
     model
@@ -216,7 +220,9 @@ fn multidoc_items_hide_the_gold_paragraph_among_distractors() {
 
 #[test]
 fn both_document_modes_read_the_same_tokens_and_answer() {
-    use scd_models::eval::multidoc::{answer, build_items, evaluate, pieces, DocMode};
+    use scd_models::eval::multidoc::{
+        answer, build_items, evaluate, pieces, DocCompilers, DocMode,
+    };
     let (model, tok) = real();
     let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
     let items = build_items(&data.squad, 2, (1, 1), 3);
@@ -232,18 +238,29 @@ fn both_document_modes_read_the_same_tokens_and_answer() {
         assert!(tok.decode(d, false).unwrap().starts_with(text.as_str()));
     }
     for mode in [DocMode::FullRecompute, DocMode::NoRecompute] {
-        let a = answer(model, None, tok, &p, mode, 8).unwrap();
+        let a = answer(model, &DocCompilers::default(), tok, &p, mode, 8).unwrap();
         assert!(!a.contains('\n'), "{mode}: {a:?}");
     }
-    // SemPIC needs a writer; with the base itself as the writer it is plain stitching.
-    assert!(answer(model, None, tok, &p, DocMode::SemPic, 8).is_err());
+    // SemPIC needs a writer, packet and joint their boundary tokens; with the base itself as
+    // the writer SemPIC is plain stitching.
+    for mode in [DocMode::SemPic, DocMode::Packet, DocMode::Joint] {
+        assert!(answer(model, &DocCompilers::default(), tok, &p, mode, 8).is_err());
+    }
+    let tokens = Boundary::init(model, 2, 2, 0).unwrap();
+    let compilers = DocCompilers {
+        writer: Some(model),
+        packet: Some(&tokens),
+        joint: Some(&tokens),
+    };
     let modes = [
         DocMode::FullRecompute,
         DocMode::NoRecompute,
         DocMode::SemPic,
+        DocMode::Packet,
+        DocMode::Joint,
     ];
-    let scores = evaluate(model, Some(model), tok, &items, &modes, 8, 0, |_, _| {}).unwrap();
-    assert_eq!(scores.len(), 3);
+    let scores = evaluate(model, &compilers, tok, &items, &modes, 8, 0, |_, _| {}).unwrap();
+    assert_eq!(scores.len(), 5);
     for s in &scores {
         assert_eq!(s.f1.n, 2);
         assert!((0.0..=100.0).contains(&s.f1.value));
@@ -265,6 +282,142 @@ fn both_document_modes_read_the_same_tokens_and_answer() {
     );
     assert_eq!(scores[2].kv_deviation.unwrap()[1].value, inside.value);
     assert_eq!(scores[1].f1.value, scores[2].f1.value);
+    // Untrained boundary tokens change what the documents hold; with the base as the writer
+    // the joint mode is the packet mode.
+    let packet = scores[3].kl.unwrap();
+    assert!(packet.value.is_finite() && packet.value != plain.value);
+    assert_eq!(scores[4].kl.unwrap().value, packet.value);
+    assert!(scores[3].kv_deviation.is_some());
+}
+
+#[test]
+fn boundary_tokens_are_the_rows_a_document_compiles_between() {
+    let (model, tok) = real();
+    let model = &f32_paths(model);
+    let words = wikitext_tokens(tok, 200);
+    let (head_ids, doc, tail_ids) = (&words[0..3], &words[20..80], &words[90..92]);
+    // Tokens that are exactly some words' embeddings compile as those words would.
+    let rows = |ids: &[u32]| {
+        model
+            .embedding()
+            .index_select(&Tensor::new(ids, &candle_core::Device::Cpu).unwrap(), 0)
+            .unwrap()
+    };
+    let b = Boundary::new(rows(head_ids), rows(tail_ids), model).unwrap();
+    let packed = CompiledDoc::compile_with(model, doc, Some(&b)).unwrap();
+    let all: Vec<u32> = [head_ids, doc, tail_ids].concat();
+    let plain = CompiledDoc::compile(model, &all).unwrap();
+    assert_eq!(packed.len(), all.len());
+    assert_eq!(packed.tokens(), doc);
+    assert_eq!(packed.boundary_counts(), (3, 2));
+    assert_eq!(
+        packed.boundary_sha256(),
+        Some(b.content_sha256().unwrap().as_str())
+    );
+    for layer in [0, 15, 29] {
+        let (k, v) = packed.layer_at(model.rope(), layer, 40).unwrap();
+        let (k0, v0) = plain.layer_at(model.rope(), layer, 40).unwrap();
+        assert!(max_abs_diff(&k, &k0) <= 1e-4 * max_abs(&k0).max(1.0));
+        assert!(max_abs_diff(&v, &v0) <= 1e-4 * max_abs(&v0).max(1.0));
+    }
+    // Tokens trained for the base refuse a writer (another adapter), and the reverse.
+    let (_dir, tiny) = tiny_model(5);
+    assert!(Boundary::new(rows(head_ids), rows(tail_ids), &tiny).is_err());
+    let adapter = LoraAdapter::init(model.config(), 2, 4.0, &[Proj::Q], 1).unwrap();
+    let writer = model.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+    let err = CompiledDoc::compile_with(&writer, doc, Some(&b)).unwrap_err();
+    assert!(
+        matches!(&err, ForwardError::Boundary(e) if matches!(**e, BoundaryError::ForeignModel { .. })),
+        "{err}"
+    );
+}
+
+#[test]
+fn boundary_tokens_round_trip_and_refuse_corrupt_or_foreign_files() {
+    let (model, _) = real();
+    let dir = tempfile::tempdir().unwrap();
+    let b = Boundary::init(model, 3, 1, 7).unwrap();
+    assert_eq!(b.counts(), (3, 1));
+    let meta = b.save(dir.path()).unwrap();
+    assert_eq!((meta.header, meta.trailer), (3, 1));
+    let back = Boundary::load(dir.path(), model).unwrap();
+    assert_eq!(back.content_sha256().unwrap(), meta.sha256);
+    assert_eq!(max_abs_diff(back.header(), b.header()), 0.0);
+    // Seeded, and the tokens start apart.
+    assert_eq!(
+        Boundary::init(model, 3, 1, 7)
+            .unwrap()
+            .content_sha256()
+            .unwrap(),
+        meta.sha256
+    );
+    assert!(max_abs_diff(&b.header().get(0).unwrap(), &b.header().get(1).unwrap()) > 1e-3);
+    // For a writer: refused.
+    let adapter = LoraAdapter::init(model.config(), 2, 4.0, &[Proj::Q], 1).unwrap();
+    let writer = model.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+    assert!(matches!(
+        Boundary::load(dir.path(), &writer),
+        Err(BoundaryError::ForeignModel { .. })
+    ));
+    // A changed value: refused by the content hash.
+    let file = dir.path().join(scd_models::boundary::BOUNDARY_FILE);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 2;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    assert!(matches!(
+        Boundary::load(dir.path(), model),
+        Err(BoundaryError::Corrupt { .. })
+    ));
+    // Truncated: not a safetensors file.
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(matches!(
+        Boundary::load(dir.path(), model),
+        Err(BoundaryError::Format { .. })
+    ));
+    // No description: an error naming the file.
+    std::fs::remove_file(dir.path().join(scd_models::boundary::BOUNDARY_META_FILE)).unwrap();
+    let err = Boundary::load(dir.path(), model).unwrap_err();
+    assert!(err.to_string().contains("boundary.json"), "{err}");
+}
+
+#[test]
+fn kv_deviation_compares_documents_moved_by_boundary_tokens_at_their_own_positions() {
+    use scd_models::eval::multidoc::{build_items, kv_deviation, pieces, Pieces};
+    use scd_models::pic::stitch_after_head;
+    let (model, tok) = real();
+    let model = &f32_paths(model);
+    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let item = &build_items(&data.squad, 1, (2, 2), 5)[0];
+    let p: Pieces = pieces(tok, item).unwrap();
+    let mut full = model.new_cache();
+    model
+        .forward(
+            Input::new(&[p.head.clone(), p.documents.concat()].concat())
+                .with_cache(&mut full)
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+    // A trailer alone leaves each document's own rows as plain stitching computes them (it
+    // comes after them), but moves every later document by one position.
+    let trailer = Boundary::init(model, 0, 1, 0).unwrap();
+    let compile = |b: Option<&Boundary>| {
+        let docs: Vec<CompiledDoc> = p
+            .documents
+            .iter()
+            .map(|d| CompiledDoc::compile_with(model, d, b).unwrap())
+            .collect();
+        stitch_after_head(model, &p.head, &docs).unwrap()
+    };
+    let plain = kv_deviation(model.rope(), &full, &compile(None), &p, (0, 0)).unwrap();
+    let moved = kv_deviation(model.rope(), &full, &compile(Some(&trailer)), &p, (0, 1)).unwrap();
+    assert!(plain.0 > 1e-3 && plain.1 > 1e-3, "{plain:?}");
+    assert!(
+        (plain.0 - moved.0).abs() < 1e-4 && (plain.1 - moved.1).abs() < 1e-4,
+        "{plain:?} vs {moved:?}"
+    );
+    // The caches' lengths must fit the boundary counts given.
+    assert!(kv_deviation(model.rope(), &full, &compile(None), &p, (0, 1)).is_err());
 }
 
 #[test]
@@ -293,4 +446,74 @@ fn the_writer_never_trains_on_an_article_the_evaluation_reads() {
     };
     assert!(contexts(&train).is_disjoint(&contexts(&eval)));
     assert!(eval.len() >= 300 && train.len() >= 600);
+}
+
+#[test]
+fn the_document_store_compiles_once_and_never_mixes_writers() {
+    use scd_models::pic::{document_id, stitch_after_head, DocStore, StoreError, WriterVersion};
+    let (model, tok) = real();
+    let model = &f32_paths(model);
+    let words = wikitext_tokens(tok, 200);
+    let (head, doc) = (&words[0..4], &words[10..70]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = DocStore::open(dir.path()).unwrap();
+    let first = store.get_or_compile(model, model, None, doc).unwrap();
+    assert_eq!((store.compilations(), store.hits()), (1, 0));
+    let again = store.get_or_compile(model, model, None, doc).unwrap();
+    assert_eq!(
+        (store.compilations(), store.hits()),
+        (1, 1),
+        "a hit computes nothing"
+    );
+    for layer in [0, 29] {
+        let (k, v) = first.layer_at(model.rope(), layer, 9).unwrap();
+        let (k2, v2) = again.layer_at(model.rope(), layer, 9).unwrap();
+        assert_eq!(max_abs_diff(&k, &k2), 0.0);
+        assert_eq!(max_abs_diff(&v, &v2), 0.0);
+    }
+    // After a restart the entry is still there.
+    let reopened = DocStore::open(dir.path()).unwrap();
+    reopened.get_or_compile(model, model, None, doc).unwrap();
+    assert_eq!((reopened.compilations(), reopened.hits()), (0, 1));
+    // Another writer (an adapter) and boundary tokens are other versions: compiled anew, stored
+    // beside, never returned for the base.
+    let adapter = LoraAdapter::init(model.config(), 2, 4.0, &[Proj::V], 1).unwrap();
+    let writer = model.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+    let written = store.get_or_compile(model, &writer, None, doc).unwrap();
+    let b = Boundary::init(model, 2, 1, 0).unwrap();
+    let packed = store.get_or_compile(model, model, Some(&b), doc).unwrap();
+    assert_eq!(store.compilations(), 3);
+    let stored_packed = store.get_or_compile(model, model, Some(&b), doc).unwrap();
+    assert_eq!(stored_packed.len(), doc.len() + 3);
+    assert_eq!(stored_packed.boundary_sha256(), packed.boundary_sha256());
+    let versions = [
+        WriterVersion::of_doc(&first),
+        WriterVersion::of_doc(&written),
+        WriterVersion::of_doc(&packed),
+    ];
+    assert_ne!(versions[0].id(), versions[1].id());
+    assert_ne!(versions[0].id(), versions[2].id());
+    // One prompt never mixes writer versions.
+    let err = stitch_after_head(model, head, &[first.clone(), written.clone()]).unwrap_err();
+    assert!(matches!(err, ForwardError::MixedWriters { .. }), "{err}");
+    assert!(stitch_after_head(model, head, &[first.clone(), again]).is_ok());
+    // An entry at another version's address, or a truncated one, is refused.
+    let id = document_id(doc);
+    let (plain_path, writer_path) = (
+        store.path_of(&versions[0], &id),
+        store.path_of(&versions[1], &id),
+    );
+    std::fs::copy(&plain_path, &writer_path).unwrap();
+    assert!(matches!(
+        store.get(model, &versions[1], &id),
+        Err(StoreError::Format { .. })
+    ));
+    let bytes = std::fs::read(&plain_path).unwrap();
+    std::fs::write(&plain_path, &bytes[..bytes.len() / 3]).unwrap();
+    let err = store.get(model, &versions[0], &id).unwrap_err();
+    assert!(matches!(err, StoreError::Format { .. }), "{err}");
+    // A model of another shape cannot read an entry.
+    std::fs::write(&plain_path, &bytes).unwrap();
+    let (_tiny_dir, tiny) = tiny_model(3);
+    assert!(store.get(&tiny, &versions[0], &id).is_err());
 }

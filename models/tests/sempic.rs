@@ -1,7 +1,8 @@
 //! The SemPIC writer's training (M9 §3): gradients reach the writer through the stitched
 //! caches only, KV gradient checkpointing per writer layer gives the gradients of one graph,
 //! training lowers the KL to full recompute, and `train_writer` runs end to end on the real
-//! model, writing an adapter the evaluation loads, and resumes.
+//! model, writing an adapter the evaluation loads, and resumes. The same for KV-Packet's
+//! boundary tokens (M9 §2), trained for the base and for a writer (the joint mode).
 
 mod common;
 
@@ -32,6 +33,7 @@ fn cfg(steps: usize) -> TrainConfig {
         targets: Proj::ALL.to_vec(),
         layers: None,
         rope_theta: None,
+        boundary: None,
     }
 }
 
@@ -102,7 +104,7 @@ fn training_the_writer_lowers_the_kl_to_full_recompute() {
     let reader = objective.reader();
     let before: f64 = examples
         .iter()
-        .map(|e| example_kl(reader, reader, e).unwrap())
+        .map(|e| example_kl(reader, reader, None, e).unwrap())
         .sum();
     assert!(
         before > 1e-5,
@@ -118,14 +120,14 @@ fn training_the_writer_lowers_the_kl_to_full_recompute() {
     let writer = reader.with_adapter(&adapter, AdapterMode::Merge).unwrap();
     let after: f64 = examples
         .iter()
-        .map(|e| example_kl(reader, &writer, e).unwrap())
+        .map(|e| example_kl(reader, &writer, None, e).unwrap())
         .sum();
     assert!(after < 0.5 * before, "KL {before} -> {after}");
     // The reader is the base: the writer's adapter never reaches its tail.
     let fresh = training_reader(&base).unwrap();
     assert_eq!(
-        example_kl(&fresh, &fresh, &examples[0]).unwrap(),
-        example_kl(reader, reader, &examples[0]).unwrap()
+        example_kl(&fresh, &fresh, None, &examples[0]).unwrap(),
+        example_kl(reader, reader, None, &examples[0]).unwrap()
     );
 }
 
@@ -143,6 +145,7 @@ fn train_writer_runs_end_to_end_resumes_and_ships_an_adapter() {
         examples: 3,
         valid_examples: 1,
         distractors: (0, 0),
+        compiler_adapter: None,
     };
     let mut c = cfg(1);
     c.rank = 2;
@@ -184,10 +187,139 @@ fn train_writer_runs_end_to_end_resumes_and_ships_an_adapter() {
         serde_json::from_slice(&std::fs::read(dir.path().join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["steps"], 2);
     let adapter = LoraAdapter::load(dir.path().join("adapter.safetensors"), base.config()).unwrap();
+    assert!(m.boundary.is_none());
     assert_eq!(adapter.rank(), 2);
     assert_eq!(
         adapter.targets().count(),
         2 * base.config().num_layers,
         "k and v of every layer"
     );
+}
+
+fn boundary_cfg(steps: usize) -> TrainConfig {
+    TrainConfig {
+        boundary: Some((2, 2)),
+        lr: 5e-2,
+        ..cfg(steps)
+    }
+}
+
+#[test]
+fn boundary_token_gradients_with_checkpointing_match_one_graph() {
+    let (_dir, base) = tiny_model(13);
+    let ex = tiny_example(1);
+    let plain = WriterObjective::new(&base, vec![ex.clone()], false).unwrap();
+    let ckpt = WriterObjective::new(&base, vec![ex.clone()], true).unwrap();
+    let mut trainer = Trainer::new(plain.reader(), boundary_cfg(1)).unwrap();
+    trainer.train_step(&plain).unwrap();
+    assert!(trainer.adapter(plain.reader(), DType::F32).is_err());
+    let a = grads_of(&trainer, &plain, &ex);
+    let b = grads_of(&trainer, &ckpt, &ex);
+    assert_eq!(a.len(), 2, "header and trailer");
+    for (i, pair) in a.iter().zip(&b).enumerate() {
+        let (Some(x), Some(y)) = pair else {
+            panic!("token set {i} has no gradient on a path")
+        };
+        let scale = common::max_abs(x);
+        assert!(scale > 1e-7, "token set {i} receives gradients ({scale})");
+        let diff = common::max_abs_diff(x, y);
+        assert!(
+            diff <= 1e-4 * scale + 1e-7,
+            "token set {i}: {diff} of {scale}"
+        );
+    }
+}
+
+#[test]
+fn training_boundary_tokens_lowers_the_kl_to_full_recompute() {
+    let (_dir, base) = tiny_model(14);
+    let examples: Vec<WriterExample> = (0..2).map(tiny_example).collect();
+    let objective = WriterObjective::new(&base, examples.clone(), true).unwrap();
+    let reader = objective.reader();
+    let mut c = boundary_cfg(30);
+    c.batch = 2;
+    let mut trainer = Trainer::new(reader, c).unwrap();
+    let kl = |b: &scd_models::boundary::Boundary| -> f64 {
+        examples
+            .iter()
+            .map(|e| example_kl(reader, reader, Some(b), e).unwrap())
+            .sum()
+    };
+    let before = kl(&trainer.boundary().unwrap().detach());
+    for _ in 0..30 {
+        trainer.train_step(&objective).unwrap();
+    }
+    let after = kl(&trainer.boundary().unwrap().detach());
+    assert!(after < 0.7 * before, "KL {before} -> {after}");
+}
+
+#[test]
+fn boundary_tokens_for_a_writer_train_end_to_end_resume_and_ship() {
+    use scd_models::boundary::{Boundary, BoundaryError};
+    let (base, tok) = real();
+    let data = EvalData::load(&common::shared_data_dir()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let writer_adapter = LoraAdapter::init(base.config(), 2, 4.0, &[Proj::V], 9).unwrap();
+    let opts = WriterOptions {
+        out_dir: dir.path().to_path_buf(),
+        checkpoint_every: 1,
+        resume: false,
+        dtype: DType::F32,
+        checkpointing: true,
+        examples: 2,
+        valid_examples: 1,
+        distractors: (0, 0),
+        compiler_adapter: Some(writer_adapter.clone()),
+    };
+    let mut c = boundary_cfg(1);
+    c.lr = 1e-3;
+    let stop = AtomicBool::new(false);
+    let run = |c: &TrainConfig, o: &WriterOptions| {
+        train_writer(
+            base,
+            tok,
+            &data.squad,
+            &data.squad_file,
+            c,
+            o,
+            &stop,
+            |_| {},
+        )
+    };
+    let WriterOutcome::Finished(first) = run(&c, &opts).unwrap() else {
+        panic!("stopped")
+    };
+    assert_eq!(first.steps, 1);
+    c.steps = 2;
+    let resumed = WriterOptions {
+        resume: true,
+        ..opts.clone()
+    };
+    let WriterOutcome::Finished(m) = run(&c, &resumed).unwrap() else {
+        panic!("stopped")
+    };
+    assert_eq!(m.steps, 2);
+    assert!(m.adapter.is_none());
+    let meta = m.boundary.clone().unwrap();
+    assert_eq!((meta.header, meta.trailer), (2, 2));
+    assert!(m.validation.kl_compiler_alone.unwrap().is_finite());
+    assert!(m.validation.kl_writer.is_finite());
+    // The tokens load for the writer they were trained with, not for the base.
+    let reader = training_reader(base).unwrap();
+    let writer = reader
+        .with_adapter(&writer_adapter, AdapterMode::Merge)
+        .unwrap();
+    let loaded = Boundary::load(dir.path(), &writer).unwrap();
+    assert_eq!(loaded.content_sha256().unwrap(), meta.sha256);
+    assert!(matches!(
+        Boundary::load(dir.path(), base),
+        Err(BoundaryError::ForeignModel { .. })
+    ));
+    // A writer's compiling adapter without boundary tokens makes no sense.
+    let other = tempfile::tempdir().unwrap();
+    let lora_run = WriterOptions {
+        out_dir: other.path().to_path_buf(),
+        ..opts
+    };
+    assert!(run(&cfg(1), &lora_run).is_err());
 }

@@ -44,6 +44,7 @@ fn tiny_cfg() -> TrainConfig {
         targets: Proj::ALL.to_vec(),
         layers: None,
         rope_theta: None,
+        boundary: None,
     }
 }
 

@@ -107,7 +107,8 @@ pub enum Sub {
     Drift(DriftArgs),
     /// Multi-document QA: each SQuAD question's gold paragraph among 3-7 distractor
     /// paragraphs, answered with the documents prefilled together (full recompute) and compiled
-    /// alone and stitched (no recompute); F1 and exact match with bootstrap intervals.
+    /// alone and stitched (no recompute), and with --writer, --packet and --joint the SemPIC,
+    /// packet and joint modes; F1 and exact match with bootstrap intervals.
     #[command(after_help = "Example:\n  \
         scd eval multidoc --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --questions 300")]
     Multidoc(MultidocArgs),
@@ -123,6 +124,18 @@ pub struct MultidocArgs {
     /// compiled by the model with this adapter merged.
     #[arg(long)]
     pub writer: Option<PathBuf>,
+    /// KV-Packet boundary tokens for the model (`scd sempic boundary`, a folder): adds the
+    /// packet mode.
+    #[arg(long)]
+    pub packet: Option<PathBuf>,
+    /// Boundary tokens trained for the writer (`scd sempic boundary --writer`, a folder): adds
+    /// the joint mode (needs --writer).
+    #[arg(long)]
+    pub joint: Option<PathBuf>,
+    /// Only these modes (comma list of full, none, sempic, packet, joint; full recompute is
+    /// always computed as the reference); default: every mode the given files allow.
+    #[arg(long)]
+    pub modes: Option<String>,
     /// Questions (SQuAD answerable ones of the articles the writer never trains on, a seeded
     /// sample).
     #[arg(long, default_value_t = 300)]
@@ -365,7 +378,8 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
 }
 
 fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
-    use eval::multidoc::{build_items, evaluate, writer_split, DocMode};
+    use eval::multidoc::{build_items, evaluate, writer_split, DocCompilers, DocMode};
+    use scd_models::boundary::Boundary;
     if args.min_distractors > args.max_distractors {
         bail!("--min-distractors is above --max-distractors");
     }
@@ -384,14 +398,53 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
         (args.min_distractors, args.max_distractors),
         args.seed,
     );
+    let load_boundary = |dir: &Path, compiler: &Llama| {
+        Boundary::load(dir, compiler)
+            .with_context(|| format!("loading the boundary tokens in {}", dir.display()))
+    };
+    let packet = args
+        .packet
+        .as_deref()
+        .map(|d| load_boundary(d, &model))
+        .transpose()?;
+    let joint = match (&args.joint, &writer) {
+        (Some(d), Some(w)) => Some(load_boundary(d, w)?),
+        (Some(_), None) => bail!("--joint needs --writer (the writer its tokens were trained for)"),
+        (None, _) => None,
+    };
+    let compilers = DocCompilers {
+        writer: writer.as_ref(),
+        packet: packet.as_ref(),
+        joint: joint.as_ref(),
+    };
     let mut modes = vec![DocMode::FullRecompute, DocMode::NoRecompute];
-    if writer.is_some() {
-        modes.push(DocMode::SemPic);
+    modes.extend(writer.is_some().then_some(DocMode::SemPic));
+    modes.extend(packet.is_some().then_some(DocMode::Packet));
+    modes.extend(joint.is_some().then_some(DocMode::Joint));
+    if let Some(list) = &args.modes {
+        let mut wanted = Vec::new();
+        for name in list.split(',').map(str::trim) {
+            let mode = match name {
+                "full" => DocMode::FullRecompute,
+                "none" => DocMode::NoRecompute,
+                "sempic" => DocMode::SemPic,
+                "packet" => DocMode::Packet,
+                "joint" => DocMode::Joint,
+                other => bail!(
+                    "--modes: unknown mode {other:?} (expected full, none, sempic, packet, joint)"
+                ),
+            };
+            if !modes.contains(&mode) {
+                bail!("--modes: the {mode} mode needs its files (--writer, --packet, --joint)");
+            }
+            wanted.push(mode);
+        }
+        modes = wanted;
     }
     let started = std::time::Instant::now();
     let scores = evaluate(
         &model,
-        writer.as_ref(),
+        &compilers,
         &tok,
         &items,
         &modes,
@@ -423,8 +476,14 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
         model.prefill_matmul()
     );
     println!();
-    if let Some(w) = &args.writer {
-        println!("SemPIC writer: {}", w.display());
+    for (what, path) in [
+        ("SemPIC writer", &args.writer),
+        ("packet boundary tokens", &args.packet),
+        ("joint boundary tokens", &args.joint),
+    ] {
+        if let Some(p) = path {
+            println!("{what}: {}", p.display());
+        }
     }
     println!();
     println!(
@@ -468,6 +527,8 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
                 })),
             })).collect::<Vec<_>>(),
             "writer": args.writer.as_ref().map(|w| w.display().to_string()),
+            "packet": args.packet.as_ref().map(|w| w.display().to_string()),
+            "joint": args.joint.as_ref().map(|w| w.display().to_string()),
         });
         scd_models::json_file::write_atomic(path, &record)?;
     }

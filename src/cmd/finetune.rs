@@ -108,6 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         valid_windows: args.valid_windows,
         layers: parse_layers(&args.layers)?,
         rope_theta: args.rope_theta,
+        boundary: None,
         targets: Proj::parse_list(&args.targets).ok_or_else(|| {
             anyhow::anyhow!(
                 "--targets {}: expected all, attention, or a comma list of q,k,v,o,gate,up,down",

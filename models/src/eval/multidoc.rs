@@ -1,11 +1,14 @@
 //! Multi-document QA (M9's evaluation): each SQuAD question's gold paragraph among distractor
 //! paragraphs of other articles, in shuffled order, answered with the documents' caches built
-//! one of three ways:
+//! one of five ways:
 //! - full recompute: a plain prefill of the whole prompt (the upper bound);
 //! - no recompute: every document compiled alone and stitched at request time
 //!   ([`crate::pic`]), only the instruction and the question run with the documents' cache;
 //! - SemPIC: the same, the documents compiled by a writer (the base with its LoRA, trained by
-//!   [`crate::train::writer`]).
+//!   [`crate::train::writer`]);
+//! - packet: no recompute with each document compiled between KV-Packet's trained boundary
+//!   tokens ([`crate::boundary`]);
+//! - joint: SemPIC's writer compiling between boundary tokens trained for it.
 //!
 //! Besides the answers, each stitched mode's KL to full recompute over the teacher-forced
 //! question and gold answer, and how far its documents' keys and values lie from full
@@ -21,10 +24,12 @@ use rand::{Rng, SeedableRng};
 
 use super::data::{first_line, sample_questions, QaItem};
 use super::EvalError;
+use crate::boundary::Boundary;
 use crate::generate::{generate_with_cache, GenerateParams};
 use crate::llama::Llama;
 use crate::metrics::{squad_exact_match, squad_f1};
 use crate::pic::{stitch_after_head, CompiledDoc};
+use crate::rope::Rope;
 use crate::stats::{bootstrap_mean, Estimate};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::train::sempic::{kl_to_teacher, tail_logits};
@@ -106,6 +111,11 @@ pub enum DocMode {
     /// Each document compiled alone by a SemPIC writer (the base with its LoRA), stitched and
     /// read by the base.
     SemPic,
+    /// Each document compiled alone by the base between KV-Packet boundary tokens.
+    Packet,
+    /// Each document compiled alone by the SemPIC writer between boundary tokens trained for
+    /// it.
+    Joint,
 }
 
 impl std::fmt::Display for DocMode {
@@ -114,6 +124,8 @@ impl std::fmt::Display for DocMode {
             Self::FullRecompute => "full recompute",
             Self::NoRecompute => "no recompute",
             Self::SemPic => "SemPIC",
+            Self::Packet => "packet",
+            Self::Joint => "joint (SemPIC + packet)",
         })
     }
 }
@@ -175,32 +187,54 @@ pub fn gold_answer(tok: &Tokenizer, item: &MultiDocItem) -> Result<Vec<u32>, Eva
     Ok(tokens)
 }
 
-/// The model that compiles the documents in `mode`: none for full recompute, `model` itself
-/// without recompute, the writer for SemPIC.
-fn doc_writer<'a>(
-    model: &'a Llama,
-    writer: Option<&'a Llama>,
-    mode: DocMode,
-) -> Result<Option<&'a Llama>, EvalError> {
-    match mode {
-        DocMode::FullRecompute => Ok(None),
-        DocMode::NoRecompute => Ok(Some(model)),
-        DocMode::SemPic => writer
-            .map(Some)
-            .ok_or_else(|| EvalError::Config("the SemPIC mode needs a writer adapter".into())),
+/// What compiles the documents of the modes beyond the model's own plain stitching.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DocCompilers<'a> {
+    /// SemPIC's writer: the model with the writer adapter merged.
+    pub writer: Option<&'a Llama>,
+    /// Boundary tokens trained for the model (the packet mode).
+    pub packet: Option<&'a Boundary>,
+    /// Boundary tokens trained for the writer (the joint mode).
+    pub joint: Option<&'a Boundary>,
+}
+
+impl<'a> DocCompilers<'a> {
+    /// The model that compiles the documents in `mode` and the boundary tokens it compiles
+    /// between: none for full recompute, `model` itself without recompute.
+    fn of(
+        &self,
+        model: &'a Llama,
+        mode: DocMode,
+    ) -> Result<Option<(&'a Llama, Option<&'a Boundary>)>, EvalError> {
+        let need = |what: &str| EvalError::Config(format!("the {mode} mode needs {what}"));
+        Ok(match mode {
+            DocMode::FullRecompute => None,
+            DocMode::NoRecompute => Some((model, None)),
+            DocMode::SemPic => Some((self.writer.ok_or_else(|| need("a writer adapter"))?, None)),
+            DocMode::Packet => Some((
+                model,
+                Some(self.packet.ok_or_else(|| need("boundary tokens"))?),
+            )),
+            DocMode::Joint => Some((
+                self.writer.ok_or_else(|| need("a writer adapter"))?,
+                Some(
+                    self.joint
+                        .ok_or_else(|| need("boundary tokens for the writer"))?,
+                ),
+            )),
+        })
     }
 }
 
-/// The cache of everything before the question with the documents made as `mode` says
-/// (`writer` compiles them for [`DocMode::SemPic`]); the question and the answer then run on
-/// top of it.
+/// The cache of everything before the question with the documents made as `mode` says; the
+/// question and the answer then run on top of it.
 pub fn documents_cache(
     model: &Llama,
-    writer: Option<&Llama>,
+    compilers: &DocCompilers<'_>,
     pieces: &Pieces,
     mode: DocMode,
 ) -> Result<KvCache, EvalError> {
-    match doc_writer(model, writer, mode)? {
+    match compilers.of(model, mode)? {
         None => {
             let mut cache = model.new_cache();
             let mut prefix = pieces.head.clone();
@@ -212,11 +246,11 @@ pub fn documents_cache(
             )?;
             Ok(cache)
         }
-        Some(writer) => {
+        Some((writer, boundary)) => {
             let docs = pieces
                 .documents
                 .iter()
-                .map(|t| CompiledDoc::compile(writer, t))
+                .map(|t| CompiledDoc::compile_with(writer, t, boundary))
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(stitch_after_head(model, &pieces.head, &docs)?)
         }
@@ -243,17 +277,16 @@ fn reply(
     Ok(first_line(&text).to_string())
 }
 
-/// `model`'s greedy answer to `pieces` with the documents' cache made as `mode` says (`writer`
-/// compiles them for [`DocMode::SemPic`]).
+/// `model`'s greedy answer to `pieces` with the documents' cache made as `mode` says.
 pub fn answer(
     model: &Llama,
-    writer: Option<&Llama>,
+    compilers: &DocCompilers<'_>,
     tok: &Tokenizer,
     pieces: &Pieces,
     mode: DocMode,
     max_tokens: usize,
 ) -> Result<String, EvalError> {
-    let cache = documents_cache(model, writer, pieces, mode)?;
+    let cache = documents_cache(model, compilers, pieces, mode)?;
     reply(model, tok, cache, &pieces.tail, max_tokens)
 }
 
@@ -283,26 +316,58 @@ pub const BOUNDARY_TOKENS: usize = 8;
 /// tokens of `pieces`: at each document's first [`BOUNDARY_TOKENS`] tokens and at the rest.
 /// Our stand-in for the paper's attention deviation near block boundaries and inside blocks: it
 /// measures what a compiled cache stores, where the missing cross-document attention shows.
+///
+/// `boundary` gives the header and trailer tokens around each document in `cache` (0, 0 for
+/// none): a document's tokens then sit later than in `full`, and `full`'s keys are rotated on
+/// to the same positions (`rope`) before the comparison, so that only what the keys hold
+/// differs, not where they sit.
 pub fn kv_deviation(
+    rope: &Rope,
     full: &KvCache,
     cache: &KvCache,
     pieces: &Pieces,
+    (header, trailer): (usize, usize),
 ) -> Result<(f64, f64), EvalError> {
-    let n = full.len();
-    if cache.len() != n {
+    let docs = pieces.documents.len();
+    let expected = full.len() + docs * (header + trailer);
+    if cache.len() != expected {
         return Err(EvalError::Config(format!(
-            "caches of {} and {n} tokens compared",
+            "a cache of {} tokens compared with {expected}",
             cache.len()
         )));
     }
+    // Per document: its rows in `full`, its rows in `cache`, its length.
+    let mut spans = Vec::with_capacity(docs);
+    let (mut at_full, mut at_cache) = (pieces.head.len(), pieces.head.len());
+    for d in &pieces.documents {
+        spans.push((at_full, at_cache + header, d.len()));
+        at_full += d.len();
+        at_cache += header + d.len() + trailer;
+    }
+    let rows: usize = spans.iter().map(|s| s.2).sum();
     let layers = full.num_layers();
-    let mut per_token = vec![0f64; n];
+    let mut per_token = vec![0f64; rows];
     for l in 0..layers {
         let (Some((kf, vf)), Some((kc, vc))) = (full.layer(l)?, cache.layer(l)?) else {
             return Err(EvalError::Config(format!("layer {l} missing from a cache")));
         };
-        let f = Tensor::cat(&[kf, vf], 1)?;
-        let c = Tensor::cat(&[kc, vc], 1)?;
+        let (mut f, mut c) = (Vec::with_capacity(docs), Vec::with_capacity(docs));
+        for &(from_full, from_cache, len) in &spans {
+            let mut k = kf.narrow(0, from_full, len)?;
+            let shift = (from_cache - from_full) as u32;
+            if shift > 0 {
+                k = rope.apply(&k, &vec![shift; len])?;
+            }
+            f.push(Tensor::cat(&[k, vf.narrow(0, from_full, len)?], 1)?);
+            c.push(Tensor::cat(
+                &[
+                    kc.narrow(0, from_cache, len)?,
+                    vc.narrow(0, from_cache, len)?,
+                ],
+                1,
+            )?);
+        }
+        let (f, c) = (Tensor::cat(&f, 0)?, Tensor::cat(&c, 0)?);
         let dist = (c - &f)?.sqr()?.sum(1)?.sqrt()?;
         let norm = f.sqr()?.sum(1)?.sqrt()?.clamp(1e-12, f32::MAX)?;
         for (acc, r) in per_token.iter_mut().zip((dist / norm)?.to_vec1::<f32>()?) {
@@ -310,27 +375,26 @@ pub fn kv_deviation(
         }
     }
     let (mut edge, mut inside) = (Vec::new(), Vec::new());
-    let mut at = pieces.head.len();
-    for d in &pieces.documents {
-        for (i, &r) in per_token.iter().skip(at).take(d.len()).enumerate() {
+    let mut at = 0;
+    for &(_, _, len) in &spans {
+        for (i, &r) in per_token[at..at + len].iter().enumerate() {
             if i < BOUNDARY_TOKENS {
                 edge.push(r);
             } else {
                 inside.push(r);
             }
         }
-        at += d.len();
+        at += len;
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     Ok((mean(&edge), mean(&inside)))
 }
 
-/// Answers every item in every mode (`writer` compiles the documents of [`DocMode::SemPic`]);
-/// `progress(done, total)` after each item.
+/// Answers every item in every mode; `progress(done, total)` after each item.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     model: &Llama,
-    writer: Option<&Llama>,
+    compilers: &DocCompilers<'_>,
     tok: &Tokenizer,
     items: &[MultiDocItem],
     modes: &[DocMode],
@@ -349,7 +413,7 @@ pub fn evaluate(
         // The teacher-forced question and gold answer, read over each mode's cache.
         let mut forced = p.tail.clone();
         forced.extend(gold_answer(tok, item)?);
-        let full = documents_cache(model, writer, &p, DocMode::FullRecompute)?;
+        let full = documents_cache(model, compilers, &p, DocMode::FullRecompute)?;
         let teacher = candle_nn::ops::log_softmax(
             &tail_logits(model, &mut full.try_clone()?, &forced)?,
             D::Minus1,
@@ -357,10 +421,11 @@ pub fn evaluate(
         for (m, &mode) in modes.iter().enumerate() {
             let cache = match mode {
                 DocMode::FullRecompute => full.try_clone()?,
-                _ => documents_cache(model, writer, &p, mode)?,
+                _ => documents_cache(model, compilers, &p, mode)?,
             };
-            if mode != DocMode::FullRecompute {
-                let (e, i) = kv_deviation(&full, &cache, &p)?;
+            if let Some((_, boundary)) = compilers.of(model, mode)? {
+                let counts = boundary.map_or((0, 0), Boundary::counts);
+                let (e, i) = kv_deviation(model.rope(), &full, &cache, &p, counts)?;
                 edge[m].push(e);
                 inside[m].push(i);
                 let logits = tail_logits(model, &mut cache.try_clone()?, &forced)?;

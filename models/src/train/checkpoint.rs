@@ -1,7 +1,8 @@
-//! Checkpoints of a run: `step-NNNNNN/` folders holding the adapter, both optimiser moments
-//! (`state.safetensors`) and the step, configuration and losses (`state.json`), with
-//! `latest.json` naming the newest. A checkpoint is built in a temporary folder and renamed into
-//! place before `latest.json` is replaced, so a crash at any moment leaves a usable one.
+//! Checkpoints of a run: `step-NNNNNN/` folders holding the adapter (or boundary tokens), both
+//! optimiser moments (`state.safetensors`) and the step, configuration and losses
+//! (`state.json`), with `latest.json` naming the newest. A checkpoint is built in a temporary
+//! folder and renamed into place before `latest.json` is replaced, so a crash at any moment
+//! leaves a usable one.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -9,9 +10,10 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+use super::trainer::lora_key;
 use super::{io_err, TrainConfig, TrainError, Trainer};
 use crate::json_file;
-use crate::llama::{Llama, Proj};
+use crate::llama::Llama;
 use crate::optim::Moments;
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -27,10 +29,6 @@ struct Latest {
     checkpoint: String,
 }
 
-fn tensor_key(layer: usize, proj: Proj, which: &str) -> String {
-    format!("{layer}.{}.{which}", proj.hf_name())
-}
-
 impl Trainer {
     /// Writes a checkpoint under `dir` and removes older ones.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf, TrainError> {
@@ -44,17 +42,14 @@ impl Trainer {
         std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         let mut moments = self.opt.moments().iter();
-        for (&(layer, proj), (a, b)) in &self.vars {
-            for (which, var) in [("A", a), ("B", b)] {
-                let key = tensor_key(layer, proj, which);
-                let mom = moments.next().ok_or_else(|| TrainError::Checkpoint {
-                    path: tmp.clone(),
-                    reason: "fewer optimiser moments than adapter matrices".into(),
-                })?;
-                tensors.push((format!("{key}.w"), var.as_tensor().detach()));
-                tensors.push((format!("{key}.m"), mom.m.clone()));
-                tensors.push((format!("{key}.v"), mom.v.clone()));
-            }
+        for (key, var) in self.params.named() {
+            let mom = moments.next().ok_or_else(|| TrainError::Checkpoint {
+                path: tmp.clone(),
+                reason: "fewer optimiser moments than parameters".into(),
+            })?;
+            tensors.push((format!("{key}.w"), var.as_tensor().detach()));
+            tensors.push((format!("{key}.m"), mom.m.clone()));
+            tensors.push((format!("{key}.v"), mom.v.clone()));
         }
         let st = tmp.join("state.safetensors");
         safetensors::serialize_to_file(tensors.iter().map(|(n, t)| (n, t)), None, &st).map_err(
@@ -126,8 +121,29 @@ impl Trainer {
                 reason: format!("missing tensor {k}"),
             })
         };
-        let mut parts = BTreeMap::new();
         let mut moments = Vec::new();
+        let saved = |moments, losses| (Some((moments, meta.step)), losses, meta.train_seconds);
+        if cfg.boundary.is_some() {
+            let mut tokens = Vec::with_capacity(2);
+            for key in ["header", "trailer"] {
+                tokens.push(take(&format!("{key}.w"))?);
+                moments.push(Moments {
+                    m: take(&format!("{key}.m"))?,
+                    v: take(&format!("{key}.v"))?,
+                });
+            }
+            let (s, losses, secs) = saved(moments, meta.losses);
+            return Self::from_boundary(
+                base,
+                cfg.clone(),
+                (&tokens[0], &tokens[1]),
+                s,
+                losses,
+                secs,
+            )
+            .map(Some);
+        }
+        let mut parts = BTreeMap::new();
         // The moments were saved in the trainer's (layer, projection) order.
         let mut targets = cfg.targets.clone();
         targets.sort();
@@ -136,7 +152,7 @@ impl Trainer {
             for &proj in &targets {
                 let mut pair = Vec::with_capacity(2);
                 for which in ["A", "B"] {
-                    let key = tensor_key(layer, proj, which);
+                    let key = lora_key(layer, proj, which);
                     pair.push(take(&format!("{key}.w"))?);
                     moments.push(Moments {
                         m: take(&format!("{key}.m"))?,
@@ -150,14 +166,7 @@ impl Trainer {
                 parts.insert((layer, proj), (a, b));
             }
         }
-        Self::from_parts(
-            base,
-            cfg.clone(),
-            parts,
-            Some((moments, meta.step)),
-            meta.losses,
-            meta.train_seconds,
-        )
-        .map(Some)
+        let (s, losses, secs) = saved(moments, meta.losses);
+        Self::from_parts(base, cfg.clone(), parts, s, losses, secs).map(Some)
     }
 }

@@ -57,6 +57,10 @@ pub struct TrainConfig {
     /// wrongly, which is how the paper's MistralLite breaks raw KV transfer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_theta: Option<f64>,
+    /// Train KV-Packet boundary tokens (header, trailer) instead of an adapter
+    /// ([`crate::boundary`]); the LoRA fields are then unused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<(usize, usize)>,
 }
 
 fn all_projections() -> Vec<Proj> {
@@ -81,6 +85,7 @@ impl Default for TrainConfig {
             targets: all_projections(),
             layers: None,
             rope_theta: None,
+            boundary: None,
         }
     }
 }
@@ -106,6 +111,9 @@ impl TrainConfig {
         }
         if self.rope_theta.is_some_and(|t| !(t.is_finite() && t > 1.0)) {
             return bad("rope theta must be a finite number above 1");
+        }
+        if self.boundary == Some((0, 0)) {
+            return bad("boundary tokens need at least one header or trailer token");
         }
         Ok(())
     }

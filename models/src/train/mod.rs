@@ -15,9 +15,10 @@
 //! only state a checkpoint needs beyond the adapter and the optimiser's moments is the step;
 //! resuming from a checkpoint gives the same adapter as never stopping.
 //!
-//! Only the adapter's `A`/`B` matrices are [`candle_core::Var`]s; the base weights are plain
-//! tensors, so the optimiser never touches them, and the forward pass multiplies by them
-//! through a frozen-weight op whose backward computes no gradient for them at all.
+//! Only the adapter's `A`/`B` matrices are [`candle_core::Var`]s (or, for KV-Packet's boundary
+//! tokens, those tokens: [`TrainConfig::boundary`]); the base weights are plain tensors, so the
+//! optimiser never touches them, and the forward pass multiplies by them through a
+//! frozen-weight op whose backward computes no gradient for them at all.
 
 use std::path::{Path, PathBuf};
 
@@ -79,6 +80,9 @@ pub enum TrainError {
     /// Saved optimiser state that does not fit the adapter.
     #[error(transparent)]
     Optimiser(#[from] StateMismatch),
+    /// Boundary tokens could not be built, saved or loaded.
+    #[error(transparent)]
+    Boundary(#[from] crate::boundary::BoundaryError),
     /// Hyperparameters that make no sense.
     #[error("invalid training configuration: {0}")]
     Config(String),

@@ -13,6 +13,11 @@
 //!   values, and each writer layer is then recomputed, last to first, with the LoRA active,
 //!   and differentiated alone (the gradient of its output coming from the layer above). Peak
 //!   memory then holds one layer's graph instead of all of them.
+//!
+//! The same objective trains KV-Packet's boundary tokens ([`crate::boundary`]) when the
+//! trainer holds those instead of an adapter: the documents are then compiled between the
+//! tokens by a frozen compiler (the base, or the base with a trained writer for the joint
+//! mode), and the gradient goes on through every compiler layer to the tokens' embeddings.
 
 use candle_core::{Tensor, Var, D};
 use rand::rngs::StdRng;
@@ -21,6 +26,7 @@ use rand::SeedableRng;
 
 use super::trainer::step_seed;
 use super::{Objective, StepGrads, TrainError, Trainer};
+use crate::boundary::Boundary;
 use crate::error::ForwardError;
 use crate::eval::multidoc::Pieces;
 use crate::llama::{Capture, Input, Llama, LogitsWanted};
@@ -126,13 +132,18 @@ pub fn kl_to_teacher(teacher: &Tensor, student: &Tensor) -> candle_core::Result<
 }
 
 /// The KL of one example with documents compiled by `writer` (the base itself: plain
-/// stitching, no recompute), no gradients kept.
-pub fn example_kl(reader: &Llama, writer: &Llama, ex: &WriterExample) -> Result<f64, ForwardError> {
+/// stitching, no recompute), between `boundary`'s tokens if given; no gradients kept.
+pub fn example_kl(
+    reader: &Llama,
+    writer: &Llama,
+    boundary: Option<&Boundary>,
+    ex: &WriterExample,
+) -> Result<f64, ForwardError> {
     let teacher = teacher_log_probs(reader, ex)?;
     let docs = ex
         .documents
         .iter()
-        .map(|d| CompiledDoc::compile(writer, d))
+        .map(|d| CompiledDoc::compile_with(writer, d, boundary))
         .collect::<Result<Vec<_>, _>>()?;
     let student = student_logits(reader, ex, &docs)?.detach();
     Ok(f64::from(
@@ -198,7 +209,7 @@ impl WriterObjective {
         let docs = ex
             .documents
             .iter()
-            .map(|d| CompiledDoc::compile(trainer.model(), d))
+            .map(|d| CompiledDoc::compile_with(trainer.model(), d, trainer.boundary()))
             .collect::<Result<Vec<_>, _>>()?;
         let loss = kl_to_teacher(&teacher, &student_logits(&self.reader, ex, &docs)?)?;
         let value = f64::from(loss.to_scalar::<f32>()?);
@@ -216,14 +227,20 @@ impl WriterObjective {
     ) -> Result<f64, TrainError> {
         let writer = trainer.model();
         let layers = writer.config().num_layers;
+        let boundary = trainer.boundary();
         // Forward: per document, each layer's input (the residual stream entering it) and its
         // keys and values. Nothing of it is differentiated, so it runs on the inference
-        // kernels with a plain copy of the adapter as it stands; the keys and values become
-        // leaves whose gradients the reader's backward pass computes.
-        let frozen = self.reader.with_adapter(
-            &trainer.adapter(&self.reader, candle_core::DType::F32)?,
-            AdapterMode::OnTheFly,
-        )?;
+        // kernels (with a plain copy of an adapter as it stands, and boundary tokens detached);
+        // the keys and values become leaves whose gradients the reader's backward pass
+        // computes.
+        let frozen = match boundary {
+            Some(_) => writer.clone(),
+            None => self.reader.with_adapter(
+                &trainer.adapter(&self.reader, candle_core::DType::F32)?,
+                AdapterMode::OnTheFly,
+            )?,
+        };
+        let plain_boundary = boundary.map(Boundary::detach);
         let mut inputs: Vec<Vec<Tensor>> = Vec::with_capacity(ex.documents.len());
         let mut leaves: Vec<Vec<(Var, Var)>> = Vec::with_capacity(ex.documents.len());
         let wants = Capture {
@@ -232,15 +249,18 @@ impl WriterObjective {
         };
         for doc in &ex.documents {
             let mut cache = frozen.new_cache();
-            let out = frozen.forward(
-                Input::new(doc)
-                    .with_cache(&mut cache)
-                    .capture(wants.clone())
-                    .logits(LogitsWanted::None),
+            let mut captured = Vec::with_capacity(layers);
+            frozen.forward_layers_capture(
+                &embed_rows(&frozen, doc, plain_boundary.as_ref())?,
+                0..layers,
+                0,
+                Some(&mut cache),
+                &wants,
+                &mut captured,
             )?;
             let mut ins = Vec::with_capacity(layers);
             let mut kv = Vec::with_capacity(layers);
-            for (l, rec) in out.captured.into_iter().enumerate() {
+            for (l, rec) in captured.into_iter().enumerate() {
                 ins.push(rec.hidden.ok_or_else(|| missing(l, "input"))?);
                 let (k, v) = cache.layer(l)?.ok_or_else(|| missing(l, "keys"))?;
                 kv.push((Var::from_tensor(&k)?, Var::from_tensor(&v)?));
@@ -253,15 +273,19 @@ impl WriterObjective {
             .iter()
             .zip(&leaves)
             .map(|(tokens, kv)| {
-                CompiledDoc::from_layers(
+                let doc = CompiledDoc::from_layers(
                     tokens.clone(),
                     kv.iter()
                         .map(|(k, v)| (k.as_tensor().clone(), v.as_tensor().clone()))
                         .collect(),
                     writer.identity().clone(),
-                )
+                );
+                match boundary {
+                    Some(b) => doc.with_boundary(b),
+                    None => Ok(doc),
+                }
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         let loss = kl_to_teacher(teacher, &student_logits(&self.reader, ex, &docs)?)?;
         let value = f64::from(loss.to_scalar::<f32>()?);
         let store = (loss * scale)?.backward()?;
@@ -269,11 +293,15 @@ impl WriterObjective {
         // Backward, layer by layer from the last: recompute the layer from its input with the
         // LoRA active and differentiate <K, dK> + <V, dV> + <out, d out>, whose gradient is
         // the layer's share of the loss's.
-        for (ins, kv) in inputs.iter().zip(&leaves) {
+        // Boundary tokens enter at the first layer's input, as the live variables there.
+        for ((ins, kv), doc) in inputs.iter().zip(&leaves).zip(&ex.documents) {
             let mut d_out: Option<Tensor> = None;
             for l in (0..layers).rev() {
-                let x = Var::from_tensor(&ins[l])?;
-                let (out, k, v) = writer_layer(writer, l, x.as_tensor())?;
+                let x = match boundary {
+                    Some(b) if l == 0 => b.embed(writer, doc)?,
+                    _ => Var::from_tensor(&ins[l])?.as_tensor().clone(),
+                };
+                let (out, k, v) = writer_layer(writer, l, &x)?;
                 let mut terms = Vec::with_capacity(3);
                 if let Some(g) = store.get(kv[l].0.as_tensor()) {
                     terms.push((k * g)?.sum_all()?);
@@ -291,10 +319,26 @@ impl WriterObjective {
                 let surrogate = terms.iter().try_fold(first, |acc, t| acc + t)?;
                 let layer_store = surrogate.backward()?;
                 trainer.accumulate(grads, &layer_store)?;
-                d_out = layer_store.get(x.as_tensor()).cloned();
+                d_out = layer_store.get(&x).cloned();
             }
         }
         Ok(value)
+    }
+}
+
+/// The rows a document compiles from: its tokens' embeddings, between `boundary`'s tokens if
+/// given.
+fn embed_rows(
+    compiler: &Llama,
+    tokens: &[u32],
+    boundary: Option<&Boundary>,
+) -> Result<Tensor, ForwardError> {
+    match boundary {
+        Some(b) => b.embed(compiler, tokens),
+        None => {
+            let ids = Tensor::new(tokens, &candle_core::Device::Cpu)?;
+            Ok(compiler.embedding().index_select(&ids, 0)?)
+        }
     }
 }
 

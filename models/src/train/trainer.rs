@@ -8,6 +8,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use super::{TrainConfig, TrainError};
+use crate::boundary::Boundary;
 use crate::corpus::{random_window, CorpusError};
 use crate::llama::{Input, Llama, LogitsWanted, Proj};
 use crate::lora::{AdapterMode, LoraAdapter};
@@ -39,18 +40,56 @@ pub struct StepReport {
     pub tokens_per_s: f64,
 }
 
-/// A fine-tuning run in memory: the trainable adapter, the model that applies it on the fly,
-/// the optimiser and the losses so far.
+/// A fine-tuning run in memory: the trainable adapter (or boundary tokens), the model that
+/// applies it on the fly, the optimiser and the losses so far.
 #[derive(Debug)]
 pub struct Trainer {
     pub(super) cfg: TrainConfig,
     model: Llama,
-    /// `(layer, projection) -> (A, B)`; the optimiser's parameter order is this map's order,
-    /// A before B.
-    pub(super) vars: BTreeMap<(usize, Proj), (Var, Var)>,
+    pub(super) params: Params,
     pub(super) opt: AdamW,
     pub(super) losses: Vec<f64>,
     pub(super) train_seconds: f64,
+}
+
+/// What a run trains.
+#[derive(Debug)]
+pub(super) enum Params {
+    /// `(layer, projection) -> (A, B)`; the optimiser's parameter order is this map's order,
+    /// A before B.
+    Lora(BTreeMap<(usize, Proj), (Var, Var)>),
+    /// KV-Packet boundary tokens, header then trailer; `live` holds the variables' own
+    /// tensors, so that documents compiled with it record gradients for them.
+    Boundary {
+        header: Var,
+        trailer: Var,
+        live: Boundary,
+    },
+}
+
+impl Params {
+    /// Each parameter with its name in checkpoints, in the optimiser's order.
+    pub(super) fn named(&self) -> Vec<(String, &Var)> {
+        match self {
+            Self::Lora(vars) => vars
+                .iter()
+                .flat_map(|(&(layer, proj), (a, b))| {
+                    [
+                        (lora_key(layer, proj, "A"), a),
+                        (lora_key(layer, proj, "B"), b),
+                    ]
+                })
+                .collect(),
+            Self::Boundary {
+                header, trailer, ..
+            } => vec![("header".into(), header), ("trailer".into(), trailer)],
+        }
+    }
+}
+
+/// A LoRA matrix's name in checkpoints.
+pub(super) fn lora_key(layer: usize, proj: Proj, which: &str) -> String {
+    format!("{layer}.{}.{which}", proj.hf_name())
 }
 
 /// The seed of step `step`'s window generator: splitmix64 of the run seed and the step, so
@@ -64,9 +103,21 @@ pub(crate) fn step_seed(seed: u64, step: usize) -> u64 {
 
 impl Trainer {
     /// A fresh run: an adapter on the configured projections of every layer (`A` random from
-    /// the seed, `B` zero) and a fresh optimiser.
+    /// the seed, `B` zero), or boundary tokens ([`Boundary::init`]) for `base` to compile
+    /// with, and a fresh optimiser.
     pub fn new(base: &Llama, cfg: TrainConfig) -> Result<Self, TrainError> {
         cfg.validate()?;
+        if let Some((header, trailer)) = cfg.boundary {
+            let init = Boundary::init(base, header, trailer, cfg.seed)?;
+            return Self::from_boundary(
+                base,
+                cfg,
+                (init.header(), init.trailer()),
+                None,
+                Vec::new(),
+                0.0,
+            );
+        }
         let init = LoraAdapter::init(base.config(), cfg.rank, cfg.alpha, &cfg.targets, cfg.seed)?;
         let mut parts = BTreeMap::new();
         for key in init.targets().filter(|&(layer, _)| cfg.adapts_layer(layer)) {
@@ -93,18 +144,6 @@ impl Trainer {
                 (Var::from_tensor(&a.copy()?)?, Var::from_tensor(&b.copy()?)?),
             );
         }
-        let params: Vec<Var> = vars
-            .values()
-            .flat_map(|(a, b)| [a.clone(), b.clone()])
-            .collect();
-        let opt_cfg = AdamWConfig {
-            weight_decay: cfg.weight_decay,
-            ..AdamWConfig::default()
-        };
-        let opt = match saved {
-            Some((moments, step)) => AdamW::restore(params, opt_cfg, moments, step)?,
-            None => AdamW::new(params, opt_cfg)?,
-        };
         let live = LoraAdapter::from_parts(
             base.config(),
             cfg.rank,
@@ -120,10 +159,56 @@ impl Trainer {
         // Training multiplies in f32 throughout: rows without gradients yet (the first
         // layer's base products) would otherwise go to the AMX tiles in bf16.
         model.set_prefill_matmul(crate::PrefillMatmul::F32);
+        Self::assemble(cfg, model, Params::Lora(vars), saved, losses, train_seconds)
+    }
+
+    /// A boundary-token run from the tokens `(header, trailer)` for `base` to compile with.
+    pub(super) fn from_boundary(
+        base: &Llama,
+        cfg: TrainConfig,
+        (header, trailer): (&Tensor, &Tensor),
+        saved: Option<(Vec<Moments>, usize)>,
+        losses: Vec<f64>,
+        train_seconds: f64,
+    ) -> Result<Self, TrainError> {
+        let header = Var::from_tensor(&header.copy()?)?;
+        let trailer = Var::from_tensor(&trailer.copy()?)?;
+        let live = Boundary::new(
+            header.as_tensor().clone(),
+            trailer.as_tensor().clone(),
+            base,
+        )?;
+        let mut model = base.clone();
+        model.set_prefill_matmul(crate::PrefillMatmul::F32);
+        let params = Params::Boundary {
+            header,
+            trailer,
+            live,
+        };
+        Self::assemble(cfg, model, params, saved, losses, train_seconds)
+    }
+
+    fn assemble(
+        cfg: TrainConfig,
+        model: Llama,
+        params: Params,
+        saved: Option<(Vec<Moments>, usize)>,
+        losses: Vec<f64>,
+        train_seconds: f64,
+    ) -> Result<Self, TrainError> {
+        let vars: Vec<Var> = params.named().into_iter().map(|(_, v)| v.clone()).collect();
+        let opt_cfg = AdamWConfig {
+            weight_decay: cfg.weight_decay,
+            ..AdamWConfig::default()
+        };
+        let opt = match saved {
+            Some((moments, step)) => AdamW::restore(vars, opt_cfg, moments, step)?,
+            None => AdamW::new(vars, opt_cfg)?,
+        };
         Ok(Self {
             cfg,
             model,
-            vars,
+            params,
             opt,
             losses,
             train_seconds,
@@ -150,15 +235,29 @@ impl Trainer {
         self.train_seconds
     }
 
-    /// The model with the current adapter applied on the fly.
+    /// The model with the current adapter applied on the fly (for boundary tokens, the model
+    /// that compiles with them, unchanged).
     pub fn model(&self) -> &Llama {
         &self.model
     }
 
+    /// The boundary tokens being trained, as live variables; `None` for an adapter's run.
+    pub fn boundary(&self) -> Option<&Boundary> {
+        match &self.params {
+            Params::Boundary { live, .. } => Some(live),
+            Params::Lora(_) => None,
+        }
+    }
+
     /// A copy of the current adapter (f32, or rounded to `dtype` for shipping).
     pub fn adapter(&self, base: &Llama, dtype: DType) -> Result<LoraAdapter, TrainError> {
+        let Params::Lora(vars) = &self.params else {
+            return Err(TrainError::Config(
+                "a boundary-token run has no adapter".into(),
+            ));
+        };
         let mut parts = BTreeMap::new();
-        for (&k, (a, b)) in &self.vars {
+        for (&k, (a, b)) in vars {
             parts.insert(
                 k,
                 (
@@ -183,7 +282,7 @@ impl Trainer {
     }
 
     /// The trainable parameters in the optimiser's order: per adapted `(layer, projection)`,
-    /// `A` then `B`.
+    /// `A` then `B` (boundary tokens: header, then trailer).
     pub fn params(&self) -> &[Var] {
         self.opt.params()
     }

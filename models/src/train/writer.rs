@@ -1,7 +1,8 @@
-//! The whole `scd sempic train` command: multi-document examples from the SQuAD articles kept
-//! for the writer ([`crate::eval::multidoc::writer_split`]), a run of the writer's objective
-//! ([`super::sempic`]) resuming if asked, the adapter saved in its storage dtype, and a
-//! manifest with the held-out KL before and after.
+//! The whole `scd sempic train` command (and `scd sempic boundary`): multi-document examples
+//! from the SQuAD articles kept for the writer ([`crate::eval::multidoc::writer_split`]), a run
+//! of the writer's objective ([`super::sempic`]) resuming if asked, the adapter saved in its
+//! storage dtype (or KV-Packet boundary tokens, [`crate::boundary`], when the configuration asks
+//! for them), and a manifest with the held-out KL before and after.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -12,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::sempic::{example_kl, WriterExample, WriterObjective};
 use super::{run, start_or_resume, tail_mean, LoopEnd, TrainConfig, TrainError, TrainEvent};
+use crate::boundary::{Boundary, BoundaryMeta};
 use crate::eval::data::{FileInfo, QaItem};
 use crate::eval::multidoc::{build_items, gold_answer, pieces, writer_split, WRITER_ARTICLES};
 use crate::expert::{save_adapter, AdapterFileInfo, BaseModelInfo};
@@ -43,6 +45,9 @@ pub struct WriterOptions {
     pub valid_examples: usize,
     /// Fewest and most distractor paragraphs per example.
     pub distractors: (usize, usize),
+    /// For boundary tokens ([`TrainConfig::boundary`]): a SemPIC writer that compiles with
+    /// them (the joint mode); `None` compiles with the base.
+    pub compiler_adapter: Option<LoraAdapter>,
 }
 
 /// The data a writer was trained on.
@@ -69,8 +74,12 @@ pub struct WriterValidation {
     pub examples: usize,
     /// Documents compiled by the base (plain stitching, no recompute).
     pub kl_no_recompute: f64,
-    /// Documents compiled by the writer as stored.
+    /// Documents compiled by the writer as stored (boundary tokens: by the compiler between the
+    /// tokens as stored).
     pub kl_writer: f64,
+    /// Boundary tokens for a writer: documents compiled by that writer without them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_compiler_alone: Option<f64>,
 }
 
 /// The manifest written beside a writer adapter.
@@ -98,8 +107,12 @@ pub struct WriterManifest {
     pub wall_seconds: f64,
     /// Mean seconds per step.
     pub seconds_per_step: f64,
-    /// The adapter file.
-    pub adapter: AdapterFileInfo,
+    /// The adapter file (`None` for boundary tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<AdapterFileInfo>,
+    /// The boundary tokens' description (`None` for a writer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<BoundaryMeta>,
 }
 
 /// How [`train_writer`] ended.
@@ -161,10 +174,15 @@ pub fn writer_examples(
     })
 }
 
-fn mean_kl(reader: &Llama, writer: &Llama, examples: &[WriterExample]) -> Result<f64, TrainError> {
+fn mean_kl(
+    reader: &Llama,
+    writer: &Llama,
+    boundary: Option<&Boundary>,
+    examples: &[WriterExample],
+) -> Result<f64, TrainError> {
     let mut sum = 0.0;
     for ex in examples {
-        sum += example_kl(reader, writer, ex)?;
+        sum += example_kl(reader, writer, boundary, ex)?;
     }
     Ok(sum / examples.len().max(1) as f64)
 }
@@ -197,23 +215,38 @@ pub fn train_writer(
     let mean_tokens =
         examples.iter().map(WriterExample::len).sum::<usize>() as f64 / examples.len() as f64;
     let objective = WriterObjective::new(base, examples, opts.checkpointing)?;
+    let reader = objective.reader();
+    // An adapter's run trains on the f32 reader, so that teacher and student multiply alike;
+    // boundary tokens train for their compiler, the reader or the reader with a writer.
+    let compiler = match (&cfg.boundary, &opts.compiler_adapter) {
+        (Some(_), Some(a)) => reader.with_adapter(a, AdapterMode::Merge)?,
+        (None, Some(_)) => {
+            return Err(TrainError::Config(
+                "a compiling writer only goes with boundary tokens".into(),
+            ))
+        }
+        _ => reader.clone(),
+    };
     let ckpt_dir = opts.out_dir.join("checkpoints");
-    // The writer is the f32 reader plus the adapter, so that teacher and student multiply alike.
-    let mut trainer = start_or_resume(
-        objective.reader(),
-        cfg,
-        &ckpt_dir,
-        opts.resume,
-        &mut on_event,
-    )?;
+    let mut trainer = start_or_resume(&compiler, cfg, &ckpt_dir, opts.resume, &mut on_event)?;
     on_event(&TrainEvent::Note(format!(
         "held-out KL of plain stitching on {} examples",
         valid.len()
     )));
-    let kl_no_recompute = mean_kl(objective.reader(), objective.reader(), &valid)?;
+    let kl_no_recompute = mean_kl(reader, reader, None, &valid)?;
     on_event(&TrainEvent::Note(format!(
         "held-out KL without the writer: {kl_no_recompute:.4}"
     )));
+    let kl_compiler_alone = match opts.compiler_adapter {
+        Some(_) => {
+            let kl = mean_kl(reader, &compiler, None, &valid)?;
+            on_event(&TrainEvent::Note(format!(
+                "held-out KL of the compiling writer without boundary tokens: {kl:.4}"
+            )));
+            Some(kl)
+        }
+        None => None,
+    };
     if let LoopEnd::Stopped { step, checkpoint } = run(
         &mut trainer,
         &objective,
@@ -224,15 +257,26 @@ pub fn train_writer(
     )? {
         return Ok(WriterOutcome::Stopped { step, checkpoint });
     }
-    on_event(&TrainEvent::Note("saving and validating the writer".into()));
-    let adapter = trainer.adapter(base, opts.dtype)?;
-    let file = save_adapter(&adapter, base, &opts.out_dir, opts.dtype)?;
     // Validate what was stored (after any rounding), loaded back as a user would.
-    let stored = LoraAdapter::load(opts.out_dir.join(&file.file), base.config())?;
-    let writer = objective
-        .reader()
-        .with_adapter(&stored, AdapterMode::Merge)?;
-    let kl_writer = mean_kl(objective.reader(), &writer, &valid)?;
+    let (adapter, boundary, kl_writer) = match trainer.boundary() {
+        Some(live) => {
+            on_event(&TrainEvent::Note(
+                "saving and validating the boundary tokens".into(),
+            ));
+            let meta = live.detach().save(&opts.out_dir)?;
+            let stored = Boundary::load(&opts.out_dir, &compiler)?;
+            let kl = mean_kl(reader, &compiler, Some(&stored), &valid)?;
+            (None, Some(meta), kl)
+        }
+        None => {
+            on_event(&TrainEvent::Note("saving and validating the writer".into()));
+            let adapter = trainer.adapter(base, opts.dtype)?;
+            let file = save_adapter(&adapter, base, &opts.out_dir, opts.dtype)?;
+            let stored = LoraAdapter::load(opts.out_dir.join(&file.file), base.config())?;
+            let writer = reader.with_adapter(&stored, AdapterMode::Merge)?;
+            (Some(file), None, mean_kl(reader, &writer, None, &valid)?)
+        }
+    };
     let manifest = WriterManifest {
         scd_version: env!("CARGO_PKG_VERSION").into(),
         base_model: BaseModelInfo::of(base),
@@ -252,11 +296,13 @@ pub fn train_writer(
             examples: valid.len(),
             kl_no_recompute,
             kl_writer,
+            kl_compiler_alone,
         },
         train_seconds: trainer.train_seconds(),
         wall_seconds: wall.elapsed().as_secs_f64(),
         seconds_per_step: trainer.train_seconds() / trainer.step().max(1) as f64,
-        adapter: file,
+        adapter,
+        boundary,
     };
     json_file::write_atomic(&opts.out_dir.join(WRITER_MANIFEST_FILE), &manifest)?;
     Ok(WriterOutcome::Finished(Box::new(manifest)))

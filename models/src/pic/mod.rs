@@ -11,49 +11,81 @@
 //!
 //! Nothing of a document is recomputed at request time, and no document ever attended to
 //! another: that is the "no recompute" baseline when the writer is the reader itself, and
-//! SemPIC when a LoRA writer compiled the documents for a frozen reader. A document records
-//! the model that wrote it; a reader of another base refuses it.
+//! SemPIC when a LoRA writer compiled the documents for a frozen reader. With KV-Packet's
+//! boundary tokens ([`crate::boundary`]) a document is compiled between a trained header and
+//! trailer, whose keys and values it keeps: it then occupies more positions than it has
+//! tokens. A document records the model that wrote it and its boundary tokens; a reader of
+//! another base refuses it, and one prompt never mixes documents of two writer versions.
+//! [`store`] keeps compiled documents on disk, addressed by writer version and tokens.
 
 use candle_core::Tensor;
 
+pub mod store;
+
+pub use store::{document_id, DocStore, StoreError, WriterVersion};
+
+use crate::boundary::Boundary;
 use crate::cache::KvCache;
 use crate::error::ForwardError;
 use crate::llama::{Input, Llama, LogitsWanted, ModelIdentity};
 use crate::rope::Rope;
 
-/// One document's KV cache, compiled alone at positions `0..len`.
+/// One document's KV cache, compiled alone at positions `0..len` (boundary tokens included).
 #[derive(Debug, Clone)]
 pub struct CompiledDoc {
     tokens: Vec<u32>,
     /// Per layer, K after RoPE and V, each `(len, kv_heads * head_dim)`.
     layers: Vec<(Tensor, Tensor)>,
     writer: ModelIdentity,
+    /// Header and trailer tokens around `tokens`, and their content hash.
+    boundary: Option<(usize, usize, String)>,
 }
 
 impl CompiledDoc {
     /// Prefills `tokens` alone from position 0 with `writer` (the base, or the base with a
     /// writer adapter) and keeps every layer's keys and values.
     pub fn compile(writer: &Llama, tokens: &[u32]) -> Result<Self, ForwardError> {
+        Self::compile_with(writer, tokens, None)
+    }
+
+    /// [`CompiledDoc::compile`] between `boundary`'s header and trailer tokens (which must have
+    /// been trained for `writer`), when given.
+    pub fn compile_with(
+        writer: &Llama,
+        tokens: &[u32],
+        boundary: Option<&Boundary>,
+    ) -> Result<Self, ForwardError> {
         let mut cache = writer.new_cache();
-        writer.forward(
-            Input::new(tokens)
-                .with_cache(&mut cache)
-                .logits(LogitsWanted::None),
-        )?;
+        let rows = match boundary {
+            None => {
+                writer.forward(
+                    Input::new(tokens)
+                        .with_cache(&mut cache)
+                        .logits(LogitsWanted::None),
+                )?;
+                tokens.len()
+            }
+            Some(b) => {
+                b.check(writer).map_err(Box::new)?;
+                let x = b.embed(writer, tokens)?;
+                writer.forward_layers(&x, 0..writer.config().num_layers, 0, Some(&mut cache))?;
+                x.dim(0)?
+            }
+        };
         let layers = (0..cache.num_layers())
             .map(|l| {
                 cache.layer(l)?.ok_or_else(|| ForwardError::Shape {
                     what: format!("compiled document, layer {l}"),
                     got: vec![0],
-                    expected: vec![tokens.len()],
+                    expected: vec![rows],
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            tokens: tokens.to_vec(),
-            layers,
-            writer: writer.identity().clone(),
-        })
+        let doc = Self::from_layers(tokens.to_vec(), layers, writer.identity().clone());
+        match boundary {
+            Some(b) => doc.with_boundary(b),
+            None => Ok(doc),
+        }
     }
 
     /// A document from its per-layer `(K after RoPE, V)`, each `(len, kv_heads * head_dim)`,
@@ -67,7 +99,28 @@ impl CompiledDoc {
             tokens,
             layers,
             writer,
+            boundary: None,
         }
+    }
+
+    /// The same document marked as compiled between `boundary`'s tokens (its `layers` hold
+    /// their rows).
+    pub(crate) fn with_boundary(self, boundary: &Boundary) -> Result<Self, ForwardError> {
+        let (header, trailer) = boundary.counts();
+        let sha = boundary.content_sha256().map_err(Box::new)?;
+        Ok(self.with_boundary_parts(header, trailer, sha))
+    }
+
+    /// The same document marked as compiled between `header` and `trailer` boundary tokens of
+    /// content hash `sha256`.
+    pub(crate) fn with_boundary_parts(
+        mut self,
+        header: usize,
+        trailer: usize,
+        sha256: String,
+    ) -> Self {
+        self.boundary = Some((header, trailer, sha256));
+        self
     }
 
     /// The document's tokens.
@@ -75,14 +128,25 @@ impl CompiledDoc {
         &self.tokens
     }
 
-    /// Tokens in the document.
+    /// Positions the document occupies: its tokens and any boundary tokens.
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        let (header, trailer) = self.boundary_counts();
+        header + self.tokens.len() + trailer
     }
 
-    /// Whether the document has no tokens (never true for a compiled one).
+    /// Header and trailer tokens around the document's own (0 and 0 without boundary tokens).
+    pub fn boundary_counts(&self) -> (usize, usize) {
+        self.boundary.as_ref().map_or((0, 0), |(h, t, _)| (*h, *t))
+    }
+
+    /// The content hash of the boundary tokens it was compiled between, if any.
+    pub fn boundary_sha256(&self) -> Option<&str> {
+        self.boundary.as_ref().map(|(_, _, s)| s.as_str())
+    }
+
+    /// Whether the document occupies no positions (never true for a compiled one).
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len() == 0
     }
 
     /// The model that compiled it (its base file and, for a writer, the adapter).
@@ -158,12 +222,21 @@ pub fn stitch(reader: &Llama, docs: &[&CompiledDoc]) -> Result<KvCache, ForwardE
 }
 
 /// The cache of a prompt's `head` (the tokens before the documents, prefilled by `reader`
-/// itself: exact, since nothing precedes them) followed by `docs` compiled elsewhere.
+/// itself: exact, since nothing precedes them) followed by `docs` compiled elsewhere, all by one
+/// writer version.
 pub fn stitch_after_head(
     reader: &Llama,
     head: &[u32],
     docs: &[CompiledDoc],
 ) -> Result<KvCache, ForwardError> {
+    if let Some(first) = docs.first().map(WriterVersion::of_doc) {
+        if let Some(other) = docs.iter().map(WriterVersion::of_doc).find(|v| *v != first) {
+            return Err(ForwardError::MixedWriters {
+                first: first.id(),
+                other: other.id(),
+            });
+        }
+    }
     let head = CompiledDoc::compile(reader, head)?;
     let refs: Vec<&CompiledDoc> = std::iter::once(&head).chain(docs).collect();
     stitch(reader, &refs)
