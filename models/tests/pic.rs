@@ -517,3 +517,51 @@ fn the_document_store_compiles_once_and_never_mixes_writers() {
     let (_tiny_dir, tiny) = tiny_model(3);
     assert!(store.get(&tiny, &versions[0], &id).is_err());
 }
+
+#[test]
+fn needles_hide_one_number_in_one_paragraph_of_real_text() {
+    use scd_models::eval::multidoc::pieces;
+    use scd_models::eval::needle::{haystack_paragraphs, needle_items};
+    let (_, tok) = real();
+    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    assert!(haystack_paragraphs(&data.wikitext).len() > 100);
+    let items = needle_items(&data.wikitext, 30, (3, 7), 2);
+    assert_eq!(items.len(), 30);
+    for item in &items {
+        assert!((4..=8).contains(&item.documents.len()));
+        let number = &item.qa.answers[0];
+        assert_eq!(number.len(), 6);
+        let holding: Vec<usize> = (0..item.documents.len())
+            .filter(|&d| item.documents[d].contains(number.as_str()))
+            .collect();
+        assert_eq!(
+            holding,
+            vec![item.gold],
+            "the number is only in the needle's paragraph"
+        );
+        assert!(item.documents[item.gold].contains("The secret number of the "));
+        let key = item
+            .qa
+            .question
+            .trim_end_matches('?')
+            .rsplit(' ')
+            .next()
+            .unwrap();
+        assert!(item.documents[item.gold].contains(&format!("of the {key} is {number}.")));
+        assert!(
+            !item.documents[item.gold].contains(" @-@ "),
+            "WikiText spacing undone"
+        );
+        assert!(pieces(tok, item).unwrap().documents.len() == item.documents.len());
+    }
+    let again = needle_items(&data.wikitext, 30, (3, 7), 2);
+    assert!(items
+        .iter()
+        .zip(&again)
+        .all(|(a, b)| a.documents == b.documents));
+    let other = needle_items(&data.wikitext, 30, (3, 7), 3);
+    assert!(items
+        .iter()
+        .zip(&other)
+        .any(|(a, b)| a.documents != b.documents));
+}

@@ -109,8 +109,10 @@ pub enum Sub {
     /// paragraphs, answered with the documents prefilled together (full recompute) and compiled
     /// alone and stitched (no recompute), and with --writer, --packet and --joint the SemPIC,
     /// packet and joint modes; F1 and exact match with bootstrap intervals.
-    #[command(after_help = "Example:\n  \
-        scd eval multidoc --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --questions 300")]
+    #[command(after_help = "Examples:\n  \
+        scd eval multidoc --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --questions 300\n  \
+        scd eval multidoc --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --task needle \
+        --writer experts/sempic-writer/adapter.safetensors --packet experts/packet-boundary")]
     Multidoc(MultidocArgs),
 }
 
@@ -132,6 +134,11 @@ pub struct MultidocArgs {
     /// the joint mode (needs --writer).
     #[arg(long)]
     pub joint: Option<PathBuf>,
+    /// The questions: `squad` (each gold SQuAD paragraph among distractor paragraphs) or
+    /// `needle` (an invented fact hidden in one paragraph of WikiText-2's validation text among
+    /// others, asked for).
+    #[arg(long, default_value = "squad")]
+    pub task: String,
     /// Only these modes (comma list of full, none, sempic, packet, joint; full recompute is
     /// always computed as the reference); default: every mode the given files allow.
     #[arg(long)]
@@ -390,14 +397,21 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
         .map(|p| with_adapter(&model, p))
         .transpose()?;
     let data = load_data(&args.dirs)?;
-    // Never a question or a distractor of the writer's training articles.
-    let (_, held_out) = writer_split(&data.squad);
-    let items = build_items(
-        &held_out,
-        args.questions,
-        (args.min_distractors, args.max_distractors),
-        args.seed,
-    );
+    let distractors = (args.min_distractors, args.max_distractors);
+    let items = match args.task.as_str() {
+        "squad" => {
+            // Never a question or a distractor of the writer's training articles.
+            let (_, held_out) = writer_split(&data.squad);
+            build_items(&held_out, args.questions, distractors, args.seed)
+        }
+        "needle" => {
+            eval::needle::needle_items(&data.wikitext, args.questions, distractors, args.seed)
+        }
+        other => bail!("--task {other:?}: expected squad or needle"),
+    };
+    if items.is_empty() {
+        bail!("no questions: the data is too small for {distractors:?} distractors");
+    }
     let load_boundary = |dir: &Path, compiler: &Llama| {
         Boundary::load(dir, compiler)
             .with_context(|| format!("loading the boundary tokens in {}", dir.display()))
@@ -461,15 +475,23 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
     )
     .context("multi-document QA")?;
     let docs: usize = items.iter().map(|i| i.documents.len()).sum();
+    let source = match args.task.as_str() {
+        "needle" => format!("needles in {}", data.text_name),
+        _ => "SQuAD".to_string(),
+    };
+    let file = match args.task.as_str() {
+        "needle" => &data.wikitext_file,
+        _ => &data.squad_file,
+    };
     println!(
         "Multi-document QA: {} questions, {:.1} documents each on average ({}-{} distractors), \
-         SQuAD {} (sha256 {}), seed {}, model {} ({}), prefill on {}",
+         {source} {} (sha256 {}), seed {}, model {} ({}), prefill on {}",
         items.len(),
         docs as f64 / items.len().max(1) as f64,
         args.min_distractors,
         args.max_distractors,
-        data.squad_file.path,
-        &data.squad_file.sha256[..12.min(data.squad_file.sha256.len())],
+        file.path,
+        &file.sha256[..12.min(file.sha256.len())],
         args.seed,
         args.model.display(),
         &model.identity().sha256[..12.min(model.identity().sha256.len())],
@@ -506,11 +528,12 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.json {
         let record = serde_json::json!({
+            "task": args.task,
             "questions": items.len(),
             "distractors": [args.min_distractors, args.max_distractors],
             "seed": args.seed,
             "answer_tokens": args.answer_tokens,
-            "squad": data.squad_file,
+            "data": file,
             "model": args.model.display().to_string(),
             "model_sha256": model.identity().sha256,
             "prefill": model.prefill_matmul().to_string(),

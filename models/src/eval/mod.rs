@@ -24,6 +24,7 @@ pub mod data;
 pub mod drift;
 pub mod harness;
 pub mod multidoc;
+pub mod needle;
 pub mod record;
 
 pub use config::{EvalConfig, QA_TEMPLATE};
