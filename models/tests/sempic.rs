@@ -12,8 +12,8 @@ use candle_core::{DType, Tensor};
 use common::{real, tiny_model};
 use scd_models::eval::EvalData;
 use scd_models::train::sempic::{example_kl, training_reader, WriterExample, WriterObjective};
-use scd_models::train::writer::{train_writer, WriterOptions, WriterOutcome};
-use scd_models::train::{Schedule, TrainConfig, Trainer};
+use scd_models::train::writer::{train_writer, WriterManifest, WriterOptions, WriterOutcome};
+use scd_models::train::{Schedule, TrainConfig, TrainError, Trainer};
 use scd_models::{AdapterMode, LoraAdapter, Proj};
 
 fn cfg(steps: usize) -> TrainConfig {
@@ -131,55 +131,73 @@ fn training_the_writer_lowers_the_kl_to_full_recompute() {
     );
 }
 
-#[test]
-fn train_writer_runs_end_to_end_resumes_and_ships_an_adapter() {
-    let (base, tok) = real();
-    let data = EvalData::load(&common::shared_data_dir()).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let opts = WriterOptions {
-        out_dir: dir.path().to_path_buf(),
+/// A real-model run's options: a few short examples (no distractors), a checkpoint every step.
+fn real_opts(dir: &std::path::Path, compiler_adapter: Option<LoraAdapter>) -> WriterOptions {
+    WriterOptions {
+        out_dir: dir.to_path_buf(),
         checkpoint_every: 1,
         resume: false,
         dtype: DType::F32,
         checkpointing: true,
-        examples: 3,
+        examples: 2,
         valid_examples: 1,
         distractors: (0, 0),
-        compiler_adapter: None,
-    };
-    let mut c = cfg(1);
-    c.rank = 2;
-    c.alpha = 4.0;
-    c.lr = 1e-3;
-    c.targets = vec![Proj::K, Proj::V];
+        compiler_adapter,
+    }
+}
+
+fn train_real(c: &TrainConfig, o: &WriterOptions) -> Result<WriterOutcome, TrainError> {
+    let (base, tok) = real();
+    let data = EvalData::load(&common::shared_data_dir()).unwrap();
     let stop = AtomicBool::new(false);
-    let run = |c: &TrainConfig, o: &WriterOptions| {
-        train_writer(
-            base,
-            tok,
-            &data.squad,
-            &data.squad_file,
-            c,
-            o,
-            &stop,
-            |_| {},
-        )
+    train_writer(
+        base,
+        tok,
+        &data.squad,
+        &data.squad_file,
+        c,
+        o,
+        &stop,
+        |_| {},
+    )
+}
+
+/// One step of `c`; a second run in the same folder without --resume is refused; with it, the
+/// run goes on to two steps. Returns the final manifest.
+fn train_then_resume(c: &TrainConfig, opts: &WriterOptions) -> WriterManifest {
+    let one = TrainConfig {
+        steps: 1,
+        ..c.clone()
     };
-    let WriterOutcome::Finished(first) = run(&c, &opts).unwrap() else {
+    let WriterOutcome::Finished(first) = train_real(&one, opts).unwrap() else {
         panic!("stopped")
     };
     assert_eq!(first.steps, 1);
-    // A second run in the same folder without --resume is refused; with it, it goes on.
-    assert!(run(&c, &opts).is_err());
-    c.steps = 2;
+    assert!(train_real(&one, opts).is_err());
     let resumed = WriterOptions {
         resume: true,
         ..opts.clone()
     };
-    let WriterOutcome::Finished(m) = run(&c, &resumed).unwrap() else {
+    let two = TrainConfig { steps: 2, ..one };
+    let WriterOutcome::Finished(m) = train_real(&two, &resumed).unwrap() else {
         panic!("stopped")
     };
     assert_eq!(m.steps, 2);
+    *m
+}
+
+#[test]
+fn train_writer_runs_end_to_end_resumes_and_ships_an_adapter() {
+    let (base, _) = real();
+    let dir = tempfile::tempdir().unwrap();
+    let c = TrainConfig {
+        rank: 2,
+        alpha: 4.0,
+        lr: 1e-3,
+        targets: vec![Proj::K, Proj::V],
+        ..cfg(1)
+    };
+    let m = train_then_resume(&c, &real_opts(dir.path(), None));
     assert_eq!(m.data.articles.len(), 4);
     assert!(m.validation.kl_no_recompute > 0.0 && m.validation.kl_writer.is_finite());
     assert!(m.final_train_loss.is_finite());
@@ -256,49 +274,15 @@ fn training_boundary_tokens_lowers_the_kl_to_full_recompute() {
 #[test]
 fn boundary_tokens_for_a_writer_train_end_to_end_resume_and_ship() {
     use scd_models::boundary::{Boundary, BoundaryError};
-    let (base, tok) = real();
-    let data = EvalData::load(&common::shared_data_dir()).unwrap();
+    let (base, _) = real();
     let dir = tempfile::tempdir().unwrap();
     let writer_adapter = LoraAdapter::init(base.config(), 2, 4.0, &[Proj::V], 9).unwrap();
-    let opts = WriterOptions {
-        out_dir: dir.path().to_path_buf(),
-        checkpoint_every: 1,
-        resume: false,
-        dtype: DType::F32,
-        checkpointing: true,
-        examples: 2,
-        valid_examples: 1,
-        distractors: (0, 0),
-        compiler_adapter: Some(writer_adapter.clone()),
+    let opts = real_opts(dir.path(), Some(writer_adapter.clone()));
+    let c = TrainConfig {
+        lr: 1e-3,
+        ..boundary_cfg(1)
     };
-    let mut c = boundary_cfg(1);
-    c.lr = 1e-3;
-    let stop = AtomicBool::new(false);
-    let run = |c: &TrainConfig, o: &WriterOptions| {
-        train_writer(
-            base,
-            tok,
-            &data.squad,
-            &data.squad_file,
-            c,
-            o,
-            &stop,
-            |_| {},
-        )
-    };
-    let WriterOutcome::Finished(first) = run(&c, &opts).unwrap() else {
-        panic!("stopped")
-    };
-    assert_eq!(first.steps, 1);
-    c.steps = 2;
-    let resumed = WriterOptions {
-        resume: true,
-        ..opts.clone()
-    };
-    let WriterOutcome::Finished(m) = run(&c, &resumed).unwrap() else {
-        panic!("stopped")
-    };
-    assert_eq!(m.steps, 2);
+    let m = train_then_resume(&c, &opts);
     assert!(m.adapter.is_none());
     let meta = m.boundary.clone().unwrap();
     assert_eq!((meta.header, meta.trailer), (2, 2));
@@ -317,9 +301,5 @@ fn boundary_tokens_for_a_writer_train_end_to_end_resume_and_ship() {
     ));
     // A writer's compiling adapter without boundary tokens makes no sense.
     let other = tempfile::tempdir().unwrap();
-    let lora_run = WriterOptions {
-        out_dir: other.path().to_path_buf(),
-        ..opts
-    };
-    assert!(run(&cfg(1), &lora_run).is_err());
+    assert!(train_real(&cfg(1), &real_opts(other.path(), Some(writer_adapter))).is_err());
 }
