@@ -293,10 +293,6 @@ impl Boundary {
         }
         loaded.check(compiler)?;
         // Shapes last: the hash matched, so a wrong width means a model of another shape.
-        Self::new(loaded.header, loaded.trailer, compiler).map(|b| Self {
-            adapter_sha256: meta.adapter_sha256,
-            base_sha256: meta.base_sha256,
-            ..b
-        })
+        Self::new(loaded.header, loaded.trailer, compiler)
     }
 }
