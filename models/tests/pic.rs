@@ -8,12 +8,14 @@ mod common;
 use candle_core::Tensor;
 use common::{max_abs, max_abs_diff, real, tiny_model, wikitext_tokens};
 use scd_models::boundary::{Boundary, BoundaryError};
+use scd_models::codec::{self, encode_documents, CodecError, Documents, Prefix};
 use scd_models::pic::{stitch, CompiledDoc};
 use scd_models::sampling::argmax;
 use scd_models::{
     AdapterMode, DecodeWeights, ForwardError, Input, Llama, LogitsWanted, LoraAdapter,
     PrefillMatmul, Proj,
 };
+use scd_types::{CodeDType, CodeKind, LayerCode};
 
 fn f32_paths(model: &Llama) -> Llama {
     model
@@ -473,8 +475,11 @@ fn the_document_store_compiles_once_and_never_mixes_writers() {
     }
     // After a restart the entry is still there.
     let reopened = DocStore::open(dir.path()).unwrap();
-    reopened.get_or_compile(model, model, None, doc).unwrap();
+    let (_, compiled) = reopened.fetch(model, model, None, doc).unwrap();
+    assert!(!compiled, "a stored document is not compiled again");
     assert_eq!((reopened.compilations(), reopened.hits()), (0, 1));
+    let base_version = WriterVersion::of(model, None).unwrap();
+    assert_eq!(reopened.ids(&base_version).unwrap(), [document_id(doc)]);
     // Another writer (an adapter) and boundary tokens are other versions: compiled anew, stored
     // beside, never returned for the base.
     let adapter = LoraAdapter::init(model.config(), 2, 4.0, &[Proj::V], 1).unwrap();
@@ -493,6 +498,13 @@ fn the_document_store_compiles_once_and_never_mixes_writers() {
     ];
     assert_ne!(versions[0].id(), versions[1].id());
     assert_ne!(versions[0].id(), versions[2].id());
+    // Each version lists only its own entries.
+    assert_eq!(store.ids(&versions[1]).unwrap(), [document_id(doc)]);
+    let unused = WriterVersion {
+        boundary_sha256: Some("0".repeat(64)),
+        ..versions[0].clone()
+    };
+    assert!(store.ids(&unused).unwrap().is_empty());
     // One prompt never mixes writer versions.
     let err = stitch_after_head(model, head, &[first.clone(), written.clone()]).unwrap_err();
     assert!(matches!(err, ForwardError::MixedWriters { .. }), "{err}");
@@ -564,4 +576,164 @@ fn needles_hide_one_number_in_one_paragraph_of_real_text() {
         .iter()
         .zip(&other)
         .any(|(a, b)| a.documents != b.documents));
+}
+
+#[test]
+fn served_documents_decode_to_the_stitched_cache_with_the_prompt_read_after_them() {
+    let (model, tok) = real();
+    let model = &f32_paths(model);
+    let words = wikitext_tokens(tok, 260);
+    let (a, b, prompt) = (&words[0..90], &words[100..180], &words[200..230]);
+    let docs = [
+        CompiledDoc::compile(model, a).unwrap(),
+        CompiledDoc::compile(model, b).unwrap(),
+    ];
+    let layers = model.config().num_layers;
+    let codes = |dtype| {
+        let mut out = Vec::new();
+        for l in 0..layers {
+            encode_documents(model.rope(), &docs, l, dtype, &mut out).unwrap();
+        }
+        out
+    };
+    let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
+    // The reference: the stitched documents, then the prompt read by the model itself.
+    let refs: Vec<&CompiledDoc> = docs.iter().collect();
+    let mut want = stitch(model, &refs).unwrap();
+    model
+        .forward(
+            Input::new(prefix)
+                .with_cache(&mut want)
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+    let want_logits = last_logits(model, Input::new(&[last]).with_cache(&mut want));
+    let f32_codes = codes(CodeDType::F32);
+    assert_eq!(f32_codes.len(), 2 * layers);
+    assert_eq!(f32_codes[0].shape, [170, model.config().kv_dim() as u32]);
+    let mut got = codec::decode(&Documents, model, &f32_codes, Prefix::new(prefix)).unwrap();
+    assert_eq!(got.next_position(), a.len() + b.len() + prefix.len());
+    let got_logits = last_logits(model, Input::new(&[last]).with_cache(&mut got));
+    assert_eq!(
+        got_logits, want_logits,
+        "f32 codes are the stitched cache, exactly"
+    );
+    // bf16 halves the bytes and keeps the answer.
+    let bf16_codes = codes(CodeDType::BF16);
+    assert_eq!(
+        codec::payload_bytes(&bf16_codes) * 2,
+        codec::payload_bytes(&f32_codes)
+    );
+    let mut narrow = codec::decode(&Documents, model, &bf16_codes, Prefix::new(prefix)).unwrap();
+    let narrow_logits = last_logits(model, Input::new(&[last]).with_cache(&mut narrow));
+    assert_eq!(argmax(&narrow_logits), argmax(&want_logits));
+    let diff = narrow_logits
+        .iter()
+        .zip(&want_logits)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff < 0.5, "bf16 documents move the logits by {diff}");
+
+    // Bad payloads are typed errors, never panics.
+    let decode = |codes: &[LayerCode]| {
+        codec::decode(&Documents, model, codes, Prefix::new(prefix)).map(drop)
+    };
+    let err = decode(&f32_codes[..f32_codes.len() - 1]).unwrap_err();
+    assert!(
+        matches!(err, CodecError::Missing { kind: "doc_v", .. }),
+        "{err}"
+    );
+    assert!(matches!(
+        decode(&[]).unwrap_err(),
+        CodecError::Missing { .. }
+    ));
+    let twice = [f32_codes[0].clone(), f32_codes[0].clone()];
+    assert!(matches!(
+        decode(&twice).unwrap_err(),
+        CodecError::Duplicate { .. }
+    ));
+    // Rows that disagree with the first code's, or more than the context holds.
+    let mut short = f32_codes[2].clone();
+    short.shape[0] -= 1;
+    short
+        .bytes
+        .truncate(short.bytes.len() - 4 * model.config().kv_dim());
+    let err = decode(&[f32_codes[0].clone(), short]).unwrap_err();
+    assert!(matches!(err, CodecError::Shape { .. }), "{err}");
+    let mut huge = f32_codes[0].clone();
+    huge.shape[0] = model.config().context_length as u32;
+    assert!(matches!(
+        decode(&[huge]).unwrap_err(),
+        CodecError::Shape { .. }
+    ));
+    let mut raw = f32_codes[0].clone();
+    raw.kind = CodeKind::RAW_K;
+    assert!(matches!(
+        decode(&[raw]).unwrap_err(),
+        CodecError::UnexpectedCode { .. }
+    ));
+    let mut q = f32_codes[0].clone();
+    q.dtype = CodeDType::Q4;
+    assert!(matches!(
+        decode(&[q]).unwrap_err(),
+        CodecError::DType { .. }
+    ));
+    let mut out = Vec::new();
+    assert!(encode_documents(model.rope(), &docs, 0, CodeDType::I8_ROWS, &mut out).is_err());
+    assert!(encode_documents(model.rope(), &[], 0, CodeDType::F32, &mut out).is_err());
+}
+
+#[test]
+fn a_consumer_with_its_own_rope_base_reads_served_documents_at_its_own_rotation() {
+    let (model, tok) = real();
+    let model = &f32_paths(model);
+    let words = wikitext_tokens(tok, 200);
+    let (a, b, prompt) = (&words[0..60], &words[80..140], &words[150..160]);
+    let docs = [
+        CompiledDoc::compile(model, a).unwrap(),
+        CompiledDoc::compile(model, b).unwrap(),
+    ];
+    // mail-rope: the mail expert as a fine-tune that rotates with RoPE base 10^6.
+    let adapter = LoraAdapter::load(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../experts/mail-rope/adapter.safetensors"),
+        model.config(),
+    )
+    .unwrap();
+    let expert = model.with_adapter(&adapter, AdapterMode::Merge).unwrap();
+    assert_ne!(expert.rope(), expert.base_rope());
+    let mut codes = Vec::new();
+    for l in 0..model.config().num_layers {
+        encode_documents(model.rope(), &docs, l, CodeDType::F32, &mut codes).unwrap();
+    }
+    let cache = codec::decode(&Documents, &expert, &codes, Prefix::new(&prompt[..0])).unwrap();
+    // A key's content before RoPE does not depend on where its document was compiled; the
+    // expert must find it rotated with its own base at the document's place.
+    let pre = |doc: &[u32], layer: usize| {
+        model
+            .forward(
+                Input::new(doc)
+                    .capture(scd_models::Capture {
+                        k_pre_rope: true,
+                        ..scd_models::Capture::none()
+                    })
+                    .logits(LogitsWanted::None),
+            )
+            .unwrap()
+            .captured
+            .into_iter()
+            .find(|c| c.layer == layer)
+            .and_then(|c| c.k_pre_rope)
+            .unwrap()
+    };
+    for layer in [0, 17] {
+        let (k, _) = cache.layer(layer).unwrap().unwrap();
+        let positions: Vec<u32> = (a.len() as u32..(a.len() + b.len()) as u32).collect();
+        let want = expert.rope().apply(&pre(b, layer), &positions).unwrap();
+        let got = k.narrow(0, a.len(), b.len()).unwrap();
+        let d = max_abs_diff(&got, &want) / max_abs(&want).max(1.0);
+        assert!(d < 1e-4, "layer {layer}: keys off by {d}");
+        // Not what the base's rotation gives.
+        let base = model.rope().apply(&pre(b, layer), &positions).unwrap();
+        assert!(max_abs_diff(&got, &base) > 1e-2);
+    }
 }

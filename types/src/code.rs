@@ -45,6 +45,11 @@ impl CodeKind {
     pub const SCALES_K: CodeKind = CodeKind(9);
     /// Scales and minima of [`CodeKind::QUANT_V`]'s groups.
     pub const SCALES_V: CodeKind = CodeKind(10);
+    /// Compiled documents' keys, after RoPE at the positions they are placed at, `(rows,
+    /// kv_dim)`: every document of a job, one after another (SemPIC).
+    pub const DOC_K: CodeKind = CodeKind(11);
+    /// Compiled documents' values, `(rows, kv_dim)`, as [`CodeKind::DOC_K`].
+    pub const DOC_V: CodeKind = CodeKind(12);
 
     /// A short name for logs; `None` for a kind this version does not know.
     pub fn name(self) -> Option<&'static str> {
@@ -60,6 +65,8 @@ impl CodeKind {
             Self::AUX => "aux",
             Self::SCALES_K => "scales_k",
             Self::SCALES_V => "scales_v",
+            Self::DOC_K => "doc_k",
+            Self::DOC_V => "doc_v",
             _ => return None,
         })
     }

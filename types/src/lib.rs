@@ -8,16 +8,19 @@
 //!
 //! Files: [`job`] (job id and state machine), [`mode`] (the transfer modes), [`translator`] (the
 //! content hash that names a translator version, and the ranks of its codes), [`trace`] (the propagated trace context),
-//! [`code`] (a layer's codes as bytes plus a typed description).
+//! [`code`] (a layer's codes as bytes plus a typed description), [`document`] (the id of a
+//! document that jobs reference and producers compile).
 #![warn(missing_docs)]
 
 pub mod code;
+pub mod document;
 pub mod job;
 pub mod mode;
 pub mod trace;
 pub mod translator;
 
 pub use code::{CodeDType, CodeKind, LayerCode};
+pub use document::{document_id, is_document_id};
 pub use job::{JobId, JobRequest, JobResult, JobState, ParseJobIdError, ParseJobStateError};
 pub use mode::{Mode, ParseModeError};
 pub use trace::{TraceContext, TraceContextError, TraceEntry};

@@ -13,7 +13,8 @@
 //! [`oracle`] (no payload: the consumer's own prefill), [`raw`] (the producer's K and V in
 //! bf16), [`q4`] (KIVI-style 4-bit K and V), [`droidspeak`] (raw KV with a few layer blocks
 //! recomputed by the consumer), [`translated`] (`reuse` and `scd`, over a calibrated
-//! translator).
+//! translator); and [`documents`], the oracle read over compiled documents a producer serves
+//! (SemPIC), which is not a mode of its own.
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ use crate::error::ForwardError;
 use crate::llama::{Capture, LayerCapture, Llama};
 use crate::translator::{Ranks, Translator};
 
+pub mod documents;
 pub mod droidspeak;
 pub mod oracle;
 pub mod q4;
@@ -31,6 +33,7 @@ pub mod raw;
 pub mod tensor_bytes;
 pub mod translated;
 
+pub use documents::{encode_documents, Documents};
 pub use droidspeak::DroidSpeak;
 pub use oracle::Oracle;
 pub use q4::Q4;

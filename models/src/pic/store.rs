@@ -97,15 +97,9 @@ impl WriterVersion {
     }
 }
 
-/// A document's id: the first 16 bytes of the SHA-256 of its tokens, in hex.
-pub fn document_id(tokens: &[u32]) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    for t in tokens {
-        h.update(t.to_le_bytes());
-    }
-    hex::encode(&h.finalize()[..16])
-}
+/// A document's id ([`scd_types::document_id`]: one function for the store, the scheduler
+/// and the wire).
+pub use scd_types::document_id;
 
 /// Compiled documents under one folder; see the module doc.
 #[derive(Debug)]
@@ -214,14 +208,51 @@ impl DocStore {
         boundary: Option<&Boundary>,
         tokens: &[u32],
     ) -> Result<CompiledDoc, StoreError> {
+        Ok(self.fetch(reader, writer, boundary, tokens)?.0)
+    }
+
+    /// [`DocStore::get_or_compile`], and whether this call compiled it (`false`: a hit).
+    pub fn fetch(
+        &self,
+        reader: &Llama,
+        writer: &Llama,
+        boundary: Option<&Boundary>,
+        tokens: &[u32],
+    ) -> Result<(CompiledDoc, bool), StoreError> {
         let version = WriterVersion::of(writer, boundary)?;
         if let Some(doc) = self.get(reader, &version, &document_id(tokens))? {
-            return Ok(doc);
+            return Ok((doc, false));
         }
         let doc = CompiledDoc::compile_with(writer, tokens, boundary)?;
         self.compiled.fetch_add(1, Ordering::Relaxed);
         self.put(&doc)?;
-        Ok(doc)
+        Ok((doc, true))
+    }
+
+    /// The ids of the documents stored for `version` (entries are not opened or checked here;
+    /// [`DocStore::get`] checks each as it reads it).
+    pub fn ids(&self, version: &WriterVersion) -> Result<Vec<String>, StoreError> {
+        let dir = self.dir.join(version.id());
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => return Err(StoreError::Io { path: dir, source }),
+        };
+        let mut ids = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|source| StoreError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+            let name = entry.file_name();
+            let id = name.to_str().and_then(|n| n.strip_suffix(".safetensors"));
+            // Half-written entries end in `.tmp`; anything else is not the store's.
+            if let Some(id) = id.filter(|id| scd_types::is_document_id(id)) {
+                ids.push(id.to_owned());
+            }
+        }
+        ids.sort_unstable();
+        Ok(ids)
     }
 }
 
