@@ -27,7 +27,9 @@ demo: setup model build
 		--prompt "Describe the sea in two sentences." --max-tokens 48
 	@echo "== the cluster: a producer node and a node with the mail-rope expert (mail, its own RoPE base: raw KV breaks) in one process, every transfer mode =="
 	target/release/scd demo --model $(SCD_MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
-		--expert mail-rope --prompt-file ops/demo-mail.txt --max-tokens 48
+		--expert mail-rope --prompt-file ops/demo-mail.txt --max-tokens 48 \
+		--document-files ops/demo-documents/maintenance.txt,ops/demo-documents/contacts.txt \
+		--question-file ops/demo-documents/question.txt
 
 # The fuzz crate is its own workspace (see its Cargo.toml): checking it is what keeps it from
 # rotting; building it would compile every dependency again without optimisation.

@@ -52,6 +52,8 @@ enum Command {
     Pools(cmd::admin::ListArgs),
     /// The translator versions of each (base, expert) pair: list, publish, activate, roll back.
     Translators(cmd::translators::Args),
+    /// Documents jobs may name by id (SemPIC): add, list.
+    Docs(cmd::docs::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(
         after_help = "Example:\n  scd completions bash > ~/.local/share/bash-completion/completions/scd"
@@ -87,6 +89,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Nodes(args) => return cmd::admin::nodes(args),
         Command::Pools(args) => return cmd::admin::pools(args),
         Command::Translators(args) => return cmd::translators::run(args),
+        Command::Docs(args) => return cmd::docs::run(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             use std::io::Write;

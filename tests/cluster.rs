@@ -242,6 +242,7 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         top_p: 1.0,
         seed: 0,
         stop_tokens: tok.stop_ids().to_vec(),
+        documents: Vec::new(),
     };
 
     let mut want_mail_scd = String::new();
@@ -685,6 +686,7 @@ async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
             top_p: 1.0,
             seed: 0,
             stop_tokens: tok.stop_ids().to_vec(),
+            documents: Vec::new(),
         };
         async move { client.submit("mail", Mode::Raw, request).await.unwrap() }
     };

@@ -48,6 +48,9 @@ pub enum ClientError {
         /// Why not, and what would do.
         reason: String,
     },
+    /// Documents a job cannot be given as asked.
+    #[error("documents: {0}")]
+    Documents(String),
     /// The prompt cannot be a job.
     #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
     PromptTooShort(usize),
@@ -199,6 +202,10 @@ impl ClusterClient {
                 });
             }
         }
+        if !request.documents.is_empty() {
+            self.check_documents(base.as_deref(), mode, &request.documents, &nodes)
+                .await?;
+        }
         let prefix_hashes = match base {
             Some(base) => scd_scheduler::prefix::block_hashes(
                 &base,
@@ -216,6 +223,58 @@ impl ClusterClient {
             Err(RecordError::Busy(busy)) => Err(ClientError::Busy(busy)),
             other => Ok(other?),
         }
+    }
+
+    /// Refuses documents a job cannot have: a mode other than oracle (the expert reads the
+    /// prompt itself after the documents' compiled caches), an id the cluster does not know or
+    /// knows for another base, or no producer of the base that serves documents.
+    async fn check_documents(
+        &self,
+        base: Option<&str>,
+        mode: Mode,
+        ids: &[String],
+        nodes: &NodeMap,
+    ) -> Result<(), ClientError> {
+        let refuse = |m: String| Err(ClientError::Documents(m));
+        if mode != Mode::Oracle {
+            return refuse(format!(
+                "a job with documents runs in mode oracle: the expert reads the prompt itself, \
+                 after the documents' compiled caches (asked: {mode})"
+            ));
+        }
+        let registry = scd_scheduler::DocumentRegistry::new(self.store.clone(), self.keys.clone());
+        for id in ids {
+            let record = match registry.get(id).await {
+                Ok(r) => r,
+                Err(scd_scheduler::DocumentError::InvalidId(_)) => {
+                    return refuse(format!("{id:?} is not a document id (32 hex digits)"))
+                }
+                Err(e) => return refuse(format!("reading document {id}: {e}")),
+            };
+            match (record, base) {
+                (None, _) => {
+                    return refuse(format!("no document {id}: add it with `scd docs add`"))
+                }
+                (Some(r), Some(b)) if r.base != b => {
+                    return refuse(format!(
+                        "document {id} was tokenised for base {}, the expert's base is {b}",
+                        r.base
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let serves = |n: &scd_scheduler::NodeInfo| {
+            n.document_writer.is_some()
+                && base.is_none_or(|b| n.producer_models.iter().any(|m| m == b))
+        };
+        if !nodes.values().any(serves) {
+            return refuse(format!(
+                "no producer{} serves documents: add a [documents] section to a producer's config",
+                base.map(|b| format!(" of base {b}")).unwrap_or_default()
+            ));
+        }
+        Ok(())
     }
 
     /// Refuses a fan-out that cannot run: an expert named twice, experts of different bases, no

@@ -67,6 +67,66 @@ pub struct NodeConfig {
     /// [`NodeConfig::drift`]).
     #[serde(default)]
     pub drift: Option<DriftConfig>,
+    /// `[documents]`: the producer's compiled-document store (SemPIC); absent: the producer
+    /// serves no documents.
+    #[serde(default)]
+    pub documents: Option<DocumentsConfig>,
+}
+
+/// `[documents]`: how a producer serves the documents jobs name (SemPIC, M9 §5): compiled once
+/// by a writer into the store under `dir`, then served from there to every job that names them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentsConfig {
+    /// `dir`: the compiled-document store (created if missing; entries survive restarts and
+    /// are announced again when the node starts).
+    pub dir: PathBuf,
+    /// `writer`: the SemPIC writer's adapter (a folder holding `adapter.safetensors`, or the
+    /// file); absent: documents are compiled by the base model itself (plain stitching).
+    #[serde(default)]
+    pub writer: Option<PathBuf>,
+    /// `boundary`: a folder of KV-Packet boundary tokens trained for that writer
+    /// (`scd sempic boundary`); absent: none.
+    #[serde(default)]
+    pub boundary: Option<PathBuf>,
+    /// `wire`: the element type compiled caches travel in, `"bf16"` (the default: half the
+    /// bytes) or `"f32"` (exactly the stored cache).
+    #[serde(default)]
+    pub wire: DocumentWire,
+}
+
+impl DocumentsConfig {
+    /// The writer adapter's weights file, as for an expert's adapter.
+    pub fn writer_file(&self) -> Option<PathBuf> {
+        self.writer.as_ref().map(|path| {
+            if path.extension().is_some_and(|e| e == "safetensors") {
+                path.clone()
+            } else {
+                path.join(ADAPTER_FILE)
+            }
+        })
+    }
+}
+
+/// The element types compiled documents can travel in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DocumentWire {
+    /// bfloat16.
+    #[default]
+    Bf16,
+    /// f32.
+    F32,
+}
+
+impl DocumentWire {
+    /// The wire's element type.
+    pub fn dtype(self) -> scd_transport::CodeDType {
+        match self {
+            Self::Bf16 => scd_transport::CodeDType::BF16,
+            Self::F32 => scd_transport::CodeDType::F32,
+        }
+    }
 }
 
 /// `[gateway]`: who may call the HTTP API and how its jobs reach the expert.
@@ -733,6 +793,12 @@ impl NodeConfig {
                 ));
             }
         }
+        if self.documents.is_some() && !self.has_role(NodeRole::Producer) {
+            return Err(unused(
+                "documents",
+                "only producers compile and serve documents",
+            ));
+        }
         for (peer, &mbit) in &self.links.pace_mbit {
             pki::validate_name(peer).map_err(|e| invalid(format!("links.pace_mbit.{peer}"), e))?;
             if mbit == 0 {
@@ -900,6 +966,15 @@ impl NodeConfig {
         at(&mut self.tls.ca);
         at(&mut self.tls.cert);
         at(&mut self.tls.key);
+        if let Some(d) = &mut self.documents {
+            at(&mut d.dir);
+            if let Some(w) = &mut d.writer {
+                at(w);
+            }
+            if let Some(b) = &mut d.boundary {
+                at(b);
+            }
+        }
     }
 
     /// Every file the node will read: (key, path, how to make it).
@@ -928,6 +1003,29 @@ impl NodeConfig {
                     expert.translator.join(file),
                     format!("fit the translator between the base and {name} with `scd calibrate`"),
                 ));
+            }
+        }
+        if let Some(d) = &self.documents {
+            if let Some(writer) = d.writer_file() {
+                files.push((
+                    "documents.writer".to_owned(),
+                    writer,
+                    "train a SemPIC writer with `scd sempic train` (experts/README.md), or \
+                     leave documents.writer out to compile with the base model"
+                        .to_owned(),
+                ));
+            }
+            if let Some(b) = &d.boundary {
+                for file in [
+                    scd_models::boundary::BOUNDARY_META_FILE,
+                    scd_models::boundary::BOUNDARY_FILE,
+                ] {
+                    files.push((
+                        "documents.boundary".to_owned(),
+                        b.join(file),
+                        "train boundary tokens with `scd sempic boundary`".to_owned(),
+                    ));
+                }
             }
         }
         let id = &self.node.id;
@@ -1144,6 +1242,38 @@ frames_in_flight = 16
         }
         let err = parse(&(VALID.to_owned() + "\n[codec]\nranks = \"k=1\"\n")).unwrap_err();
         assert!(err.to_string().contains("adaptive"), "{err}");
+    }
+
+    #[test]
+    fn documents_are_a_producers_with_paths_resolved_and_files_checked() {
+        let set = VALID.to_owned()
+            + "\n[documents]\ndir = \"docs\"\nwriter = \"writer\"\nboundary = \"b\"\nwire = \"f32\"\n";
+        let c = NodeConfig::parse(&set, Path::new("/srv")).unwrap();
+        let d = c.documents.clone().unwrap();
+        assert_eq!(d.dir, Path::new("/srv/docs"));
+        assert_eq!(
+            d.writer_file().unwrap(),
+            Path::new("/srv/writer/adapter.safetensors")
+        );
+        assert_eq!(d.wire.dtype(), scd_transport::CodeDType::F32);
+        let files: Vec<String> = c.files().into_iter().map(|(k, _, _)| k).collect();
+        assert!(files.contains(&"documents.writer".to_owned()), "{files:?}");
+        assert_eq!(
+            files.iter().filter(|k| *k == "documents.boundary").count(),
+            2
+        );
+        // The defaults: compiled by the base, bf16 on the wire.
+        let plain = VALID.to_owned() + "\n[documents]\ndir = \"docs\"\n";
+        let d = parse(&plain).unwrap().documents.unwrap();
+        assert_eq!((d.writer, d.wire), (None, DocumentWire::Bf16));
+        let consumer_only = VALID.replace("[\"producer\", \"consumer\"]", "[\"consumer\"]");
+        match parse(&(consumer_only + "\n[documents]\ndir = \"d\"\n")) {
+            Err(ConfigError::Unused { key, .. }) if key == "documents" => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            parse(&(VALID.to_owned() + "\n[documents]\ndir = \"d\"\nwire = \"q4\"\n")).is_err()
+        );
     }
 
     #[test]

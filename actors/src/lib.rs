@@ -16,7 +16,8 @@
 //! - [`job`]: what a job carries: its codec and translator version, the caller's request, a
 //!   frame as it arrived.
 //! - [`producer`]: the base model's prefill, layer by layer, each layer's capture handed on as
-//!   soon as it is done.
+//!   soon as it is done; or, for a job that names documents, their compiled caches from the
+//!   producer's store ([`documents`]), placed one after another and sent as they are.
 //! - [`encoder`]: the codec's `encode_layer` per capture; codes become code frames.
 //! - [`transfer`]: QUIC: the producer node's job streams out, the consumer node's accept loop
 //!   and per-job forwarding in.
@@ -53,6 +54,7 @@ pub mod client;
 pub mod config;
 pub mod decode_loop;
 pub mod decoder;
+pub mod documents;
 pub mod drift_guard;
 pub mod encoder;
 pub mod follow;

@@ -164,8 +164,9 @@ impl JobError {
     pub fn is_knock_on(&self) -> bool {
         matches!(
             self,
-            JobError::Producer(ProducerError::EncoderGone | ProducerError::Cancelled)
-                | JobError::Encoder(EncoderError::TransferGone | EncoderError::Cancelled)
+            JobError::Producer(
+                ProducerError::EncoderGone | ProducerError::TransferGone | ProducerError::Cancelled
+            ) | JobError::Encoder(EncoderError::TransferGone | EncoderError::Cancelled)
                 | JobError::Transfer(
                     TransferError::Cancelled
                         | TransferError::Send(SendError::CancelledByPeer { .. })
@@ -271,6 +272,7 @@ async fn spawn_actors(
         ProducerArgs {
             model: base,
             prefix_cache: None,
+            documents: None,
         },
     )
     .await?;

@@ -7,22 +7,31 @@
 //! [`PrefixCache`], a prefix that starts with cached blocks is computed from where they end
 //! (the cached rows of each layer join the computed ones before the capture goes on), and its
 //! new whole blocks are cached once the last layer is done.
+//!
+//! A job that names documents is served instead of prefilled ([`ProducerMsg::Documents`]): its
+//! documents come from the node's compiled-document store ([`crate::documents`]; compiled there
+//! by the writer the first time), are placed one after another and go out per layer as code
+//! frames ([`scd_models::codec::encode_documents`]) straight to the transfer. The expert reads
+//! the prompt after them itself.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use scd_models::{Capture, ForwardError, KvCache, LayerCapture, Llama};
-use scd_transport::JobId;
+use scd_models::codec::encode_documents;
+use scd_models::pic::StoreError;
+use scd_models::{Capture, CodecError, ForwardError, KvCache, LayerCapture, Llama};
+use scd_transport::{CodeFrame, JobId};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::blocking::{self, run_and_reply, Interrupted};
+use crate::documents::DocumentServer;
 use crate::job::JobCodec;
 use crate::prefix_cache::{Block, LayerRows, PrefixCache};
-use crate::timeline::Span;
+use crate::timeline::{LayerBytes, Span};
 
 /// Errors of a job's prefill.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +56,33 @@ pub enum ProducerError {
     /// The encoder stopped taking captures (it failed, or the job ended there).
     #[error("the encoder stopped taking captures")]
     EncoderGone,
+    /// The transfer stopped taking a job's document frames.
+    #[error("the transfer stopped taking frames")]
+    TransferGone,
+    /// A job names documents, and this producer serves none.
+    #[error("this producer serves no documents: add a [documents] section to its config")]
+    NoDocuments,
+    /// A job's documents and prompt do not fit the context.
+    #[error("the documents take {rows} positions and the prompt {prompt} more; the model's context holds {context}")]
+    DocumentsTooLong {
+        /// The documents' positions (boundary tokens included).
+        rows: usize,
+        /// The prompt's tokens and the tokens to generate.
+        prompt: usize,
+        /// The context.
+        context: usize,
+    },
+    /// A document could not be read from the store or compiled into it.
+    #[error("document {id}: {source}")]
+    Document {
+        /// The document.
+        id: String,
+        /// Why.
+        source: StoreError,
+    },
+    /// Documents' caches could not be encoded.
+    #[error("encoding the documents: {0}")]
+    Codec(#[from] CodecError),
     /// The job was cancelled.
     #[error("prefill cancelled")]
     Cancelled,
@@ -64,12 +100,15 @@ pub struct ProducerArgs {
     pub model: Arc<Llama>,
     /// Its prefix cache, if it keeps one (it outlives a restarted actor).
     pub prefix_cache: Option<Arc<PrefixCache>>,
+    /// Its compiled documents, if it serves any.
+    pub documents: Option<Arc<DocumentServer>>,
 }
 
-/// A producer's state: its model and prefix cache.
+/// A producer's state: its model, prefix cache and documents.
 pub struct ProducerState {
     model: Arc<Llama>,
     prefix_cache: Option<Arc<PrefixCache>>,
+    documents: Option<Arc<DocumentServer>>,
 }
 
 /// What a prefill did.
@@ -95,6 +134,38 @@ pub struct PrefillJob {
     pub cancel: CancellationToken,
 }
 
+/// One job's documents to serve.
+pub struct DocumentsJob {
+    /// The job.
+    pub job: JobId,
+    /// Each document's id and tokens, in the order they are placed.
+    pub documents: Vec<(String, Vec<u32>)>,
+    /// The prompt's tokens and the tokens to generate after the documents (to check that all
+    /// fit the context before anything is sent).
+    pub after: usize,
+    /// Frames to the transfer, in layer order; dropped when the serving ends.
+    pub frames: mpsc::Sender<CodeFrame>,
+    /// The job's cancellation.
+    pub cancel: CancellationToken,
+}
+
+/// What serving a job's documents did.
+#[derive(Debug, Clone)]
+pub struct DocumentsServed {
+    /// From the first lookup to the last frame handed on.
+    pub span: Span,
+    /// The writer version that compiled them ([`scd_models::pic::WriterVersion::id`]).
+    pub writer: String,
+    /// The positions they occupy, boundary tokens included.
+    pub rows: usize,
+    /// The ids of those compiled for this job (not in the store before).
+    pub compiled: Vec<String>,
+    /// How many came from the store, with nothing computed.
+    pub hits: usize,
+    /// Code bytes per layer.
+    pub layer_bytes: Vec<LayerBytes>,
+}
+
 /// Messages of the producer.
 pub enum ProducerMsg {
     /// Prefill a job; the reply says when it ran and what the cache gave (`None` when the
@@ -102,6 +173,11 @@ pub enum ProducerMsg {
     Prefill(
         PrefillJob,
         RpcReplyPort<Result<Option<Prefilled>, ProducerError>>,
+    ),
+    /// Serve a job's documents from the store.
+    Documents(
+        DocumentsJob,
+        RpcReplyPort<Result<DocumentsServed, ProducerError>>,
     ),
 }
 
@@ -118,6 +194,7 @@ impl Actor for Producer {
         Ok(ProducerState {
             model: args.model,
             prefix_cache: args.prefix_cache,
+            documents: args.documents,
         })
     }
 
@@ -133,6 +210,15 @@ impl Actor for Producer {
                 let cache = state.prefix_cache.clone();
                 run_and_reply("prefill", reply, ProducerError::Internal, move |rt| {
                     prefill(rt, &model, cache.as_deref(), job)
+                })
+                .await;
+            }
+            ProducerMsg::Documents(job, reply) => {
+                let model = Arc::clone(&state.model);
+                let documents = state.documents.clone();
+                run_and_reply("documents", reply, ProducerError::Internal, move |rt| {
+                    let server = documents.ok_or(ProducerError::NoDocuments)?;
+                    serve_documents(rt, &model, &server, job)
                 })
                 .await;
             }
@@ -325,4 +411,82 @@ fn prefill(
         },
         cached_tokens: cached,
     }))
+}
+
+/// Fetches a job's documents (compiling the missing ones into the store) and sends their
+/// caches, placed one after another, layer by layer.
+fn serve_documents(
+    rt: &Handle,
+    model: &Llama,
+    server: &DocumentServer,
+    job: DocumentsJob,
+) -> Result<DocumentsServed, ProducerError> {
+    let DocumentsJob {
+        job,
+        documents,
+        after,
+        frames,
+        cancel,
+    } = job;
+    let start = Instant::now();
+    let vocab = model.config().vocab_size;
+    let context = model.config().context_length;
+    let mut docs = Vec::with_capacity(documents.len());
+    let mut compiled = Vec::new();
+    for (id, tokens) in &documents {
+        if cancel.is_cancelled() {
+            return Err(ProducerError::Cancelled);
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ProducerError::TokenOutOfRange { id: t, vocab });
+        }
+        let (doc, fresh) =
+            server
+                .fetch(model, tokens)
+                .map_err(|source| ProducerError::Document {
+                    id: id.clone(),
+                    source,
+                })?;
+        if fresh {
+            compiled.push(id.clone());
+        }
+        docs.push(doc);
+    }
+    let rows: usize = docs.iter().map(|d| d.len()).sum();
+    if rows + after > context {
+        return Err(ProducerError::DocumentsTooLong {
+            rows,
+            prompt: after,
+            context,
+        });
+    }
+    let mut layer_bytes = Vec::with_capacity(model.config().num_layers);
+    let mut codes = Vec::with_capacity(2);
+    for layer in 0..model.config().num_layers {
+        encode_documents(model.rope(), &docs, layer, server.wire(), &mut codes)?;
+        layer_bytes.push(LayerBytes {
+            layer: layer as u16,
+            bytes: codes.iter().map(|c| c.bytes.len()).sum(),
+            encoded: Instant::now(),
+        });
+        for code in codes.drain(..) {
+            blocking::send(rt, &frames, CodeFrame::new(job, code), &cancel).map_err(
+                |e| match e {
+                    Interrupted::Cancelled => ProducerError::Cancelled,
+                    Interrupted::Closed => ProducerError::TransferGone,
+                },
+            )?;
+        }
+    }
+    Ok(DocumentsServed {
+        span: Span {
+            start,
+            end: Instant::now(),
+        },
+        writer: server.version().id(),
+        rows,
+        hits: docs.len() - compiled.len(),
+        compiled,
+        layer_bytes,
+    })
 }

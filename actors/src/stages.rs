@@ -17,7 +17,9 @@ use crate::decoder::{DecodeJob, DecodeReport, DecoderError, DecoderMsg};
 use crate::encoder::{EncodeJob, EncodeReport, EncoderError, EncoderMsg};
 use crate::job::JobCodec;
 use crate::pipeline::{JobError, PipelineOptions};
-use crate::producer::{PrefillJob, Prefilled, ProducerError, ProducerMsg};
+use crate::producer::{
+    DocumentsJob, DocumentsServed, PrefillJob, Prefilled, ProducerError, ProducerMsg,
+};
 use crate::timeline::Span;
 use crate::transfer::{Inbound, SendJob, TransferError, TransferOutMsg, TransferReport};
 
@@ -31,9 +33,17 @@ pub(crate) struct ProducerActors {
 
 /// The producer side's replies for one job.
 pub(crate) struct ProducerReplies {
-    prefilled: oneshot::Receiver<Result<Option<Prefilled>, ProducerError>>,
-    encoded: oneshot::Receiver<Result<EncodeReport, EncoderError>>,
+    made: Made,
     sent: oneshot::Receiver<Result<TransferReport, TransferError>>,
+}
+
+/// What makes a job's frames: a prefill and its encoding, or the job's documents served.
+enum Made {
+    Prefill {
+        prefilled: oneshot::Receiver<Result<Option<Prefilled>, ProducerError>>,
+        encoded: oneshot::Receiver<Result<EncodeReport, EncoderError>>,
+    },
+    Documents(oneshot::Receiver<Result<DocumentsServed, ProducerError>>),
 }
 
 /// What the producer side did for a job.
@@ -41,8 +51,11 @@ pub(crate) struct ProducerDone {
     pub prefill: Option<Span>,
     /// Prefix tokens the producer's cache gave.
     pub cached_tokens: usize,
+    /// Codes per layer (a job with documents: the documents' caches, with no encode span).
     pub encoded: EncodeReport,
     pub sent: TransferReport,
+    /// The job's documents, for a job that names some.
+    pub documents: Option<DocumentsServed>,
 }
 
 impl ProducerActors {
@@ -99,8 +112,52 @@ impl ProducerActors {
             )
         })?;
         Ok(ProducerReplies {
-            prefilled,
-            encoded,
+            made: Made::Prefill { prefilled, encoded },
+            sent,
+        })
+    }
+
+    /// Starts the producer side of a job that names documents: `documents` (id and tokens, in
+    /// order) are served from the producer's store and go out on `to_consumer`; `after` is the
+    /// prompt and the tokens to generate that must fit the context after them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_documents(
+        &self,
+        job: JobId,
+        trace: TraceContext,
+        documents: Vec<(String, Vec<u32>)>,
+        after: usize,
+        to_consumer: Connection,
+        q: &PipelineOptions,
+        cancel: &CancellationToken,
+    ) -> Result<ProducerReplies, JobError> {
+        let (frames_tx, frames_rx) = mpsc::channel(q.frame_queue.max(1));
+        let sent = ask(&self.transfer, "producer transfer", |reply| {
+            TransferOutMsg::Send(
+                SendJob {
+                    job,
+                    connection: to_consumer,
+                    trace,
+                    frames: frames_rx,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
+        })?;
+        let served = ask(&self.producer, "producer", |reply| {
+            ProducerMsg::Documents(
+                DocumentsJob {
+                    job,
+                    documents,
+                    after,
+                    frames: frames_tx,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
+        })?;
+        Ok(ProducerReplies {
+            made: Made::Documents(served),
             sent,
         })
     }
@@ -110,19 +167,43 @@ impl ProducerReplies {
     /// Waits for every stage; on failure, every error (the caller picks the cause with
     /// [`cause`], possibly together with the other half's).
     pub async fn settle(self, cancel: &CancellationToken) -> Result<ProducerDone, Vec<JobError>> {
-        let (p, e, t) = tokio::join!(
-            settle(self.prefilled, "producer", cancel),
-            settle(self.encoded, "encoder", cancel),
-            settle(self.sent, "producer transfer", cancel),
-        );
-        match (p, e, t) {
-            (Ok(prefill), Ok(encoded), Ok(sent)) => Ok(ProducerDone {
-                prefill: prefill.map(|p| p.span),
-                cached_tokens: prefill.map_or(0, |p| p.cached_tokens),
-                encoded,
-                sent,
-            }),
-            (p, e, t) => Err([p.err(), e.err(), t.err()].into_iter().flatten().collect()),
+        match self.made {
+            Made::Prefill { prefilled, encoded } => {
+                let (p, e, t) = tokio::join!(
+                    settle(prefilled, "producer", cancel),
+                    settle(encoded, "encoder", cancel),
+                    settle(self.sent, "producer transfer", cancel),
+                );
+                match (p, e, t) {
+                    (Ok(prefill), Ok(encoded), Ok(sent)) => Ok(ProducerDone {
+                        prefill: prefill.map(|p| p.span),
+                        cached_tokens: prefill.map_or(0, |p| p.cached_tokens),
+                        encoded,
+                        sent,
+                        documents: None,
+                    }),
+                    (p, e, t) => Err([p.err(), e.err(), t.err()].into_iter().flatten().collect()),
+                }
+            }
+            Made::Documents(served) => {
+                let (d, t) = tokio::join!(
+                    settle(served, "producer", cancel),
+                    settle(self.sent, "producer transfer", cancel),
+                );
+                match (d, t) {
+                    (Ok(served), Ok(sent)) => Ok(ProducerDone {
+                        prefill: None,
+                        cached_tokens: 0,
+                        encoded: EncodeReport {
+                            span: None,
+                            layer_bytes: served.layer_bytes.clone(),
+                        },
+                        sent,
+                        documents: Some(served),
+                    }),
+                    (d, t) => Err([d.err(), t.err()].into_iter().flatten().collect()),
+                }
+            }
         }
     }
 }

@@ -928,3 +928,206 @@ async fn one_joint_code_stream_serves_three_experts() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// The reference of a job with documents: each compiled alone by `writer`, stitched in order,
+/// the prompt read after them by the expert, then greedy decoding, all in one process.
+fn documents_reference(
+    m: &common::Models,
+    writer: &scd_models::Llama,
+    docs: &[&[u32]],
+    prompt: &[u32],
+) -> Vec<u32> {
+    use scd_models::pic::{stitch, CompiledDoc};
+    let compiled: Vec<CompiledDoc> = docs
+        .iter()
+        .map(|d| CompiledDoc::compile(writer, d).unwrap())
+        .collect();
+    let refs: Vec<&CompiledDoc> = compiled.iter().collect();
+    let mut cache = stitch(&m.expert, &refs).unwrap();
+    let (&last, prefix) = prompt.split_last().unwrap();
+    m.expert
+        .forward(
+            scd_models::Input::new(prefix)
+                .with_cache(&mut cache)
+                .logits(scd_models::LogitsWanted::None),
+        )
+        .unwrap();
+    scd_models::generate_with_cache(&m.expert, &mut cache, &[last], &common::params(), |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap()
+    .tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
+    use scd_scheduler::DocumentRegistry;
+    let m = models();
+    let cluster = Cluster::new();
+    let store_dir = tempfile::tempdir().unwrap();
+    let writer_dir = repo().join("experts/sempic-writer");
+    let section = format!(
+        "[documents]\ndir = \"{}\"\nwriter = \"{}\"\nwire = \"f32\"\n",
+        store_dir.path().display(),
+        writer_dir.display()
+    );
+    let producer_config = config_with(
+        "prefill-0",
+        "\"producer\", \"scheduler\"",
+        true,
+        &repo().join("experts/mail/translator"),
+        &section,
+    );
+    let producer = cluster.start(&producer_config).await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let writer = {
+        let adapter =
+            scd_models::LoraAdapter::load(writer_dir.join("adapter.safetensors"), m.base.config())
+                .unwrap();
+        m.base
+            .with_adapter(&adapter, scd_models::AdapterMode::Merge)
+            .unwrap()
+    };
+    let version = scd_models::pic::WriterVersion::of(&writer, None)
+        .unwrap()
+        .id();
+
+    // Two documents, recorded once in the cluster; a question that names them.
+    let texts = [
+        "The lighthouse on Gull Rock was built in 1871 from granite quarried on the island. \
+         Its lamp was lit by oil until 1934, when the keepers' cottage received electricity.",
+        "Maria Okafor kept the lighthouse from 1952 to 1979. She logged every ship that passed \
+         and rescued the crew of the trawler Bonny Lass during the storm of 1961.",
+    ];
+    let registry = DocumentRegistry::new(cluster.store.clone(), Keys::default());
+    let mut records = Vec::new();
+    for (i, t) in texts.iter().enumerate() {
+        let tokens = m.tok.encode(t, false).unwrap();
+        let r = registry
+            .add(common::MODEL_FILE, tokens, Some(format!("doc{i}")))
+            .await
+            .unwrap();
+        records.push(r);
+    }
+    let again = registry
+        .add(common::MODEL_FILE, records[0].tokens.clone(), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        again, records[0],
+        "adding a document twice finds the first record"
+    );
+    let chat = m
+        .tok
+        .apply_chat_template(
+            &[scd_models::tokenizer::ChatMessage::user(
+                "Who kept the lighthouse, and whom did she rescue?".to_owned(),
+            )],
+            true,
+        )
+        .unwrap();
+    let question = m.tok.encode(&chat, false).unwrap();
+    let ask = |order: [usize; 2]| {
+        let mut r = request(&question, MAX_TOKENS);
+        r.documents = order.iter().map(|&i| records[i].id.clone()).collect();
+        r
+    };
+
+    // First job: the producer compiles both into its store, serves them, and announces them.
+    let id = cluster
+        .client
+        .submit("mail", Mode::Oracle, ask([0, 1]))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    let docs: Vec<&[u32]> = records.iter().map(|r| r.tokens.as_slice()).collect();
+    let want = documents_reference(m, &writer, &docs, &question);
+    assert_eq!(job.output.as_ref().unwrap().tokens, want);
+    let served = job
+        .documents
+        .clone()
+        .expect("the producer records the documents");
+    assert_eq!(served.writer, version);
+    assert_eq!(
+        served.compiled,
+        [records[0].id.clone(), records[1].id.clone()]
+    );
+    assert_eq!(served.hits, 0);
+    assert_eq!(served.rows as usize, docs[0].len() + docs[1].len());
+    assert!(job.stages.contains_key("documents") && !job.stages.contains_key("prefill"));
+    assert_eq!(job.layer_bytes.len(), m.base.config().num_layers);
+    let store = producer.documents().expect("the producer serves documents");
+    assert_eq!((store.compilations(), store.hits()), (2, 0));
+    let announced = |nodes: &scd_scheduler::NodeMap| {
+        nodes.get("prefill-0").is_some_and(|n| {
+            n.document_writer.as_deref() == Some(version.as_str())
+                && records.iter().all(|r| n.documents.contains(&r.id))
+        })
+    };
+    let mut waited = 0;
+    while !announced(&cluster.client.nodes().await.unwrap()) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        waited += 1;
+        assert!(waited < 500, "the compiled documents were never announced");
+    }
+
+    // Second job, the documents the other way round: both from the store, nothing computed,
+    // and the answer of that order.
+    let id = cluster
+        .client
+        .submit("mail", Mode::Oracle, ask([1, 0]))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    let want = documents_reference(m, &writer, &[docs[1], docs[0]], &question);
+    assert_eq!(job.output.as_ref().unwrap().tokens, want);
+    let served = job.documents.clone().unwrap();
+    assert!(served.compiled.is_empty(), "{served:?}");
+    assert_eq!(served.hits, 2);
+    assert_eq!(
+        (store.compilations(), store.hits()),
+        (2, 2),
+        "a hit computes nothing"
+    );
+
+    // Refused at submission, with the reason: a document the cluster does not know, a
+    // malformed id, and a mode other than oracle.
+    let mut unknown = ask([0, 1]);
+    unknown.documents[1] = scd_models::pic::document_id(&[1, 2, 3]);
+    for (req, mode, says) in [
+        (unknown, Mode::Oracle, "scd docs add"),
+        (
+            {
+                let mut r = ask([0, 1]);
+                r.documents[0] = "not-an-id".into();
+                r
+            },
+            Mode::Oracle,
+            "not a document id",
+        ),
+        (ask([0, 1]), Mode::Raw, "mode oracle"),
+    ] {
+        let err = cluster.client.submit("mail", mode, req).await.unwrap_err();
+        assert!(matches!(err, ClientError::Documents(_)), "{err:?}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+
+    // A restarted producer finds its store again: it announces what it holds before any job,
+    // and serves the next job without compiling.
+    producer.shutdown(Duration::ZERO).await;
+    let producer = cluster.start(&producer_config).await;
+    assert!(announced(&cluster.client.nodes().await.unwrap()));
+    let id = cluster
+        .client
+        .submit("mail", Mode::Oracle, ask([0, 1]))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.documents.unwrap().hits, 2);
+    assert_eq!(producer.documents().unwrap().compilations(), 0);
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

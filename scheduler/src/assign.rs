@@ -272,21 +272,27 @@ pub struct ProducerChoice {
     pub producer: String,
     /// How many leading prompt blocks it already holds.
     pub matched_blocks: usize,
+    /// How many of the job's documents it holds compiled.
+    pub held_documents: usize,
 }
 
-/// Picks a producer for a job from `pool`: live members not in `exclude`, preferring ones with
-/// spare capacity; among those, the longest held prefix of `prompt_hashes` (chained block
-/// hashes, see [`crate::prefix`]) wins, then the lowest load per capacity, then the id.
+/// Picks a producer for a job from `pool`: live members not in `exclude` (and, for a job that
+/// names `documents`, that serve documents), preferring ones with spare capacity; among those,
+/// the most of the job's documents held compiled wins, then the longest held prefix of
+/// `prompt_hashes` (chained block hashes, see [`crate::prefix`]), then the lowest load per
+/// capacity, then the id.
 pub fn choose_producer(
     pool: &[String],
     nodes: &NodeMap,
     prompt_hashes: &[String],
+    documents: &[String],
     exclude: &[String],
 ) -> Option<ProducerChoice> {
     let candidates: Vec<&NodeInfo> = pool
         .iter()
         .filter(|id| !exclude.contains(id))
         .filter_map(|id| nodes.get(id))
+        .filter(|n| documents.is_empty() || n.document_writer.is_some())
         .collect();
     let with_room: Vec<&NodeInfo> = candidates
         .iter()
@@ -306,16 +312,18 @@ pub fn choose_producer(
                 .iter()
                 .take_while(|h| held.contains(h.as_str()))
                 .count();
-            (n, matched)
+            let docs = documents.iter().filter(|d| n.documents.contains(d)).count();
+            (n, (docs, matched))
         })
         .min_by(|(a, ma), (b, mb)| {
             mb.cmp(ma)
                 .then_with(|| load_ratio(a).total_cmp(&load_ratio(b)))
                 .then_with(|| a.id.cmp(&b.id))
         })
-        .map(|(n, matched)| ProducerChoice {
+        .map(|(n, (docs, matched))| ProducerChoice {
             producer: n.id.clone(),
             matched_blocks: matched,
+            held_documents: docs,
         })
 }
 
@@ -513,32 +521,35 @@ mod tests {
         let ns = nodes(vec![a.clone(), b.clone(), c.clone()]);
         let pool: Vec<String> = vec!["a".into(), "b".into(), "c".into()];
         let prompt = vec!["h0".to_string(), "h1".to_string(), "h2".to_string()];
-        let pick = choose_producer(&pool, &ns, &prompt, &[]).unwrap();
+        let pick = choose_producer(&pool, &ns, &prompt, &[], &[]).unwrap();
         assert_eq!(
             pick,
             ProducerChoice {
                 producer: "b".into(),
-                matched_blocks: 2
+                matched_blocks: 2,
+                held_documents: 0,
             }
         );
         // No affinity anywhere: least loaded wins.
-        let pick = choose_producer(&pool, &ns, &["zz".to_string()], &[]).unwrap();
+        let pick = choose_producer(&pool, &ns, &["zz".to_string()], &[], &[]).unwrap();
         assert_eq!(pick.producer, "a");
         // A full producer loses to one with room, even with a longer prefix.
         b.load = 4;
         let ns = nodes(vec![a, b, c]);
         assert_eq!(
-            choose_producer(&pool, &ns, &prompt, &[]).unwrap().producer,
+            choose_producer(&pool, &ns, &prompt, &[], &[])
+                .unwrap()
+                .producer,
             "a"
         );
         // Excluded or dead members are never chosen.
         assert_eq!(
-            choose_producer(&pool, &ns, &prompt, &["a".into()])
+            choose_producer(&pool, &ns, &prompt, &[], &["a".into()])
                 .unwrap()
                 .producer,
             "c"
         );
-        assert!(choose_producer(&["gone".into()], &ns, &prompt, &[]).is_none());
+        assert!(choose_producer(&["gone".into()], &ns, &prompt, &[], &[]).is_none());
     }
 
     #[test]
@@ -552,9 +563,41 @@ mod tests {
             &ns,
             &["h0".into(), "h1".into()],
             &[],
+            &[],
         )
         .unwrap();
         assert_eq!(pick.matched_blocks, 0);
+    }
+
+    #[test]
+    fn a_job_with_documents_goes_to_a_producer_serving_them_holding_the_most() {
+        let mut a = producer("a", 4, &["base"]);
+        let mut b = producer("b", 4, &["base"]);
+        let mut c = producer("c", 4, &["base"]);
+        let d = producer("d", 4, &["base"]);
+        for n in [&mut a, &mut b, &mut c] {
+            n.document_writer = Some("w1".into());
+        }
+        a.documents = vec!["d1".into()];
+        b.documents = vec!["d1".into(), "d2".into()];
+        b.load = 3;
+        b.prefix_hashes = vec![];
+        c.prefix_hashes = vec!["h0".into()];
+        let pool: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let ns = nodes(vec![a, b, c, d.clone()]);
+        let docs = ["d1".to_string(), "d2".to_string()];
+        // Held documents before prefix and load.
+        let pick = choose_producer(&pool, &ns, &["h0".into()], &docs, &[]).unwrap();
+        assert_eq!((pick.producer.as_str(), pick.held_documents), ("b", 2));
+        // None held: any producer that serves documents, the prefix first; never one that
+        // serves none, even idle.
+        let other = ["d9".to_string()];
+        let pick = choose_producer(&pool, &ns, &["h0".into()], &other, &[]).unwrap();
+        assert_eq!((pick.producer.as_str(), pick.matched_blocks), ("c", 1));
+        assert!(choose_producer(&["d".into()], &ns, &[], &other, &[]).is_none());
+        // A job without documents may go anywhere.
+        let ns = nodes(vec![d]);
+        assert!(choose_producer(&["d".into()], &ns, &[], &[], &[]).is_some());
     }
 
     #[test]

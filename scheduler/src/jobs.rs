@@ -54,6 +54,20 @@ pub struct RanksChoice {
     pub curve_kl: Option<f64>,
 }
 
+/// The documents a job names, as its producer served them (SemPIC).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DocumentsRecord {
+    /// The writer version that compiled them (every one of a job's by the same).
+    pub writer: String,
+    /// The positions they occupy before the prompt (boundary tokens included).
+    pub rows: u64,
+    /// Ids of those compiled for this job; the others came from the producer's store, with
+    /// nothing computed.
+    pub compiled: Vec<String>,
+    /// How many came from the store.
+    pub hits: u32,
+}
+
 /// A job run in a safer mode than the one it was submitted in.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModeFallback {
@@ -172,6 +186,9 @@ pub struct JobRecord {
     /// translator was marked degraded): `mode` is what ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<ModeFallback>,
+    /// How the producer served the documents the request names, once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub documents: Option<DocumentsRecord>,
     /// What the job asks for (the prompt's tokens and the generation settings); `None` for a
     /// record made only to be scheduled (the scheduler's own tests).
     #[serde(default)]
@@ -305,6 +322,7 @@ impl JobRecord {
             fan_out: Vec::new(),
             outputs: BTreeMap::new(),
             fallback: None,
+            documents: None,
             request: None,
             output: None,
             error: None,

@@ -154,6 +154,22 @@ impl Keys {
         format!("{}{job_id}", self.jobs_prefix())
     }
 
+    /// `<root>/documents/`
+    pub fn documents_prefix(&self) -> String {
+        format!("{}/documents/", self.root)
+    }
+
+    /// `<root>/documents/<document-id>`; the id must have [`scd_types::document_id`]'s form.
+    pub fn document(&self, id: &str) -> Result<String, InvalidId> {
+        if !scd_types::is_document_id(id) {
+            return Err(InvalidId {
+                what: "document id (32 lower-case hex digits)",
+                value: id.to_string(),
+            });
+        }
+        Ok(format!("{}{id}", self.documents_prefix()))
+    }
+
     /// `<root>/election/<name>` (the scheduler's is `scheduler`).
     pub fn election(&self, name: &str) -> Result<String, InvalidId> {
         check_id("election name", name)?;
@@ -194,6 +210,11 @@ mod tests {
             "/scd/v1/election/scheduler"
         );
         assert_eq!(Keys::new("/x/").node("a").unwrap(), "/x/nodes/a");
+        let doc = scd_types::document_id(&[1, 2, 3]);
+        assert_eq!(
+            k.document(&doc).unwrap(),
+            format!("/scd/v1/documents/{doc}")
+        );
     }
 
     #[test]
@@ -204,6 +225,8 @@ mod tests {
         assert!(k.pool("a b").is_err());
         assert!(k.translator_version("p", "c", ACTIVE).is_err());
         assert!(k.model(&"x".repeat(129)).is_err());
+        assert!(k.document("abc").is_err());
+        assert!(k.document(&"A".repeat(32)).is_err());
     }
 
     #[test]

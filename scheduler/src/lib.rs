@@ -17,6 +17,7 @@
 //!   (cancelling included) by compare-and-swap; each record carries its [`Mode`] and the
 //!   [`TraceContext`] that joins its spans across nodes.
 //! * [`models`]: model records.
+//! * [`documents`]: documents that jobs name by id (SemPIC), with their tokens.
 //! * [`service`]: the scheduler replica that ties them together while it leads.
 //! * `etcd_server` (feature `test-util`, off by default): a throwaway etcd process for tests,
 //!   examples and local runs, which checks that the etcd answering on its port is the one it
@@ -31,6 +32,7 @@
 pub mod admission;
 pub mod assign;
 pub mod codec;
+pub mod documents;
 #[cfg(feature = "test-util")]
 pub mod etcd_server;
 pub mod jobs;
@@ -47,10 +49,12 @@ pub use admission::{AdmissionRecord, Busy};
 pub use assign::{
     choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools, ProducerChoice,
 };
+pub use documents::{DocumentError, DocumentRecord, DocumentRegistry, MAX_DOCUMENT_TOKENS};
 #[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError};
 pub use jobs::{
-    Blame, JobError, JobRecord, JobStore, ModeFallback, RanksChoice, RanksRule, StageSpan,
+    Blame, DocumentsRecord, JobError, JobRecord, JobStore, ModeFallback, RanksChoice, RanksRule,
+    StageSpan,
 };
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};

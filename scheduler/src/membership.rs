@@ -39,6 +39,13 @@ pub struct NodeInfo {
     /// Content hashes of the prompt-prefix blocks it holds (see [`crate::prefix`]).
     #[serde(default)]
     pub prefix_hashes: Vec<String>,
+    /// The writer version its producer compiles documents with (SemPIC); `None` when it serves
+    /// no documents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub document_writer: Option<String>,
+    /// Ids of the documents it holds compiled by that writer version.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub documents: Vec<String>,
 }
 
 impl NodeInfo {
@@ -52,6 +59,8 @@ impl NodeInfo {
             capacity,
             load: 0,
             prefix_hashes: Vec::new(),
+            document_writer: None,
+            documents: Vec::new(),
         }
     }
 }

@@ -299,7 +299,8 @@ pub async fn reconcile(
                 } else {
                     Vec::new()
                 };
-                match choose_producer(pool, &view, &j.prefix_hashes, &excluded) {
+                let documents = j.request.as_ref().map_or(&[][..], |r| &r.documents[..]);
+                match choose_producer(pool, &view, &j.prefix_hashes, documents, &excluded) {
                     Some(choice) => j.assign(&choice.producer, &consumer, now_ms()),
                     None => Ok(()),
                 }

@@ -114,7 +114,8 @@ impl Target {
     scd submit --node producer@127.0.0.1:7101 --expert sotu --prompt 'What did the president promise?'\n  \
     scd submit --node producer@127.0.0.1:7101 --expert mail --raw --prompt-file mail.txt --mode raw --json\n  \
     echo 'Describe the sea.' | scd submit --node producer@127.0.0.1:7101 --expert melville\n  \
-    scd submit --node producer@127.0.0.1:7101 --expert mail --expert sotu --mode raw --prompt 'Hello'")]
+    scd submit --node producer@127.0.0.1:7101 --expert mail --expert sotu --mode raw --prompt 'Hello'\n  \
+    scd submit --node producer@127.0.0.1:7101 --expert mail --document 3f2a... --prompt 'Summarise the document.'")]
 pub struct SubmitArgs {
     #[command(flatten)]
     pub target: Target,
@@ -124,8 +125,14 @@ pub struct SubmitArgs {
     #[arg(long, required = true)]
     pub expert: Vec<String>,
     /// How the base model's prefill reaches the expert: oracle, raw, q4, droidspeak, reuse, scd.
-    #[arg(long, default_value = "scd")]
-    pub mode: Mode,
+    /// Default scd; oracle with --document (the expert reads the prompt itself after the
+    /// documents, whose compiled caches the producer serves).
+    #[arg(long)]
+    pub mode: Option<Mode>,
+    /// A document to place before the prompt, by id (`scd docs add`); repeat it for several,
+    /// in order.
+    #[arg(long = "document")]
+    pub documents: Vec<String>,
     /// The prompt; without it and --prompt-file, stdin.
     #[arg(long, conflicts_with = "prompt_file")]
     pub prompt: Option<String>,
@@ -322,7 +329,11 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             job_id,
             expert,
             fan_out,
-            mode: args.mode,
+            mode: args.mode.unwrap_or(match args.documents.is_empty() {
+                true => Mode::Scd,
+                false => Mode::Oracle,
+            }),
+            documents: args.documents.clone(),
             prompt: Prompt::Text(text),
             chat: !args.raw,
             max_tokens: args.max_tokens,

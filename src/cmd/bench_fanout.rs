@@ -110,6 +110,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         top_p: 1.0,
         seed: 0,
         stop_tokens: Vec::new(),
+        documents: Vec::new(),
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let rows = runtime.block_on(async {

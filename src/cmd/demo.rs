@@ -2,7 +2,9 @@
 //! scheduler, and a consumer node serving one expert, over real QUIC on loopback with a
 //! throwaway CA), and the same prompt through it in every transfer mode, each a job record the
 //! scheduler assigns; then the results side by side: text, time to first token and its parts,
-//! payload bytes, and agreement with the expert's own prefill (the oracle).
+//! payload bytes, and agreement with the expert's own prefill (the oracle). With
+//! `--document-files`, then a job that names documents, twice: the producer compiles them with
+//! the SemPIC writer the first time and serves them from its store the second (SemPIC, M9 §5).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -48,6 +50,15 @@ pub struct Args {
     /// Element type of reuse and scd codes: f16 or i8-rows.
     #[arg(long, default_value = "i8-rows")]
     pub code_dtype: String,
+    /// Text files to record as documents for a job that names them (none: no such job).
+    #[arg(long, value_delimiter = ',')]
+    pub document_files: Vec<PathBuf>,
+    /// The prompt the expert reads after the documents.
+    #[arg(long, requires = "document_files")]
+    pub question_file: Option<PathBuf>,
+    /// The SemPIC writer that compiles the documents (adapter folder or file).
+    #[arg(long, default_value = "experts/sempic-writer")]
+    pub writer: PathBuf,
 }
 
 fn node_config(
@@ -128,7 +139,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let t0 = Instant::now();
     // One load serves both nodes: the producer node uses the base and the translator, the
     // consumer node the expert.
-    let served = Arc::new(Served::load(&consumer_cfg).context("loading the models")?);
+    let mut served = Served::load(&consumer_cfg).context("loading the models")?;
+    // Only the producer node serves documents (the consumer node's role does not use them).
+    let store_dir = tempfile::tempdir().context("making the demo's document store")?;
+    if !args.document_files.is_empty() {
+        let config = scd_actors::config::DocumentsConfig {
+            dir: store_dir.path().to_path_buf(),
+            writer: Some(std::path::absolute(&args.writer)?),
+            boundary: None,
+            wire: scd_actors::config::DocumentWire::Bf16,
+        };
+        let server = scd_actors::documents::DocumentServer::load(&config, &served.base)
+            .context("loading the SemPIC writer")?;
+        served.documents = Some(Arc::new(server));
+    }
+    let served = Arc::new(served);
     eprintln!(
         "loaded {} and expert {} in {:.1} s",
         served.base_id,
@@ -202,6 +227,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 top_p: 1.0,
                 seed: 0,
                 stop_tokens: tok.stop_ids().to_vec(),
+                documents: Vec::new(),
             };
             let id = client.submit(&args.expert, mode, request).await?;
             eprintln!("job {id}: {mode} ...");
@@ -215,12 +241,128 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
             done.push((mode, job));
         }
+        let documents = match &args.question_file {
+            Some(q) => {
+                let registry = scd_scheduler::DocumentRegistry::new(store.clone(), Keys::default());
+                Some(documents_jobs(&args, &client, &registry, &tok, &served.base_id, q).await?)
+            }
+            None => None,
+        };
         for node in nodes.into_iter().rev() {
             node.shutdown(Duration::ZERO).await;
         }
         print_results(&done, &tok);
+        if let Some(jobs) = documents {
+            print_documents(&args, &jobs, &tok);
+        }
         Ok(())
     })
+}
+
+/// Records the document files and runs a job that names them twice: the first compiles them on
+/// the producer, the second is served from its store.
+async fn documents_jobs(
+    args: &Args,
+    client: &ClusterClient,
+    registry: &scd_scheduler::DocumentRegistry,
+    tok: &Tokenizer,
+    base: &str,
+    question: &Path,
+) -> anyhow::Result<Vec<JobRecord>> {
+    let mut ids = Vec::new();
+    for file in &args.document_files {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let tokens = tok.encode(text.trim(), false)?;
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+        ids.push(registry.add(base, tokens, name).await?.id);
+    }
+    let text = std::fs::read_to_string(question)
+        .with_context(|| format!("reading {}", question.display()))?;
+    let prompt = tok.encode(&text, false)?;
+    let mut jobs = Vec::new();
+    for _ in 0..2 {
+        let request = JobRequest {
+            prompt: prompt.clone(),
+            max_tokens: args.max_tokens,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            stop_tokens: tok.stop_ids().to_vec(),
+            documents: ids.clone(),
+        };
+        let id = client.submit(&args.expert, Mode::Oracle, request).await?;
+        eprintln!("job {id}: {} documents ...", ids.len());
+        let job = client.wait(id, Duration::from_secs(600)).await?;
+        if job.state != JobState::Done {
+            bail!(
+                "job {id} (documents) ended {}: {}",
+                job.state,
+                job.error.as_deref().unwrap_or("no reason recorded")
+            );
+        }
+        jobs.push(job);
+    }
+    Ok(jobs)
+}
+
+fn print_documents(args: &Args, jobs: &[JobRecord], tok: &Tokenizer) {
+    let names: Vec<String> = args
+        .document_files
+        .iter()
+        .map(|f| f.display().to_string())
+        .collect();
+    println!(
+        "\n== a job naming {} documents ({}), twice: compiled by the SemPIC writer {} on the producer, then served from its store ==",
+        names.len(),
+        names.join(", "),
+        args.writer.display()
+    );
+    println!(
+        "{:<5} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "job", "compiled", "from store", "positions", "documents", "TTFT", "wire B"
+    );
+    for (i, job) in jobs.iter().enumerate() {
+        let d = job.documents.as_ref();
+        let ms = |key: &str| {
+            job.timings_ms
+                .get(key)
+                .map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
+        };
+        println!(
+            "{:<5} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8}",
+            i + 1,
+            d.map_or(0, |d| d.compiled.len()),
+            d.map_or(0, |d| d.hits),
+            d.map_or(0, |d| d.rows),
+            ms("documents"),
+            ms("ttft"),
+            job.payload_bytes
+        );
+    }
+    println!("(\"documents\" is the producer's time to fetch or compile the documents and send them, ms; the second job computes nothing of them)");
+    let text = |job: &JobRecord| {
+        let tokens = job
+            .output
+            .as_ref()
+            .map(|o| o.tokens.clone())
+            .unwrap_or_default();
+        tok.decode(&tokens, true)
+            .unwrap_or_else(|e| format!("(undecodable: {e})"))
+    };
+    if let Some(first) = jobs.first() {
+        println!(
+            "\n-- the expert, after the documents --\n{}",
+            text(first).trim()
+        );
+    }
+    if let [a, b] = jobs {
+        let same = a.output.as_ref().map(|o| &o.tokens) == b.output.as_ref().map(|o| &o.tokens);
+        println!(
+            "(the second job's answer is {}the first's)",
+            if same { "" } else { "NOT " }
+        );
+    }
 }
 
 fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {

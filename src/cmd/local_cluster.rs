@@ -82,6 +82,7 @@ impl Cluster {
             top_p: 1.0,
             seed: 0,
             stop_tokens: Vec::new(),
+            documents: Vec::new(),
         };
         let id = self.client.submit(expert, mode, request).await?;
         let job = self.client.wait(id, Duration::from_secs(600)).await?;

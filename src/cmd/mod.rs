@@ -12,6 +12,7 @@ pub mod bench_transport;
 pub mod calibrate;
 pub mod cert;
 pub mod demo;
+pub mod docs;
 pub mod eval;
 pub mod finetune;
 pub mod generate;

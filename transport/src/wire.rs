@@ -10,7 +10,7 @@ use scd_types::{
 
 /// The wire protocol version. It is in the ALPN string (so a peer with another version fails
 /// the TLS handshake) and in every frame header (so a stray frame of another version is refused).
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// One layer's codes for a job, as they go on the wire.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -108,6 +108,9 @@ pub struct SubmitRequest {
     pub trace: TraceContext,
     /// More experts of the same base served by the same prompt (a fan-out; protocol 3).
     pub fan_out: Vec<String>,
+    /// Documents placed before the prompt, by id, served compiled by the producer (SemPIC;
+    /// protocol 4).
+    pub documents: Vec<String>,
 }
 
 // rkyv generates one struct per struct-like variant, without docs; the allow is scoped to this
@@ -169,7 +172,8 @@ mod control {
             /// The job.
             job_id: JobId,
         },
-        /// Admin: read the cluster's state: `nodes`, `pools`, `jobs` or `job/<id>`.
+        /// Admin: read the cluster's state: `nodes`, `pools`, `jobs`, `job/<id>` or
+        /// `documents`.
         Inspect {
             /// What to read.
             topic: String,
@@ -180,8 +184,8 @@ mod control {
             body: String,
         },
         /// Admin: change the cluster's state: `topic` names the change
-        /// (`translators/publish`, `translators/activate`, `translators/rollback`), `body`
-        /// its arguments as JSON. The reply is a `Report` with the result, or an `Error`.
+        /// (`translators/publish`, `translators/activate`, `translators/rollback`,
+        /// `documents/add`), `body` its arguments as JSON. The reply is a `Report` with the result, or an `Error`.
         Change {
             /// What to change.
             topic: String,

@@ -299,6 +299,11 @@ pub struct JobRequest {
     /// Tokens that end generation (not emitted).
     #[serde(default)]
     pub stop_tokens: Vec<u32>,
+    /// Documents placed before the prompt, in this order, by id ([`crate::document_id`]): the
+    /// producer serves their compiled caches (SemPIC) and the expert reads the prompt after
+    /// them. Empty for a plain job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub documents: Vec<String>,
 }
 
 fn one() -> f32 {

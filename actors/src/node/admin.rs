@@ -8,8 +8,9 @@
 //!   then a final status whose detail is the record's summary as JSON.
 //! - `Cancel`: the record is cancelled; the nodes working on it stop.
 //!
-//! - `Inspect`: the cluster's state as JSON (nodes, pools, translators, jobs, one job).
-//! - `Change`: publish, activate or roll back a translator version.
+//! - `Inspect`: the cluster's state as JSON (nodes, pools, translators, jobs, one job,
+//!   documents).
+//! - `Change`: publish, activate or roll back a translator version; add a document.
 //!
 //! A client that goes away stops the following, not the job: it can `Watch` it again.
 
@@ -20,7 +21,9 @@ use crate::follow::{Following, Progress, Shown};
 use crate::node::work::{check_prompt, Work};
 use scd_models::Sampling;
 use scd_scheduler::jobs::JobError as RecordError;
-use scd_scheduler::{JobId, JobRecord, JobRequest, JobState, TranslatorError};
+use scd_scheduler::{
+    DocumentError, DocumentRegistry, JobId, JobRecord, JobRequest, JobState, TranslatorError,
+};
 use scd_transport::{
     error_code, AdminError, AdminReplies, AdminRequest, Connection, Control, Prompt, SubmitRequest,
 };
@@ -46,6 +49,7 @@ impl From<ClientError> for Refused {
             ClientError::NoConsumer { .. }
             | ClientError::NoProducer { .. }
             | ClientError::FanOut { .. }
+            | ClientError::Documents(_)
             | ClientError::PromptTooShort(_) => error_code::REFUSED,
             ClientError::Busy(_) => error_code::BUSY,
             ClientError::Gone(_) | ClientError::Record(RecordError::NotFound(_)) => {
@@ -137,6 +141,7 @@ fn request_of(work: &Work, r: &SubmitRequest) -> Result<JobRequest, Refused> {
         top_p,
         seed: r.seed,
         stop_tokens: tok.stop_ids().to_vec(),
+        documents: r.documents.clone(),
     };
     check_prompt(&work.served, &request).map_err(|e| refuse(e.to_string()))?;
     Ok(request)
@@ -240,17 +245,18 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
                 .collect();
             serde_json::Value::Array(list)
         }
+        "documents" => documents(work).await?,
         t => match t.strip_prefix("job/").map(str::parse::<JobId>) {
             Some(Ok(id)) => {
                 let job = work.client.get(id).await?;
                 serde_json::to_value(job).map_err(|e| internal(e.to_string()))?
             }
-            _ => {
-                return Err(Refused::new(
-                    error_code::PROTOCOL,
-                    format!("unknown topic {t:?}: nodes, pools, translators, jobs or job/<id>"),
-                ))
-            }
+            _ => return Err(Refused::new(
+                error_code::PROTOCOL,
+                format!(
+                    "unknown topic {t:?}: nodes, pools, translators, jobs, job/<id> or documents"
+                ),
+            )),
         },
     };
     report(replies, body).await
@@ -298,9 +304,46 @@ struct TranslatorArgs {
     activate: bool,
 }
 
+/// The arguments of `documents/add`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DocumentArgs {
+    /// The document's text (tokenised here, with the base model's tokenizer, as it is).
+    text: String,
+    /// A name for people.
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// Every document (without its tokens), with the producers that announce it compiled.
+async fn documents(work: &Work) -> Result<serde_json::Value, Refused> {
+    let internal = |e: String| Refused::new(error_code::INTERNAL, e);
+    let records = DocumentRegistry::new(work.store.clone(), work.keys.clone())
+        .list()
+        .await
+        .map_err(|e| internal(e.to_string()))?;
+    let nodes = work.client.nodes().await?;
+    let list = records
+        .iter()
+        .map(|d| {
+            let held_by: Vec<&str> = nodes
+                .values()
+                .filter(|n| n.documents.contains(&d.id))
+                .map(|n| n.id.as_str())
+                .collect();
+            serde_json::json!({
+                "id": d.id, "name": d.name, "base": d.base, "tokens": d.tokens.len(),
+                "added_at_ms": d.added_at_ms, "held_by": held_by,
+            })
+        })
+        .collect();
+    Ok(serde_json::Value::Array(list))
+}
+
 /// Changes the cluster's state: `translators/publish` (checks the folder here, publishes its
 /// manifest, and activates it if asked), `translators/activate`, `translators/rollback`. The
-/// nodes of the pair follow the live version on their own.
+/// nodes of the pair follow the live version on their own. `documents/add` records a
+/// document (tokenised here) that jobs may then name.
 async fn change(
     work: &Work,
     topic: &str,
@@ -308,6 +351,35 @@ async fn change(
     replies: &mut AdminReplies,
 ) -> Result<(), Refused> {
     let refuse = |m: String| Refused::new(error_code::REFUSED, m);
+    if topic == "documents/add" {
+        let args: DocumentArgs = serde_json::from_str(body)
+            .map_err(|e| refuse(format!("the arguments of {topic}: {e}")))?;
+        let tokens = work
+            .served
+            .tokenizer
+            .encode(&args.text, false)
+            .map_err(|e| refuse(format!("tokenising the document: {e}")))?;
+        let record = DocumentRegistry::new(work.store.clone(), work.keys.clone())
+            .add(&work.served.base_id, tokens, args.name)
+            .await
+            .map_err(|e| match e {
+                DocumentError::Store(_) | DocumentError::Codec(_) => {
+                    Refused::new(error_code::INTERNAL, e.to_string())
+                }
+                _ => refuse(e.to_string()),
+            })?;
+        tracing::info!(
+            topic,
+            document = record.id,
+            tokens = record.tokens.len(),
+            "admin change"
+        );
+        let body = serde_json::json!({
+            "id": record.id, "tokens": record.tokens.len(), "name": record.name,
+            "base": record.base,
+        });
+        return report(replies, body).await;
+    }
     let args: TranslatorArgs =
         serde_json::from_str(body).map_err(|e| refuse(format!("the arguments of {topic}: {e}")))?;
     let producer = args
@@ -355,7 +427,7 @@ async fn change(
         t => {
             return Err(Refused::new(
                 error_code::PROTOCOL,
-                format!("unknown change {t:?}: translators/publish, translators/activate or translators/rollback"),
+                format!("unknown change {t:?}: translators/publish, translators/activate, translators/rollback or documents/add"),
             ))
         }
     };

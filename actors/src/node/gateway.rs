@@ -153,7 +153,9 @@ impl From<ClientError> for ApiError {
                     .code("model_not_found")
                     .param("model")
             }
-            ClientError::PromptTooShort(_) => ApiError::bad_request(e.to_string()),
+            ClientError::PromptTooShort(_) | ClientError::Documents(_) => {
+                ApiError::bad_request(e.to_string())
+            }
             // OpenAI's own answer to overload: 429 with a hint that its clients honour.
             ClientError::Busy(ref busy) => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
@@ -315,6 +317,7 @@ impl Gateway {
             top_p,
             seed: s.seed.unwrap_or(0),
             stop_tokens: tok.stop_ids().to_vec(),
+            documents: Vec::new(),
         };
         check_prompt(&self.work.served, &request).map_err(|e| {
             ApiError::bad_request(e.to_string())

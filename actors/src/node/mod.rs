@@ -208,6 +208,17 @@ impl Node {
         if consumer_role {
             info.consumer_models = served.experts.keys().cloned().collect();
         }
+        if let Some(docs) = served.documents.as_ref().filter(|_| producer_role) {
+            // What the store holds from earlier runs is announced again: the entries outlive
+            // the node, the registration does not.
+            info.document_writer = Some(docs.version().id());
+            let mut held = docs.held().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "listing the compiled documents failed; announcing none");
+                Vec::new()
+            });
+            held.truncate(work::MAX_ANNOUNCED_DOCUMENTS);
+            info.documents = held;
+        }
         let registration = Arc::new(
             Registration::register(store.clone(), &keys, info, RegistrationConfig::default())
                 .await?,
@@ -264,6 +275,7 @@ impl Node {
             endpoint,
             nodes,
             load,
+            registration: registration.clone(),
             links: Mutex::new(HashMap::new()),
             active: StdMutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
@@ -361,6 +373,12 @@ impl Node {
     /// Jobs it works on now.
     pub fn load(&self) -> usize {
         self.work.load()
+    }
+
+    /// The compiled documents it serves (a producer with `[documents]`): its store's counts of
+    /// compilations and hits say what was computed.
+    pub fn documents(&self) -> Option<&crate::documents::DocumentServer> {
+        self.work.served.documents.as_deref()
     }
 
     /// Actors its supervisor has started again since the node started.

@@ -1,6 +1,7 @@
 //! What a node serves, loaded from its config: the base model (a producer prefills with it; a
 //! consumer builds its experts on it), each expert's model (consumer role) and each expert's
-//! translator, checked against the models it names before the node joins the cluster.
+//! translator, checked against the models it names before the node joins the cluster; and a
+//! producer's compiled documents ([`crate::documents`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -58,6 +59,9 @@ pub enum ServeError {
         /// Why.
         source: Box<TranslatorError>,
     },
+    /// The producer's compiled documents could not be set up.
+    #[error(transparent)]
+    Documents(#[from] Box<crate::documents::DocumentSetupError>),
     /// The translator was calibrated for other consumers.
     #[error(
         "expert {expert}: translator {path} was calibrated for consumers [{names}], not {expert}"
@@ -95,6 +99,8 @@ pub struct Served {
     pub tokenizer: Tokenizer,
     /// The experts, by name.
     pub experts: BTreeMap<String, ServedExpert>,
+    /// The producer's compiled documents (`[documents]`), if it serves any.
+    pub documents: Option<Arc<crate::documents::DocumentServer>>,
 }
 
 impl Served {
@@ -138,11 +144,18 @@ impl Served {
                 },
             );
         }
+        let documents = match (&config.documents, config.has_role(NodeRole::Producer)) {
+            (Some(d), true) => Some(Arc::new(
+                crate::documents::DocumentServer::load(d, &base).map_err(Box::new)?,
+            )),
+            _ => None,
+        };
         Ok(Self {
             base_id: model_id(&base),
             base,
             tokenizer,
             experts,
+            documents,
         })
     }
 

@@ -123,6 +123,7 @@ impl SupervisorState {
                 let args = ProducerArgs {
                     model: a.served.base.clone(),
                     prefix_cache: a.prefix_cache.clone(),
+                    documents: a.served.documents.clone(),
                 };
                 let (r, _) = Actor::spawn_linked(None, Producer, args, me).await?;
                 write(&a.table).producer = Some(r.clone());

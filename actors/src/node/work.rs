@@ -16,6 +16,11 @@
 //!
 //! A record that turns `cancelled`, `failed` or back to `queued` (the scheduler gave the
 //! attempt to someone else) cancels the local work on it.
+//!
+//! A job that names documents (SemPIC) takes the same path: its producer serves the
+//! documents' compiled caches from its store instead of prefilling (compiling the ones it does
+//! not hold, and announcing them in its registration), and its consumer reads the prompt itself
+//! after them ([`scd_models::codec::Documents`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -83,6 +88,8 @@ pub(crate) struct Work {
     pub telemetry: Option<Telemetry>,
     /// This node's load as it changes; the node's reporter writes it to its registration.
     pub load: watch::Sender<usize>,
+    /// The node's registration: where it announces the documents it holds compiled.
+    pub registration: Arc<scd_scheduler::Registration>,
     /// Connections to consumer nodes, by node id.
     pub links: Mutex<HashMap<String, Connection>>,
     /// Jobs this node works on (a one-process node may hold both halves of one), with their
@@ -144,7 +151,15 @@ pub(crate) enum Refusal {
     ConsumerGone(String),
     #[error("connecting to consumer node {node}: {error}")]
     Connect { node: String, error: String },
+    #[error("no document {0} in the cluster (add it with `scd docs add`)")]
+    UnknownDocument(String),
+    #[error("reading the job's documents: {0}")]
+    Documents(String),
 }
+
+/// The most document ids a node announces holding (the newest kept): the registration is
+/// rewritten at every change, so it stays small.
+pub(crate) const MAX_ANNOUNCED_DOCUMENTS: usize = 4096;
 
 impl Work {
     fn is_draining(&self) -> bool {
@@ -300,6 +315,8 @@ impl Work {
                 };
                 let prefill = ms(done.prefill);
                 let encode = ms(done.encoded.span);
+                let served = done.documents.as_ref().map(|d| d.span);
+                let documents_ms = ms(served);
                 let transfer = ms(Some(done.sent.span));
                 let bytes = done.sent.wire_bytes;
                 let total = started.elapsed().as_secs_f64() * 1e3;
@@ -313,6 +330,7 @@ impl Work {
                 }
                 let spans: Vec<(&str, StageSpan)> = [
                     ("prefill", done.prefill),
+                    ("documents", served),
                     ("encode", done.encoded.span),
                     ("transfer", Some(done.sent.span)),
                 ]
@@ -328,6 +346,7 @@ impl Work {
                 let m = &self.metrics;
                 for (stage, v) in [
                     ("prefill", prefill),
+                    ("documents", documents_ms),
                     ("encode", encode),
                     ("transfer", transfer),
                 ] {
@@ -390,6 +409,7 @@ impl Work {
                         j.layer_bytes = layer_bytes.clone();
                         for (k, v) in [
                             ("prefill", prefill),
+                            ("documents", documents_ms),
                             ("encode", encode),
                             ("transfer", transfer),
                             ("producer_total", Some(total)),
@@ -400,6 +420,15 @@ impl Work {
                         }
                         j.payload_bytes = bytes;
                         j.cached_prefix_tokens = cached_tokens;
+                        j.documents =
+                            done.documents
+                                .as_ref()
+                                .map(|d| scd_scheduler::DocumentsRecord {
+                                    writer: d.writer.clone(),
+                                    rows: d.rows as u64,
+                                    compiled: d.compiled.clone(),
+                                    hits: d.hits as u32,
+                                });
                         if j.state == JobState::Prefilling && j.attempts == attempt {
                             j.transition(JobState::Transferring, now_ms())?;
                         }
@@ -408,6 +437,9 @@ impl Work {
                     .await;
                 if let Err(e) = written {
                     tracing::warn!(job = %id, error = %e, "recording the producer's timings failed");
+                }
+                if let Some(d) = done.documents.as_ref().filter(|d| !d.compiled.is_empty()) {
+                    self.announce_documents(&d.compiled).await;
                 }
             }
             Err(e) if e.is_knock_on() && cancel.is_cancelled() => {
@@ -450,10 +482,35 @@ impl Work {
             .clone()
             .ok_or_else(|| Refusal::ConsumerGone("(none recorded)".into()))?;
         let connection = self.link(&consumer).await?;
-        let prefix = request.prompt[..request.prompt.len() - 1].to_vec();
         let producer = read(&self.actors)
             .producer()
             .ok_or(Refusal::Codec("this node has no producer role".into()))?;
+        if !request.documents.is_empty() {
+            let registry =
+                scd_scheduler::DocumentRegistry::new(self.store.clone(), self.keys.clone());
+            let mut documents = Vec::with_capacity(request.documents.len());
+            for id in &request.documents {
+                let record = registry
+                    .get(id)
+                    .await
+                    .map_err(|e| Refusal::Documents(format!("document {id}: {e}")))?
+                    .ok_or_else(|| Refusal::UnknownDocument(id.clone()))?;
+                documents.push((record.id, record.tokens));
+            }
+            let after = request.prompt.len() + request.max_tokens as usize;
+            return producer
+                .start_documents(
+                    job.id,
+                    job.trace.clone(),
+                    documents,
+                    after,
+                    connection,
+                    &self.queues,
+                    cancel,
+                )
+                .map_err(|e| Refusal::Codec(e.to_string()));
+        }
+        let prefix = request.prompt[..request.prompt.len() - 1].to_vec();
         producer
             .start(
                 job.id,
@@ -1010,6 +1067,23 @@ impl Work {
         if !self.served.experts.contains_key(expert) {
             return Err(Refusal::UnknownExpert(expert.to_string()));
         }
+        if job
+            .request
+            .as_ref()
+            .is_some_and(|r| !r.documents.is_empty())
+        {
+            if job.mode != scd_scheduler::Mode::Oracle {
+                return Err(Refusal::Codec(format!(
+                    "a job with documents runs in mode oracle (the expert reads the prompt \
+                     itself, after the documents' compiled caches), not {}",
+                    job.mode
+                )));
+            }
+            return Ok(JobCodec {
+                codec: Arc::new(scd_models::codec::Documents),
+                translator: None,
+            });
+        }
         let version = match job.translator {
             Some(hash) => self.translators.get(expert, hash).await,
             None => self.translators.current(expert),
@@ -1031,6 +1105,26 @@ impl Work {
         let request = job.request.as_ref().ok_or(Refusal::NoRequest)?;
         check_prompt(&self.served, request)?;
         Ok(request)
+    }
+
+    /// Adds `ids` to the documents this node announces holding compiled (the newest kept past
+    /// [`MAX_ANNOUNCED_DOCUMENTS`]).
+    async fn announce_documents(&self, ids: &[String]) {
+        let announced = self
+            .registration
+            .update(|info| {
+                for id in ids {
+                    if !info.documents.contains(id) {
+                        info.documents.push(id.clone());
+                    }
+                }
+                let over = info.documents.len().saturating_sub(MAX_ANNOUNCED_DOCUMENTS);
+                info.documents.drain(..over);
+            })
+            .await;
+        if let Err(e) = announced {
+            tracing::warn!(error = %e, "announcing compiled documents failed");
+        }
     }
 
     /// Sends `job` back to the queue (its attempt was lost to a failed actor, not to the job

@@ -274,6 +274,7 @@ pub fn request(prompt: &[u32], max_tokens: usize) -> JobRequest {
         top_p: 1.0,
         seed: 0,
         stop_tokens: Vec::new(),
+        documents: Vec::new(),
     }
 }
 
