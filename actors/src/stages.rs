@@ -75,18 +75,7 @@ impl ProducerActors {
     ) -> Result<ProducerReplies, JobError> {
         let (captures_tx, captures_rx) = mpsc::channel(q.capture_queue.max(1));
         let (frames_tx, frames_rx) = mpsc::channel(q.frame_queue.max(1));
-        let sent = ask(&self.transfer, "producer transfer", |reply| {
-            TransferOutMsg::Send(
-                SendJob {
-                    job,
-                    connection: to_consumer,
-                    trace,
-                    frames: frames_rx,
-                    cancel: cancel.clone(),
-                },
-                reply,
-            )
-        })?;
+        let sent = self.send(job, trace, to_consumer, frames_rx, cancel)?;
         let encoded = ask(&self.encoder, "encoder", |reply| {
             EncoderMsg::Encode(
                 EncodeJob {
@@ -132,18 +121,7 @@ impl ProducerActors {
         cancel: &CancellationToken,
     ) -> Result<ProducerReplies, JobError> {
         let (frames_tx, frames_rx) = mpsc::channel(q.frame_queue.max(1));
-        let sent = ask(&self.transfer, "producer transfer", |reply| {
-            TransferOutMsg::Send(
-                SendJob {
-                    job,
-                    connection: to_consumer,
-                    trace,
-                    frames: frames_rx,
-                    cancel: cancel.clone(),
-                },
-                reply,
-            )
-        })?;
+        let sent = self.send(job, trace, to_consumer, frames_rx, cancel)?;
         let served = ask(&self.producer, "producer", |reply| {
             ProducerMsg::Documents(
                 DocumentsJob {
@@ -159,6 +137,29 @@ impl ProducerActors {
         Ok(ProducerReplies {
             made: Made::Documents(served),
             sent,
+        })
+    }
+
+    /// Asks the transfer to send the job's frames, as they come on `frames`, to the consumer.
+    fn send(
+        &self,
+        job: JobId,
+        trace: TraceContext,
+        connection: Connection,
+        frames: mpsc::Receiver<scd_transport::CodeFrame>,
+        cancel: &CancellationToken,
+    ) -> Result<oneshot::Receiver<Result<TransferReport, TransferError>>, JobError> {
+        ask(&self.transfer, "producer transfer", |reply| {
+            TransferOutMsg::Send(
+                SendJob {
+                    job,
+                    connection,
+                    trace,
+                    frames,
+                    cancel: cancel.clone(),
+                },
+                reply,
+            )
         })
     }
 }

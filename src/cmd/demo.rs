@@ -220,15 +220,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         modes.extend(args.modes.iter().copied().filter(|m| *m != Mode::Oracle));
         let mut done: Vec<(Mode, JobRecord)> = Vec::new();
         for mode in modes {
-            let request = JobRequest {
-                prompt: prompt.clone(),
-                max_tokens: args.max_tokens,
-                temperature: 0.0,
-                top_p: 1.0,
-                seed: 0,
-                stop_tokens: tok.stop_ids().to_vec(),
-                documents: Vec::new(),
-            };
+            let request = greedy(&args, &tok, prompt.clone(), Vec::new());
             let id = client.submit(&args.expert, mode, request).await?;
             eprintln!("job {id}: {mode} ...");
             let job = client.wait(id, Duration::from_secs(600)).await?;
@@ -259,6 +251,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
 }
 
+/// A greedy request for `prompt` after `documents`, as every demo job is.
+fn greedy(args: &Args, tok: &Tokenizer, prompt: Vec<u32>, documents: Vec<String>) -> JobRequest {
+    JobRequest {
+        prompt,
+        max_tokens: args.max_tokens,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        stop_tokens: tok.stop_ids().to_vec(),
+        documents,
+    }
+}
+
 /// Records the document files and runs a job that names them twice: the first compiles them on
 /// the producer, the second is served from its store.
 async fn documents_jobs(
@@ -282,15 +287,7 @@ async fn documents_jobs(
     let prompt = tok.encode(&text, false)?;
     let mut jobs = Vec::new();
     for _ in 0..2 {
-        let request = JobRequest {
-            prompt: prompt.clone(),
-            max_tokens: args.max_tokens,
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            stop_tokens: tok.stop_ids().to_vec(),
-            documents: ids.clone(),
-        };
+        let request = greedy(args, tok, prompt.clone(), ids.clone());
         let id = client.submit(&args.expert, Mode::Oracle, request).await?;
         eprintln!("job {id}: {} documents ...", ids.len());
         let job = client.wait(id, Duration::from_secs(600)).await?;

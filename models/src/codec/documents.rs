@@ -19,7 +19,7 @@ use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{check_rows, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use super::{check_rows, dtype_name, kind_name, Codec, CodecError, KvSlots, LayerDecoder, Prefix};
 use crate::cache::KvCache;
 use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted};
 use crate::pic::CompiledDoc;
@@ -77,7 +77,7 @@ struct DocumentsDecoder<'a> {
     /// The documents' rows, set by the first code.
     rows: Option<usize>,
     /// Per layer: (K after RoPE, V), each `(rows, kv_dim)`.
-    layers: Vec<(Option<Tensor>, Option<Tensor>)>,
+    layers: KvSlots,
 }
 
 impl Codec for Documents {
@@ -106,7 +106,7 @@ impl Codec for Documents {
             consumer,
             prefix,
             rows: None,
-            layers: vec![(None, None); consumer.config().num_layers],
+            layers: KvSlots::new(consumer.config().num_layers),
         }))
     }
 }
@@ -160,16 +160,9 @@ impl LayerDecoder for DocumentsDecoder<'_> {
         };
         check_rows(code, cfg.num_layers, rows, cfg.kv_dim())?;
         self.rows = Some(rows);
-        let slot = &mut self.layers[usize::from(code.layer)];
-        let slot = if is_k { &mut slot.0 } else { &mut slot.1 };
-        if slot.is_some() {
-            return Err(CodecError::Duplicate {
-                layer: code.layer,
-                kind: kind_name(code.kind),
-            });
-        }
-        *slot = Some(from_bytes(&code.bytes, code.dtype, &[rows, cfg.kv_dim()])?);
-        Ok(())
+        self.layers.fill(code, is_k, || {
+            from_bytes(&code.bytes, code.dtype, &[rows, cfg.kv_dim()])
+        })
     }
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
@@ -177,18 +170,7 @@ impl LayerDecoder for DocumentsDecoder<'_> {
             layer: 0,
             kind: "doc_k",
         })?;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (l, (k, v)) in self.layers.into_iter().enumerate() {
-            let k = k.ok_or(CodecError::Missing {
-                layer: l,
-                kind: "doc_k",
-            })?;
-            let v = v.ok_or(CodecError::Missing {
-                layer: l,
-                kind: "doc_v",
-            })?;
-            layers.push((k, v));
-        }
+        let mut layers = self.layers.finish(("doc_k", "doc_v"))?;
         let (own, base) = (self.consumer.rope(), self.consumer.base_rope());
         if own != base {
             let positions: Vec<u32> = (0..rows as u32).collect();

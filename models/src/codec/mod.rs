@@ -18,6 +18,7 @@
 
 use std::sync::Arc;
 
+use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use crate::cache::KvCache;
@@ -288,6 +289,56 @@ pub fn codec_with(
             )?)
         }
     })
+}
+
+/// Per layer, a K and a V tensor as their codes arrive, each filled once: what the codecs that
+/// carry whole K and V rows (raw, documents) collect before they build the cache.
+pub(crate) struct KvSlots(Vec<(Option<Tensor>, Option<Tensor>)>);
+
+impl KvSlots {
+    pub(crate) fn new(layers: usize) -> Self {
+        Self(vec![(None, None); layers])
+    }
+
+    /// Fills the K (`is_k`) or V slot of `code`'s layer (checked by [`check_rows`]) with what
+    /// `decode` makes of it; a second code for a filled slot is refused before it is decoded.
+    pub(crate) fn fill(
+        &mut self,
+        code: &LayerCode,
+        is_k: bool,
+        decode: impl FnOnce() -> Result<Tensor, CodecError>,
+    ) -> Result<(), CodecError> {
+        let Some(pair) = self.0.get_mut(usize::from(code.layer)) else {
+            return Err(CodecError::LayerOutOfRange {
+                layer: code.layer,
+                layers: self.0.len(),
+            });
+        };
+        let slot = if is_k { &mut pair.0 } else { &mut pair.1 };
+        if slot.is_some() {
+            return Err(CodecError::Duplicate {
+                layer: code.layer,
+                kind: kind_name(code.kind),
+            });
+        }
+        *slot = Some(decode()?);
+        Ok(())
+    }
+
+    /// Every layer's `(K, V)`; a missing one is named by `kinds`.
+    pub(crate) fn finish(
+        self,
+        kinds: (&'static str, &'static str),
+    ) -> Result<Vec<(Tensor, Tensor)>, CodecError> {
+        self.0
+            .into_iter()
+            .enumerate()
+            .map(|(layer, (k, v))| {
+                let missing = |kind| CodecError::Missing { layer, kind };
+                Ok((k.ok_or(missing(kinds.0))?, v.ok_or(missing(kinds.1))?))
+            })
+            .collect()
+    }
 }
 
 /// Checks a code's layer against the consumer and its shape against `(rows, width)`.

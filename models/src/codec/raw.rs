@@ -9,11 +9,10 @@
 //! adapter was trained on), which is the same cache as shipping rotated keys up to the order of
 //! the bf16 rounding, and keeps one capture and one wire layout for every codec.
 
-use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{check_rows, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use super::{check_rows, dtype_name, kind_name, Codec, CodecError, KvSlots, LayerDecoder, Prefix};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama};
 
@@ -28,7 +27,7 @@ struct RawDecoder<'a> {
     consumer: &'a Llama,
     prefix: Prefix<'a>,
     /// Per layer: (K before RoPE, V), each `(T, kv_dim)`.
-    layers: Vec<(Option<Tensor>, Option<Tensor>)>,
+    layers: KvSlots,
 }
 
 impl Codec for Raw {
@@ -75,7 +74,7 @@ impl Codec for Raw {
         Ok(Box::new(RawDecoder {
             consumer,
             prefix,
-            layers: vec![(None, None); consumer.config().num_layers],
+            layers: KvSlots::new(consumer.config().num_layers),
         }))
     }
 }
@@ -104,31 +103,13 @@ impl LayerDecoder for RawDecoder<'_> {
         }
         let (rows, width) = (self.prefix.tokens.len(), cfg.kv_dim());
         check_rows(code, cfg.num_layers, rows, width)?;
-        let slot = &mut self.layers[usize::from(code.layer)];
-        let slot = if is_k { &mut slot.0 } else { &mut slot.1 };
-        if slot.is_some() {
-            return Err(CodecError::Duplicate {
-                layer: code.layer,
-                kind: kind_name(code.kind),
-            });
-        }
-        *slot = Some(from_bytes(&code.bytes, code.dtype, &[rows, width])?);
-        Ok(())
+        self.layers.fill(code, is_k, || {
+            from_bytes(&code.bytes, code.dtype, &[rows, width])
+        })
     }
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (l, (k, v)) in self.layers.into_iter().enumerate() {
-            let k = k.ok_or(CodecError::Missing {
-                layer: l,
-                kind: "raw_k",
-            })?;
-            let v = v.ok_or(CodecError::Missing {
-                layer: l,
-                kind: "raw_v",
-            })?;
-            layers.push((k, v));
-        }
+        let layers = self.layers.finish(("raw_k", "raw_v"))?;
         Ok(KvCache::from_pre_rope(
             self.consumer.config(),
             self.consumer.base_rope(),
