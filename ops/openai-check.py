@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The official `openai` client against scd's HTTP API (actors/tests/gateway.rs runs this).
 
-    openai-check.py BASE_URL API_KEY MODEL
+    openai-check.py BASE_URL API_KEY MODEL [DOCUMENT_ID]
 
 Prints one JSON object: the models listed, a streamed and a plain chat completion of the same
 greedy request, a text completion, and the errors of bad requests as the client sees them.
@@ -14,6 +14,7 @@ import urllib.request
 import openai
 
 base, key, model = sys.argv[1], sys.argv[2], sys.argv[3]
+document = sys.argv[4] if len(sys.argv) > 4 else None
 client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
 messages = [{"role": "user", "content": "Write one line about mail servers."}]
 greedy = {"max_tokens": 12, "temperature": 0, "extra_body": {"scd_mode": "scd"}}
@@ -37,6 +38,16 @@ out["chat"] = {
     "completion_tokens": r.usage.completion_tokens,
     "prompt_tokens": r.usage.prompt_tokens,
 }
+
+if document:
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "When is the server down?"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"scd_documents": [document]},
+    )
+    out["documents"] = {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason}
 
 c = client.completions.create(
     model=model, prompt="From: dana@lists.example.org\nSubject: Re:", max_tokens=8, temperature=0

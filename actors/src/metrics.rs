@@ -113,6 +113,8 @@ pub struct NodeMetrics {
     pub translator_load_failures: Counter,
     /// Prefills that looked in the prefix cache, by result (`hit`, `miss`).
     pub prefix_lookups: Family<ResultLabels, Counter>,
+    /// Documents served for jobs, by result (`hit`: from the store; `miss`: compiled).
+    pub documents: Family<ResultLabels, Counter>,
     /// Prompt tokens the prefix cache gave instead of a prefill.
     pub prefix_tokens_reused: Counter,
     /// Bytes the prefix cache holds, when last scraped.
@@ -210,6 +212,12 @@ impl NodeMetrics {
             "Prefills that looked in the producer's prefix cache, by result (hit rate: hit / all)",
             prefix_lookups.clone(),
         );
+        let documents = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "documents_served",
+            "Documents a producer served for jobs, by result (hit: from its store, nothing computed; miss: compiled)",
+            documents.clone(),
+        );
         let prefix_tokens_reused = Counter::default();
         registry.register(
             "prefix_cache_tokens_reused",
@@ -285,6 +293,7 @@ impl NodeMetrics {
             translators,
             translator_load_failures,
             prefix_lookups,
+            documents,
             prefix_tokens_reused,
             prefix_cache_bytes,
             prefix_cache_blocks,
@@ -347,6 +356,17 @@ impl NodeMetrics {
             })
             .inc();
         self.prefix_tokens_reused.inc_by(reused);
+    }
+
+    /// Counts a job's documents: `hits` served from the store, `compiled` compiled for it.
+    pub fn documents_served(&self, hits: u64, compiled: u64) {
+        for (result, n) in [("hit", hits), ("miss", compiled)] {
+            self.documents
+                .get_or_create(&ResultLabels {
+                    result: result.into(),
+                })
+                .inc_by(n);
+        }
     }
 
     /// Records a stage's duration in milliseconds.

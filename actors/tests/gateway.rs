@@ -17,14 +17,34 @@ const KEY: &str = "test-key-1";
 async fn the_openai_client_streams_and_gets_openai_shaped_errors() {
     let python = python();
     let cluster = Cluster::new();
+    let store_dir = tempfile::tempdir().unwrap();
     let gateway = config_with(
         "front-0",
         "\"producer\", \"scheduler\", \"gateway\"",
         true,
         &repo().join("experts/mail/translator"),
-        &format!("http_listen = \"127.0.0.1:0\"\n\n[gateway]\napi_keys = [\"{KEY}\"]\n"),
+        &format!(
+            "http_listen = \"127.0.0.1:0\"\n\n[gateway]\napi_keys = [\"{KEY}\"]\n\n\
+             [documents]\ndir = \"{}\"\n",
+            store_dir.path().display()
+        ),
     );
     let producer = cluster.start(&gateway).await;
+    // A document the chat names through the `scd_documents` extension.
+    let m = common::models();
+    let doc = m
+        .tok
+        .encode(
+            "The mail server is down on Friday from six to eight.",
+            false,
+        )
+        .unwrap();
+    let doc =
+        scd_scheduler::DocumentRegistry::new(cluster.store.clone(), scd_scheduler::Keys::default())
+            .add(common::MODEL_FILE, doc, None)
+            .await
+            .unwrap()
+            .id;
     let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
     let base = format!(
         "http://{}/v1",
@@ -32,10 +52,11 @@ async fn the_openai_client_streams_and_gets_openai_shaped_errors() {
     );
 
     let script = repo().join("ops/openai-check.py");
+    let arg = doc.clone();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
             .arg(script)
-            .args([&base, KEY, "mail"])
+            .args([&base, KEY, "mail", &arg])
             .output()
             .unwrap()
     })
@@ -66,6 +87,24 @@ async fn the_openai_client_streams_and_gets_openai_shaped_errors() {
     assert_eq!(r["stream"]["finish"], finish);
     assert!(chat["prompt_tokens"].as_u64().unwrap() > 5);
     assert!(!r["completion"]["text"].as_str().unwrap().is_empty());
+    // The chat that named the document: answered by a job that read it, compiled by the
+    // producer.
+    assert!(!r["documents"]["text"].as_str().unwrap().is_empty(), "{r}");
+    let jobs = scd_scheduler::JobStore::new(cluster.store.clone(), scd_scheduler::Keys::default())
+        .list()
+        .await
+        .unwrap();
+    let with_doc = jobs
+        .iter()
+        .map(|(j, _)| j)
+        .find(|j| {
+            j.request
+                .as_ref()
+                .is_some_and(|r| r.documents == [doc.clone()])
+        })
+        .expect("a job that names the document");
+    assert_eq!(with_doc.mode, scd_scheduler::Mode::Oracle);
+    assert_eq!(with_doc.documents.as_ref().unwrap().compiled, [doc]);
 
     let error = |name: &str, status: u64, code: &str| {
         let e = &r[name];

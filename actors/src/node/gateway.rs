@@ -4,7 +4,8 @@
 //! - `POST /v1/chat/completions`: the messages through the model's chat template;
 //!   `POST /v1/completions`: the prompt as it is. Both stream with server-sent events when
 //!   `stream` is true. The transfer mode is the extension field `scd_mode` (default from
-//!   `[gateway] default_mode`).
+//!   `[gateway] default_mode`); the extension field `scd_documents` names documents (ids of
+//!   `scd docs add`) the expert reads the prompt after (mode `oracle` then, unless named).
 //!
 //! Every request becomes a job through the store, as `scd submit` does, and is answered from
 //! the job's record as it changes ([`crate::follow`]). Errors have OpenAI's shape
@@ -264,6 +265,9 @@ struct Settings {
     /// Extension: the transfer mode.
     #[serde(default)]
     scd_mode: Option<Mode>,
+    /// Extension: documents placed before the prompt, by id.
+    #[serde(default)]
+    scd_documents: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -317,7 +321,7 @@ impl Gateway {
             top_p,
             seed: s.seed.unwrap_or(0),
             stop_tokens: tok.stop_ids().to_vec(),
-            documents: Vec::new(),
+            documents: s.scd_documents.clone(),
         };
         check_prompt(&self.work.served, &request).map_err(|e| {
             ApiError::bad_request(e.to_string())
@@ -329,7 +333,11 @@ impl Gateway {
 
     async fn submit(&self, s: &Settings, request: JobRequest) -> Result<JobId, ApiError> {
         let id = JobId::random();
-        let mode = s.scd_mode.unwrap_or(self.default_mode);
+        let mode = match (s.scd_mode, s.scd_documents.is_empty()) {
+            (Some(m), _) => m,
+            (None, true) => self.default_mode,
+            (None, false) => Mode::Oracle,
+        };
         let trace = match &self.work.telemetry {
             Some(t) => t.start_job(&TraceContext::new(), id, &s.model, mode),
             None => TraceContext::new(),

@@ -359,6 +359,9 @@ impl Work {
                 if self.prefix_cache.is_some() && done.prefill.is_some() {
                     m.prefix_lookup(cached_tokens);
                 }
+                if let Some(d) = &done.documents {
+                    m.documents_served(d.hits as u64, d.compiled.len() as u64);
+                }
                 m.finished("producer", "done");
                 if let Some(t) = &self.telemetry {
                     let layers = done
