@@ -110,6 +110,23 @@ pub fn squad_exact_match(prediction: &str, golds: &[&str]) -> f64 {
     }
 }
 
+/// Whether a prediction holds one of the gold answers whole (normalised as for
+/// [`squad_exact_match`], on word boundaries): 0.0 or 1.0. What a needle-in-a-haystack test
+/// asks (was the fact retrieved?), where a model that answers in a sentence scores 0 on exact
+/// match and a capped F1 however right it is.
+pub fn squad_contains(prediction: &str, golds: &[&str]) -> f64 {
+    let p = format!(" {} ", squad_normalize(prediction));
+    let hit = golds.iter().any(|g| {
+        let g = squad_normalize(g);
+        !g.is_empty() && p.contains(&format!(" {g} "))
+    });
+    if hit {
+        1.0
+    } else {
+        0.0
+    }
+}
+
 /// SQuAD token F1 of a prediction against the best of several gold answers.
 pub fn squad_f1(prediction: &str, golds: &[&str]) -> f64 {
     golds
@@ -218,5 +235,12 @@ mod tests {
         assert_eq!(squad_f1("Carolina Panthers", &golds), 0.0);
         assert_eq!(squad_f1("", &[""]), 1.0);
         assert_eq!(squad_f1("x", &[""]), 0.0);
+        // Held whole, on word boundaries.
+        let number = ["482913"];
+        assert_eq!(squad_contains("The secret number is 482913.", &number), 1.0);
+        assert_eq!(squad_contains("It is 4829130.", &number), 0.0);
+        assert_eq!(squad_contains("They were the Broncos!", &golds), 1.0);
+        assert_eq!(squad_contains("Denver", &golds), 0.0);
+        assert_eq!(squad_contains("anything", &[""]), 0.0);
     }
 }

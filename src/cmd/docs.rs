@@ -27,6 +27,7 @@ pub struct Args {
 #[derive(clap::Subcommand)]
 pub enum Command {
     /// Record text files as documents; prints each one's id and tokens.
+    #[command(after_help = "Example:\n  scd docs add --node producer@127.0.0.1:7101 manual.txt faq.txt")]
     Add {
         #[command(flatten)]
         target: Target,
@@ -38,6 +39,7 @@ pub enum Command {
         json: bool,
     },
     /// Every document: id, tokens, name, and the producers holding it compiled.
+    #[command(after_help = "Example:\n  scd docs list --node producer@127.0.0.1:7101")]
     List {
         #[command(flatten)]
         target: Target,

@@ -509,18 +509,19 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "| mode | F1 | EM | KL to full recompute (question and answer) | KV deviation, first {} tokens of a document | KV deviation, rest |",
+        "| mode | F1 | EM | answer in reply | KL to full recompute (question and answer) | KV deviation, first {} tokens of a document | KV deviation, rest |",
         eval::multidoc::BOUNDARY_TOKENS
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     let show = |e: Option<&scd_models::stats::Estimate>, d| e.map_or("-".into(), |e| e.display(d));
     for s in &scores {
         let dev = s.kv_deviation.as_ref();
         println!(
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             s.mode,
             s.f1.display(1),
             s.em.display(1),
+            s.contains.display(1),
             show(s.kl.as_ref(), 4),
             show(dev.map(|d| &d[0]), 3),
             show(dev.map(|d| &d[1]), 3),
@@ -542,6 +543,7 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
                 "mode": s.mode.to_string(),
                 "f1": s.f1,
                 "em": s.em,
+                "contains": s.contains,
                 "kl": s.kl,
                 "kv_deviation": s.kv_deviation.as_ref().map(|[edge, rest]| serde_json::json!({
                     "boundary_tokens": eval::multidoc::BOUNDARY_TOKENS,

@@ -27,7 +27,7 @@ use super::EvalError;
 use crate::boundary::Boundary;
 use crate::generate::{generate_with_cache, GenerateParams};
 use crate::llama::Llama;
-use crate::metrics::{squad_exact_match, squad_f1};
+use crate::metrics::{squad_contains, squad_exact_match, squad_f1};
 use crate::pic::{stitch_after_head, CompiledDoc};
 use crate::rope::Rope;
 use crate::stats::{bootstrap_mean, Estimate};
@@ -299,6 +299,8 @@ pub struct ModeScore {
     pub f1: Estimate,
     /// Exact match (0-100).
     pub em: Estimate,
+    /// Replies that hold a gold answer whole ([`squad_contains`], 0-100).
+    pub contains: Estimate,
     /// KL to full recompute (nats per position) at the question's and the gold answer's
     /// positions, teacher-forced; `None` for full recompute itself.
     pub kl: Option<Estimate>,
@@ -404,6 +406,7 @@ pub fn evaluate(
 ) -> Result<Vec<ModeScore>, EvalError> {
     let mut f1 = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut em = vec![Vec::with_capacity(items.len()); modes.len()];
+    let mut contains = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut kl = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut edge = vec![Vec::with_capacity(items.len()); modes.len()];
     let mut inside = vec![Vec::with_capacity(items.len()); modes.len()];
@@ -436,6 +439,7 @@ pub fn evaluate(
             let a = reply(model, tok, cache, &p.tail, max_tokens)?;
             f1[m].push(100.0 * squad_f1(&a, &golds));
             em[m].push(100.0 * squad_exact_match(&a, &golds));
+            contains[m].push(100.0 * squad_contains(&a, &golds));
         }
         progress(i + 1, items.len());
     }
@@ -446,6 +450,7 @@ pub fn evaluate(
             mode,
             f1: bootstrap_mean(&f1[m], seed),
             em: bootstrap_mean(&em[m], seed),
+            contains: bootstrap_mean(&contains[m], seed),
             kl: (!kl[m].is_empty()).then(|| bootstrap_mean(&kl[m], seed)),
             kv_deviation: (!edge[m].is_empty()).then(|| {
                 [
