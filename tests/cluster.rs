@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use scd_actors::ClusterClient;
 use scd_models::tokenizer::Tokenizer;
 use scd_models::GgufFile;
-use scd_scheduler::{EtcdServer, EtcdStore, JobRequest, JobState, Keys, MetaStore, Mode};
+use scd_scheduler::{EtcdServer, EtcdStore, JobId, JobRequest, JobState, Keys, MetaStore, Mode};
 use scd_transport::pki::{init_ca_dir, issue_in_dir};
 use scd_transport::Role;
 
@@ -100,6 +100,13 @@ fn write_config(
          [codec]\n# The translator's own ranks: results compare with `scd generate`.\n\
          ranks = \"default\"\n"
     ));
+    if roles.contains("producer") {
+        // Documents compiled by the base itself (no writer to load): what the CLI test needs.
+        text.push_str(&format!(
+            "\n[documents]\ndir = \"{}\"\n",
+            dir.join(format!("documents-{id}")).display()
+        ));
+    }
     let path = dir.join(format!("{id}.toml"));
     fs::write(&path, text).unwrap();
     path
@@ -320,6 +327,68 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         stderr.contains("[done: ") && stderr.contains("producer -> consumer-a"),
         "{stderr}"
     );
+
+    // Documents through the CLI: recorded from a file, named by a job, compiled by the
+    // producer the first time and served from its store the second.
+    let doc_file = pki.join("notice.txt");
+    fs::write(
+        &doc_file,
+        "The mail server is down on Friday from six to eight; call extension 4417 if urgent.",
+    )
+    .unwrap();
+    let docs = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_scd"))
+            .args(["docs"])
+            .args(args)
+            .args(["--node", &admin, "--name", "ops", "--pki-dir"])
+            .arg(pki)
+            .output()
+            .unwrap()
+    };
+    let out = docs(&["add", doc_file.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let doc_id = stdout.split_whitespace().next().unwrap().to_owned();
+    assert_eq!(doc_id.len(), 32, "{stdout}");
+    for compiled in [1, 0] {
+        let out = submit(&["--expert", "mail", "--document", &doc_id]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).trim().is_empty(),
+            "{stderr}"
+        );
+        let id: JobId = stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("job "))
+            .expect("the job id on stderr")
+            .trim()
+            .parse()
+            .unwrap();
+        let served = client
+            .get(id)
+            .await
+            .unwrap()
+            .documents
+            .expect("documents served");
+        assert_eq!(
+            (served.compiled.len(), served.hits as usize),
+            (compiled, 1 - compiled),
+            "{served:?}"
+        );
+    }
+    let out = docs(&["list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list[0]["id"], doc_id.as_str());
+    assert_eq!(list[0]["held_by"][0], "producer", "{list}");
+    // A mode other than oracle with documents: refused (exit 5), saying why.
+    let out = submit(&["--expert", "mail", "--document", &doc_id, "--mode", "raw"]);
+    assert_eq!(out.status.code(), Some(5));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("mode oracle"));
     // The same job, followed again by its id: the same text, as JSON.
     let job = stderr
         .lines()

@@ -251,12 +251,11 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
                 let job = work.client.get(id).await?;
                 serde_json::to_value(job).map_err(|e| internal(e.to_string()))?
             }
-            _ => return Err(Refused::new(
-                error_code::PROTOCOL,
-                format!(
-                    "unknown topic {t:?}: nodes, pools, translators, jobs, job/<id> or documents"
-                ),
-            )),
+            _ => {
+                let known = "nodes, pools, translators, jobs, job/<id> or documents";
+                let message = format!("unknown topic {t:?}: {known}");
+                return Err(Refused::new(error_code::PROTOCOL, message));
+            }
         },
     };
     report(replies, body).await
