@@ -27,7 +27,9 @@ pub struct Args {
 #[derive(clap::Subcommand)]
 pub enum Command {
     /// Record text files as documents; prints each one's id and tokens.
-    #[command(after_help = "Example:\n  scd docs add --node producer@127.0.0.1:7101 manual.txt faq.txt")]
+    #[command(
+        after_help = "Example:\n  scd docs add --node producer@127.0.0.1:7101 manual.txt faq.txt"
+    )]
     Add {
         #[command(flatten)]
         target: Target,
