@@ -284,6 +284,18 @@ fn boundary_tokens_for_a_writer_train_end_to_end_resume_and_ship() {
     };
     let m = train_then_resume(&c, &opts);
     assert!(m.adapter.is_none());
+    // Resumed with another writer, the run is refused: its tokens were trained for the first.
+    let other_writer = LoraAdapter::init(base.config(), 2, 4.0, &[Proj::V], 10).unwrap();
+    let resumed_elsewhere = WriterOptions {
+        resume: true,
+        ..real_opts(dir.path(), Some(other_writer))
+    };
+    let three = TrainConfig {
+        steps: 3,
+        ..c.clone()
+    };
+    let err = train_real(&three, &resumed_elsewhere).unwrap_err();
+    assert!(err.to_string().contains("--writer differs"), "{err}");
     let meta = m.boundary.clone().unwrap();
     assert_eq!((meta.header, meta.trailer), (2, 2));
     assert!(m.validation.kl_compiler_alone.unwrap().is_finite());

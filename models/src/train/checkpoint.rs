@@ -22,6 +22,17 @@ struct CheckpointMeta {
     config: TrainConfig,
     losses: Vec<f64>,
     train_seconds: f64,
+    /// A boundary-token run's compiler (base hash, adapter hash): the tokens are trained for
+    /// it, so a run resumed on another compiler would go on training tokens meant for the
+    /// first. Checkpoints written before the field existed read as `None` (not checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    compiler: Option<(String, Option<String>)>,
+}
+
+/// The identity a boundary-token run records for its compiler.
+fn compiler_of(model: &Llama) -> (String, Option<String>) {
+    let id = model.identity();
+    (id.sha256.clone(), id.adapter_sha256.clone())
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -63,6 +74,11 @@ impl Trainer {
             config: self.cfg.clone(),
             losses: self.losses.clone(),
             train_seconds: self.train_seconds,
+            compiler: self
+                .cfg
+                .boundary
+                .is_some()
+                .then(|| compiler_of(&self.model)),
         };
         json_file::write_atomic(&tmp.join("state.json"), &meta)?;
         if fin.exists() {
@@ -107,6 +123,27 @@ impl Trainer {
                     meta.config
                 ),
             });
+        }
+        if let Some(saved) = meta.compiler.as_ref().filter(|_| cfg.boundary.is_some()) {
+            let now = compiler_of(base);
+            if *saved != now {
+                let name = |(base, adapter): &(String, Option<String>)| {
+                    let short = |s: &str| s[..12.min(s.len())].to_owned();
+                    match adapter {
+                        Some(a) => format!("base {} with adapter {}", short(base), short(a)),
+                        None => format!("base {} without adapter", short(base)),
+                    }
+                };
+                return Err(TrainError::Checkpoint {
+                    path: ck,
+                    reason: format!(
+                        "trains boundary tokens for {}, not {} (the --writer differs); use a \
+                         new output folder",
+                        name(saved),
+                        name(&now)
+                    ),
+                });
+            }
         }
         let st = ck.join("state.safetensors");
         let mut tensors = candle_core::safetensors::load(&st, &Device::Cpu).map_err(|e| {

@@ -45,7 +45,7 @@ pub struct StepReport {
 #[derive(Debug)]
 pub struct Trainer {
     pub(super) cfg: TrainConfig,
-    model: Llama,
+    pub(super) model: Llama,
     pub(super) params: Params,
     pub(super) opt: AdamW,
     pub(super) losses: Vec<f64>,
