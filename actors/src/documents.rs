@@ -97,6 +97,13 @@ impl DocumentServer {
         self.wire
     }
 
+    /// The positions a document of `tokens` tokens occupies once compiled here (its boundary
+    /// tokens included).
+    pub fn positions(&self, tokens: usize) -> usize {
+        let (header, trailer) = self.boundary.as_ref().map_or((0, 0), Boundary::counts);
+        header + tokens + trailer
+    }
+
     /// The ids of the documents stored for this writer version.
     pub fn held(&self) -> Result<Vec<String>, StoreError> {
         self.store.ids(&self.version)

@@ -431,6 +431,18 @@ fn serve_documents(
     let start = Instant::now();
     let vocab = model.config().vocab_size;
     let context = model.config().context_length;
+    // Refused before anything is compiled or sent.
+    let rows: usize = documents
+        .iter()
+        .map(|(_, t)| server.positions(t.len()))
+        .sum();
+    if rows + after > context {
+        return Err(ProducerError::DocumentsTooLong {
+            rows,
+            prompt: after,
+            context,
+        });
+    }
     let mut docs = Vec::with_capacity(documents.len());
     let mut compiled = Vec::new();
     for (id, tokens) in &documents {
@@ -451,14 +463,6 @@ fn serve_documents(
             compiled.push(id.clone());
         }
         docs.push(doc);
-    }
-    let rows: usize = docs.iter().map(|d| d.len()).sum();
-    if rows + after > context {
-        return Err(ProducerError::DocumentsTooLong {
-            rows,
-            prompt: after,
-            context,
-        });
     }
     let mut layer_bytes = Vec::with_capacity(model.config().num_layers);
     let mut codes = Vec::with_capacity(2);

@@ -1034,12 +1034,7 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
     };
 
     // First job: the producer compiles both into its store, serves them, and announces them.
-    let id = cluster
-        .client
-        .submit("mail", Mode::Oracle, ask([0, 1]))
-        .await
-        .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    let job = cluster.run("mail", Mode::Oracle, ask([0, 1])).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     let docs: Vec<&[u32]> = records.iter().map(|r| r.tokens.as_slice()).collect();
     let want = documents_reference(m, &writer, &docs, &question);
@@ -1074,12 +1069,7 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
 
     // Second job, the documents the other way round: both from the store, nothing computed,
     // and the answer of that order.
-    let id = cluster
-        .client
-        .submit("mail", Mode::Oracle, ask([1, 0]))
-        .await
-        .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    let job = cluster.run("mail", Mode::Oracle, ask([1, 0])).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     let want = documents_reference(m, &writer, &[docs[1], docs[0]], &question);
     assert_eq!(job.output.as_ref().unwrap().tokens, want);
@@ -1119,12 +1109,7 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
     producer.shutdown(Duration::ZERO).await;
     let producer = cluster.start(&producer_config).await;
     assert!(announced(&cluster.client.nodes().await.unwrap()));
-    let id = cluster
-        .client
-        .submit("mail", Mode::Oracle, ask([0, 1]))
-        .await
-        .unwrap();
-    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    let job = cluster.run("mail", Mode::Oracle, ask([0, 1])).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
     assert_eq!(job.documents.unwrap().hits, 2);
     assert_eq!(producer.documents().unwrap().compilations(), 0);

@@ -140,19 +140,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // One load serves both nodes: the producer node uses the base and the translator, the
     // consumer node the expert.
     let mut served = Served::load(&consumer_cfg).context("loading the models")?;
-    // Only the producer node serves documents (the consumer node's role does not use them).
-    let store_dir = tempfile::tempdir().context("making the demo's document store")?;
-    if !args.document_files.is_empty() {
-        let config = scd_actors::config::DocumentsConfig {
-            dir: store_dir.path().to_path_buf(),
-            writer: Some(std::path::absolute(&args.writer)?),
-            boundary: None,
-            wire: scd_actors::config::DocumentWire::Bf16,
-        };
-        let server = scd_actors::documents::DocumentServer::load(&config, &served.base)
-            .context("loading the SemPIC writer")?;
-        served.documents = Some(Arc::new(server));
-    }
+    // Only the producer node serves documents (the consumer node's role does not use them);
+    // their store is a folder that lives as long as the demo.
+    let _store_dir = match args.document_files.is_empty() {
+        true => None,
+        false => {
+            let dir = tempfile::tempdir().context("making the demo's document store")?;
+            let config = scd_actors::config::DocumentsConfig {
+                dir: dir.path().to_path_buf(),
+                writer: Some(std::path::absolute(&args.writer)?),
+                boundary: None,
+                wire: scd_actors::config::DocumentWire::Bf16,
+            };
+            let server = scd_actors::documents::DocumentServer::load(&config, &served.base)
+                .context("loading the SemPIC writer")?;
+            served.documents = Some(Arc::new(server));
+            Some(dir)
+        }
+    };
     let served = Arc::new(served);
     eprintln!(
         "loaded {} and expert {} in {:.1} s",

@@ -247,11 +247,17 @@ impl Cluster {
         prompt: &[u32],
         max_tokens: usize,
     ) -> scd_scheduler::JobRecord {
-        let id = self
-            .client
-            .submit("mail", mode, request(prompt, max_tokens))
-            .await
-            .unwrap();
+        self.run("mail", mode, request(prompt, max_tokens)).await
+    }
+
+    /// Submits `request` for `expert` in `mode` and waits for its record to finish.
+    pub async fn run(
+        &self,
+        expert: &str,
+        mode: Mode,
+        request: JobRequest,
+    ) -> scd_scheduler::JobRecord {
+        let id = self.client.submit(expert, mode, request).await.unwrap();
         self.client.wait(id, WAIT).await.unwrap()
     }
 
