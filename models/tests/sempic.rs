@@ -10,6 +10,7 @@ use std::sync::atomic::AtomicBool;
 
 use candle_core::{DType, Tensor};
 use common::{real, tiny_model};
+use scd_models::eval::data::FileInfo;
 use scd_models::eval::EvalData;
 use scd_models::train::sempic::{example_kl, training_reader, WriterExample, WriterObjective};
 use scd_models::train::writer::{train_writer, WriterManifest, WriterOptions, WriterOutcome};
@@ -131,6 +132,71 @@ fn training_the_writer_lowers_the_kl_to_full_recompute() {
     );
 }
 
+#[test]
+fn a_writer_run_continues_from_a_stored_adapter_and_refuses_another_shape() {
+    let (_dir, base) = tiny_model(12);
+    let examples: Vec<WriterExample> = (0..2).map(tiny_example).collect();
+    let objective = WriterObjective::new(&base, examples.clone(), true).unwrap();
+    let reader = objective.reader();
+    let mut first = Trainer::new(reader, cfg(10)).unwrap();
+    for _ in 0..10 {
+        first.train_step(&objective).unwrap();
+    }
+    let trained = first.adapter(reader, DType::F32).unwrap();
+    let kl_of = |a: &LoraAdapter| -> f64 {
+        let writer = reader.with_adapter(a, AdapterMode::Merge).unwrap();
+        examples
+            .iter()
+            .map(|e| example_kl(reader, &writer, None, e).unwrap())
+            .sum()
+    };
+    // Before any step the continued run holds the stored matrices, not a fresh adapter (whose
+    // B is zero: plain stitching).
+    let mut next = Trainer::from_adapter(reader, cfg(5), &trained).unwrap();
+    let start = next.adapter(reader, DType::F32).unwrap();
+    for (layer, proj) in trained.targets() {
+        let (a, b) = trained.get(layer, proj).unwrap();
+        let (a2, b2) = start.get(layer, proj).unwrap();
+        for (x, y) in [(a, a2), (b, b2)] {
+            let diff = (x - y).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{layer} {proj:?}");
+        }
+    }
+    let fresh = Trainer::new(reader, cfg(5)).unwrap();
+    let plain = kl_of(&fresh.adapter(reader, DType::F32).unwrap());
+    let continued = kl_of(&start);
+    assert!(
+        continued < plain,
+        "continued KL {continued} not below a fresh adapter's {plain}"
+    );
+    // And it trains on from there.
+    for _ in 0..5 {
+        next.train_step(&objective).unwrap();
+    }
+    assert!(kl_of(&next.adapter(reader, DType::F32).unwrap()).is_finite());
+    // Another rank, alpha or set of projections would train another adapter: refused.
+    for other in [
+        TrainConfig { rank: 2, ..cfg(5) },
+        TrainConfig {
+            alpha: 4.0,
+            ..cfg(5)
+        },
+        TrainConfig {
+            targets: vec![Proj::K, Proj::V],
+            ..cfg(5)
+        },
+        TrainConfig {
+            boundary: Some((2, 2)),
+            ..cfg(5)
+        },
+    ] {
+        assert!(matches!(
+            Trainer::from_adapter(reader, other, &trained),
+            Err(TrainError::Config(_))
+        ));
+    }
+}
+
 /// A real-model run's options: a few short examples (no distractors), a checkpoint every step.
 fn real_opts(dir: &std::path::Path, compiler_adapter: Option<LoraAdapter>) -> WriterOptions {
     WriterOptions {
@@ -143,6 +209,7 @@ fn real_opts(dir: &std::path::Path, compiler_adapter: Option<LoraAdapter>) -> Wr
         valid_examples: 1,
         distractors: (0, 0),
         compiler_adapter,
+        init: None,
     }
 }
 
@@ -212,6 +279,22 @@ fn train_writer_runs_end_to_end_resumes_and_ships_an_adapter() {
         2 * base.config().num_layers,
         "k and v of every layer"
     );
+    // A second stage continues the shipped adapter and names it in its manifest.
+    let next = tempfile::tempdir().unwrap();
+    let file = FileInfo {
+        path: "adapter.safetensors".into(),
+        sha256: "0".repeat(64),
+    };
+    let opts = WriterOptions {
+        init: Some((adapter, file.clone())),
+        ..real_opts(next.path(), None)
+    };
+    let WriterOutcome::Finished(m) = train_real(&TrainConfig { steps: 1, ..c }, &opts).unwrap()
+    else {
+        panic!("stopped")
+    };
+    assert_eq!(m.continued_from, Some(file));
+    assert!(m.validation.kl_writer.is_finite());
 }
 
 fn boundary_cfg(steps: usize) -> TrainConfig {

@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use scd_models::eval::data::FileInfo;
 use scd_models::eval::EvalData;
 use scd_models::llama::Proj;
 use scd_models::lora::LoraAdapter;
@@ -117,6 +118,10 @@ pub struct TrainArgs {
     /// Storage type of the adapter: bf16 or f32.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// Continue training this writer's adapter (same rank, alpha and targets) instead of a
+    /// fresh one, with a fresh optimiser and schedule: a second stage on other data.
+    #[arg(long, value_name = "ADAPTER")]
+    pub init: Option<PathBuf>,
 }
 
 /// Arguments of `scd sempic boundary`.
@@ -179,6 +184,7 @@ fn run_options(run: &RunArgs) -> WriterOptions {
         valid_examples: run.valid_examples,
         distractors: (run.min_distractors, run.max_distractors),
         compiler_adapter: None,
+        init: None,
     }
 }
 
@@ -189,6 +195,7 @@ fn train_run(
     cfg: &TrainConfig,
     mut opts: WriterOptions,
     writer: Option<&std::path::Path>,
+    init: Option<&std::path::Path>,
     what: &str,
 ) -> anyhow::Result<WriterManifest> {
     let data = EvalData::load(&run.dirs.shared_data).with_context(|| {
@@ -203,6 +210,17 @@ fn train_run(
             LoraAdapter::load(path, base.config())
                 .with_context(|| format!("loading the writer {}", path.display()))?,
         );
+    }
+    if let Some(path) = init {
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("reading the writer {}", path.display()))?;
+        let adapter = LoraAdapter::load(path, base.config())
+            .with_context(|| format!("loading the writer {} to continue", path.display()))?;
+        let file = FileInfo {
+            path: path.display().to_string(),
+            sha256: scd_models::corpus::sha256_hex(&bytes),
+        };
+        opts.init = Some((adapter, file));
     }
     let stop = Arc::new(AtomicBool::new(false));
     watch_ctrl_c(stop.clone())?;
@@ -241,7 +259,14 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         dtype: parse_dtype(&args.dtype)?,
         ..run_options(&args.run)
     };
-    let m = train_run(&args.run, &cfg, opts, None, "the SemPIC writer")?;
+    let m = train_run(
+        &args.run,
+        &cfg,
+        opts,
+        None,
+        args.init.as_deref(),
+        "the SemPIC writer",
+    )?;
     let v = &m.validation;
     let out = &args.run.out;
     eprintln!(
@@ -273,6 +298,7 @@ fn boundary(args: BoundaryArgs) -> anyhow::Result<()> {
         &cfg,
         opts,
         args.writer.as_deref(),
+        None,
         "the boundary tokens",
     )?;
     let v = &m.validation;

@@ -80,7 +80,7 @@ pub fn finetune(
     }
     let data = TrainData { train, valid };
     let ckpt_dir = opts.out_dir.join("checkpoints");
-    let mut trainer = start_or_resume(base, cfg, &ckpt_dir, opts.resume, &mut on_event)?;
+    let mut trainer = start_or_resume(base, cfg, &ckpt_dir, opts.resume, None, &mut on_event)?;
     on_event(&TrainEvent::Note(format!(
         "validating the base on {} windows",
         data.valid.len()

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::{Objective, StepReport, TrainConfig, TrainError, Trainer};
 use crate::llama::Llama;
+use crate::lora::LoraAdapter;
 
 /// What the training loop tells its caller.
 #[derive(Debug, Clone)]
@@ -86,13 +87,15 @@ pub fn run(
 }
 
 /// The run's trainer: resumed from the latest checkpoint under `ckpt_dir` when `resume` and
-/// there is one, fresh otherwise. A fresh run refuses a folder that already holds checkpoints,
-/// so that another run's are never overwritten.
+/// there is one, fresh otherwise: from `init` when given (an adapter trained before, whose
+/// training this run continues), else from [`Trainer::new`]. A fresh run refuses a folder that
+/// already holds checkpoints, so that another run's are never overwritten.
 pub fn start_or_resume(
     base: &Llama,
     cfg: &TrainConfig,
     ckpt_dir: &Path,
     resume: bool,
+    init: Option<&LoraAdapter>,
     mut on_event: impl FnMut(&TrainEvent),
 ) -> Result<Trainer, TrainError> {
     if resume {
@@ -108,5 +111,8 @@ pub fn start_or_resume(
                 .into(),
         });
     }
-    Trainer::new(base, cfg.clone())
+    match init {
+        Some(adapter) => Trainer::from_adapter(base, cfg.clone(), adapter),
+        None => Trainer::new(base, cfg.clone()),
+    }
 }

@@ -128,6 +128,54 @@ impl Trainer {
         Self::from_parts(base, cfg, parts, None, Vec::new(), 0.0)
     }
 
+    /// A run that goes on training `adapter` (trained before, perhaps on other data) with a
+    /// fresh optimiser and schedule. It must adapt exactly the projections and layers `cfg`
+    /// names, at `cfg`'s rank and alpha: anything else would train another adapter than the
+    /// one the manifest describes.
+    pub fn from_adapter(
+        base: &Llama,
+        cfg: TrainConfig,
+        adapter: &LoraAdapter,
+    ) -> Result<Self, TrainError> {
+        cfg.validate()?;
+        if cfg.boundary.is_some() {
+            return Err(TrainError::Config(
+                "boundary tokens do not start from an adapter".into(),
+            ));
+        }
+        if adapter.rank() != cfg.rank || adapter.alpha() != cfg.alpha {
+            return Err(TrainError::Config(format!(
+                "the adapter to continue has rank {} and alpha {}, the run rank {} and alpha {}",
+                adapter.rank(),
+                adapter.alpha(),
+                cfg.rank,
+                cfg.alpha
+            )));
+        }
+        let wanted: Vec<(usize, Proj)> = (0..base.config().num_layers)
+            .filter(|&layer| cfg.adapts_layer(layer))
+            .flat_map(|layer| cfg.targets.iter().map(move |&p| (layer, p)))
+            .collect();
+        let mut have: Vec<(usize, Proj)> = adapter.targets().collect();
+        have.sort();
+        let mut wanted_sorted = wanted.clone();
+        wanted_sorted.sort();
+        if have != wanted_sorted {
+            return Err(TrainError::Config(format!(
+                "the adapter to continue adapts {} projections, the run's --targets {} (same layers and projections needed)",
+                have.len(),
+                wanted_sorted.len()
+            )));
+        }
+        let mut parts = BTreeMap::new();
+        for key in wanted {
+            if let Some((a, b)) = adapter.get(key.0, key.1) {
+                parts.insert(key, (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?));
+            }
+        }
+        Self::from_parts(base, cfg, parts, None, Vec::new(), 0.0)
+    }
+
     /// A run from adapter matrices and, when resuming, the optimiser's moments and step.
     pub(super) fn from_parts(
         base: &Llama,

@@ -48,6 +48,9 @@ pub struct WriterOptions {
     /// For boundary tokens ([`TrainConfig::boundary`]): a SemPIC writer that compiles with
     /// them (the joint mode); `None` compiles with the base.
     pub compiler_adapter: Option<LoraAdapter>,
+    /// A writer to continue training (with its file), instead of a fresh adapter: its rank,
+    /// alpha and projections must be the run's.
+    pub init: Option<(LoraAdapter, FileInfo)>,
 }
 
 /// The data a writer was trained on.
@@ -113,6 +116,10 @@ pub struct WriterManifest {
     /// The boundary tokens' description (`None` for a writer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boundary: Option<BoundaryMeta>,
+    /// The adapter a writer's run continued (`None`: a fresh adapter from the seed). Its own
+    /// manifest tells how it was trained; `steps` and `data` here are this run's alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continued_from: Option<FileInfo>,
 }
 
 /// How [`train_writer`] ended.
@@ -225,10 +232,22 @@ pub fn train_writer(
                 "a compiling writer only goes with boundary tokens".into(),
             ))
         }
+        (Some(_), None) if opts.init.is_some() => {
+            return Err(TrainError::Config(
+                "an adapter to continue only goes with a writer's run".into(),
+            ))
+        }
         _ => reader.clone(),
     };
     let ckpt_dir = opts.out_dir.join("checkpoints");
-    let mut trainer = start_or_resume(&compiler, cfg, &ckpt_dir, opts.resume, &mut on_event)?;
+    let mut trainer = start_or_resume(
+        &compiler,
+        cfg,
+        &ckpt_dir,
+        opts.resume,
+        opts.init.as_ref().map(|(a, _)| a),
+        &mut on_event,
+    )?;
     on_event(&TrainEvent::Note(format!(
         "held-out KL of plain stitching on {} examples",
         valid.len()
@@ -303,6 +322,7 @@ pub fn train_writer(
         seconds_per_step: trainer.train_seconds() / trainer.step().max(1) as f64,
         adapter,
         boundary,
+        continued_from: opts.init.as_ref().map(|(_, f)| f.clone()),
     };
     json_file::write_atomic(&opts.out_dir.join(WRITER_MANIFEST_FILE), &manifest)?;
     Ok(WriterOutcome::Finished(Box::new(manifest)))
