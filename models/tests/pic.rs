@@ -268,6 +268,9 @@ fn both_document_modes_read_the_same_tokens_and_answer() {
         assert!((0.0..=100.0).contains(&s.f1.value));
     }
     assert!(scores[0].kl.is_none(), "full recompute is the reference");
+    // The gap's two ends have no share of it to report; every other mode has one.
+    assert!(scores[0].gap_recovered.is_none() && scores[1].gap_recovered.is_none());
+    assert!(scores[2..].iter().all(|s| s.gap_recovered.is_some()));
     let (plain, own) = (scores[1].kl.unwrap(), scores[2].kl.unwrap());
     assert!(
         plain.value > 1e-4,

@@ -509,17 +509,18 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "| mode | F1 | EM | answer in reply | KL to full recompute (question and answer) | KV deviation, first {} tokens of a document | KV deviation, rest |",
+        "| mode | F1 | F1 gap recovered | EM | answer in reply | KL to full recompute (question and answer) | KV deviation, first {} tokens of a document | KV deviation, rest |",
         eval::multidoc::BOUNDARY_TOKENS
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let show = |e: Option<&scd_models::stats::Estimate>, d| e.map_or("-".into(), |e| e.display(d));
     for s in &scores {
         let dev = s.kv_deviation.as_ref();
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             s.mode,
             s.f1.display(1),
+            show(s.gap_recovered.map(|g| g.map(|x| 100.0 * x)).as_ref(), 0),
             s.em.display(1),
             s.contains.display(1),
             show(s.kl.as_ref(), 4),
@@ -542,6 +543,7 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
             "modes": scores.iter().map(|s| serde_json::json!({
                 "mode": s.mode.to_string(),
                 "f1": s.f1,
+                "f1_gap_recovered": s.gap_recovered,
                 "em": s.em,
                 "contains": s.contains,
                 "kl": s.kl,

@@ -30,7 +30,7 @@ use crate::llama::Llama;
 use crate::metrics::{squad_contains, squad_exact_match, squad_f1};
 use crate::pic::{stitch_after_head, CompiledDoc};
 use crate::rope::Rope;
-use crate::stats::{bootstrap_mean, Estimate};
+use crate::stats::{bootstrap_mean, bootstrap_ratio, Estimate};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::train::sempic::{kl_to_teacher, tail_logits};
 use crate::{Input, KvCache, LogitsWanted};
@@ -308,6 +308,11 @@ pub struct ModeScore {
     /// first [`BOUNDARY_TOKENS`] tokens and at the rest ([`kv_deviation`]); `None` for full
     /// recompute itself.
     pub kv_deviation: Option<[Estimate; 2]>,
+    /// The share of the F1 gap between no recompute and full recompute that this mode closes,
+    /// `sum(mode - none) / sum(full - none)` over questions, with a paired bootstrap interval
+    /// (questions resampled together in all three modes): `None` for those two modes and when
+    /// the run lacks either.
+    pub gap_recovered: Option<Estimate>,
 }
 
 /// Tokens at the start of a document counted as its boundary in [`kv_deviation`].
@@ -392,6 +397,20 @@ pub fn kv_deviation(
     Ok((mean(&edge), mean(&inside)))
 }
 
+/// The share of the gap from `none` to `full` that `mode` closes, per-question scores in the
+/// same order: `sum(mode - none) / sum(full - none)`, with a bootstrap interval that resamples
+/// questions in all three together (paired: the per-question noise common to the modes, what
+/// makes each mode's own interval wide, cancels).
+pub fn gap_share(mode: &[f64], none: &[f64], full: &[f64], seed: u64) -> Estimate {
+    let units: Vec<(f64, f64)> = mode
+        .iter()
+        .zip(none)
+        .zip(full)
+        .map(|((m, n), f)| (m - n, f - n))
+        .collect();
+    bootstrap_ratio(&units, seed)
+}
+
 /// Answers every item in every mode; `progress(done, total)` after each item.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
@@ -443,10 +462,20 @@ pub fn evaluate(
         }
         progress(i + 1, items.len());
     }
+    let at = |wanted: DocMode| modes.iter().position(|&m| m == wanted);
+    let ends = at(DocMode::FullRecompute).zip(at(DocMode::NoRecompute));
+    let gap_recovered = |m: usize, mode: DocMode| {
+        let (full, none) = ends?;
+        if matches!(mode, DocMode::FullRecompute | DocMode::NoRecompute) {
+            return None;
+        }
+        Some(gap_share(&f1[m], &f1[none], &f1[full], seed))
+    };
     Ok(modes
         .iter()
         .enumerate()
         .map(|(m, &mode)| ModeScore {
+            gap_recovered: gap_recovered(m, mode),
             mode,
             f1: bootstrap_mean(&f1[m], seed),
             em: bootstrap_mean(&em[m], seed),
@@ -460,4 +489,32 @@ pub fn evaluate(
             }),
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gap_share;
+
+    #[test]
+    fn the_gap_share_is_paired_over_questions() {
+        // Per-question scores that vary a lot between questions, alike in every mode.
+        let none: Vec<f64> = (0..200).map(|i| f64::from((i * 37) % 100)).collect();
+        let full: Vec<f64> = none.iter().map(|x| x + 4.0).collect();
+        let half: Vec<f64> = none.iter().map(|x| x + 2.0).collect();
+        assert_eq!(gap_share(&full, &none, &full, 0).value, 1.0);
+        assert_eq!(gap_share(&none, &none, &full, 0).value, 0.0);
+        let h = gap_share(&half, &none, &full, 0);
+        assert_eq!(h.value, 0.5);
+        // Paired, the questions' spread cancels: the interval is the point.
+        assert!(h.high - h.low < 1e-12, "{h:?}");
+        // Where the mode's gain varies by question, the interval widens around the share.
+        let noisy: Vec<f64> = none
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x + if i % 2 == 0 { 0.0 } else { 4.0 })
+            .collect();
+        let n = gap_share(&noisy, &none, &full, 0);
+        assert_eq!(n.value, 0.5);
+        assert!(n.low < 0.5 && n.high > 0.5 && n.high - n.low < 0.4, "{n:?}");
+    }
 }
