@@ -381,8 +381,17 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
             "{served:?}"
         );
     }
+    // A file too long for one request, after one that fits: refused before anything is sent
+    // (exit 2, saying what to do), so the one that fits is not added either.
+    let (other, long) = (pki.join("other.txt"), pki.join("long.txt"));
+    fs::write(&other, "The canteen opens at nine.").unwrap();
+    fs::write(&long, "All work and no play. ".repeat(4000)).unwrap();
+    let out = docs(&["add", other.to_str().unwrap(), long.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("split it"));
     let out = docs(&["list", "--json"]);
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
     assert_eq!(list[0]["id"], doc_id.as_str());
     assert_eq!(list[0]["held_by"][0], "producer", "{list}");
     // A mode other than oracle with documents: refused (exit 5), saying why.

@@ -4,7 +4,7 @@
 //! the producer that takes the job serves its compiled cache from its store, compiling it
 //! there the first time.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -61,17 +61,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         } => {
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             exit(runtime.block_on(async {
-                for file in files {
-                    let text = std::fs::read_to_string(&file)
-                        .with_context(|| format!("reading {}", file.display()))
-                        .map_err(|e| fail(2, e))?;
-                    let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-                    let body = serde_json::json!({ "text": text, "name": name });
+                // Every file is read and checked before the first is sent: a bad one late in
+                // the list leaves the cluster's documents as they were.
+                let bodies = files
+                    .iter()
+                    .map(|file| add_body(file).map_err(|e| fail(2, e)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                for (file, body) in files.iter().zip(bodies) {
                     let v = ask(
                         &target,
                         Control::Change {
                             topic: "documents/add".into(),
-                            body: body.to_string(),
+                            body,
                         },
                     )
                     .await?;
@@ -89,6 +90,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }))
         }
     }
+}
+
+/// Room in a control frame for what surrounds the request's body (the archive's own fields).
+const FRAME_HEADROOM: usize = 1024;
+
+/// The `documents/add` request for `file`, refused when it would not fit one control frame
+/// (one admin request is one frame): said here, before connecting, rather than while sending.
+fn add_body(file: &Path) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+    let body = serde_json::json!({ "text": text, "name": name }).to_string();
+    let cap = scd_transport::CONTROL_MAX_FRAME_BYTES as usize - FRAME_HEADROOM;
+    if body.len() > cap {
+        anyhow::bail!(
+            "{}: {} bytes of text; one `scd docs add` request carries at most {cap} bytes: split it into several documents",
+            file.display(),
+            text.len()
+        );
+    }
+    Ok(body)
 }
 
 fn print_list(v: &serde_json::Value) {
