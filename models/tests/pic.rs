@@ -265,6 +265,8 @@ fn both_document_modes_read_the_same_tokens_and_answer() {
     assert_eq!(scores.len(), 5);
     for s in &scores {
         assert_eq!(s.f1.n, 2);
+        let mean = s.f1_per_question.iter().sum::<f64>() / 2.0;
+        assert!((mean - s.f1.value).abs() < 1e-9, "{s:?}");
         assert!((0.0..=100.0).contains(&s.f1.value));
     }
     assert!(scores[0].kl.is_none(), "full recompute is the reference");

@@ -544,6 +544,7 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
                 "mode": s.mode.to_string(),
                 "f1": s.f1,
                 "f1_gap_recovered": s.gap_recovered,
+                "f1_per_question": s.f1_per_question,
                 "em": s.em,
                 "contains": s.contains,
                 "kl": s.kl,

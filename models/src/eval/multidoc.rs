@@ -313,6 +313,9 @@ pub struct ModeScore {
     /// (questions resampled together in all three modes): `None` for those two modes and when
     /// the run lacks either.
     pub gap_recovered: Option<Estimate>,
+    /// Each question's F1, in the items' order: what pairs this run with another on the same
+    /// questions (a new writer against stored full and no recompute rows).
+    pub f1_per_question: Vec<f64>,
 }
 
 /// Tokens at the start of a document counted as its boundary in [`kv_deviation`].
@@ -476,6 +479,7 @@ pub fn evaluate(
         .enumerate()
         .map(|(m, &mode)| ModeScore {
             gap_recovered: gap_recovered(m, mode),
+            f1_per_question: f1[m].clone(),
             mode,
             f1: bootstrap_mean(&f1[m], seed),
             em: bootstrap_mean(&em[m], seed),
