@@ -1,6 +1,6 @@
 //! A fine-tuning run in memory and its optimisation step.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -152,19 +152,16 @@ impl Trainer {
                 cfg.alpha
             )));
         }
-        let wanted: Vec<(usize, Proj)> = (0..base.config().num_layers)
+        let wanted: BTreeSet<(usize, Proj)> = (0..base.config().num_layers)
             .filter(|&layer| cfg.adapts_layer(layer))
             .flat_map(|layer| cfg.targets.iter().map(move |&p| (layer, p)))
             .collect();
-        let mut have: Vec<(usize, Proj)> = adapter.targets().collect();
-        have.sort();
-        let mut wanted_sorted = wanted.clone();
-        wanted_sorted.sort();
-        if have != wanted_sorted {
+        let have: BTreeSet<(usize, Proj)> = adapter.targets().collect();
+        if have != wanted {
             return Err(TrainError::Config(format!(
                 "the adapter to continue adapts {} projections, the run's --targets {} (same layers and projections needed)",
                 have.len(),
-                wanted_sorted.len()
+                wanted.len()
             )));
         }
         let mut parts = BTreeMap::new();

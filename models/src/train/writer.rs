@@ -232,11 +232,6 @@ pub fn train_writer(
                 "a compiling writer only goes with boundary tokens".into(),
             ))
         }
-        (Some(_), None) if opts.init.is_some() => {
-            return Err(TrainError::Config(
-                "an adapter to continue only goes with a writer's run".into(),
-            ))
-        }
         _ => reader.clone(),
     };
     let ckpt_dir = opts.out_dir.join("checkpoints");
