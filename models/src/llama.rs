@@ -15,6 +15,7 @@
 //! half-split Hugging Face checkpoint it is a per-head permutation of that checkpoint's keys.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -22,7 +23,7 @@ use crate::cache::KvCache;
 use crate::config::LlamaConfig;
 use crate::decode_weights::{DecodeWeights, Narrow};
 use crate::error::ForwardError;
-use crate::kernels::{self, PackedWeight};
+use crate::kernels::{self, LowRank, LowRankTerm, PackedWeight};
 use crate::ops;
 use crate::prefill_matmul::PrefillMatmul;
 use crate::rope::Rope;
@@ -77,6 +78,9 @@ pub(crate) struct Linear {
     pub narrow: Option<Narrow>,
     /// Whether prefill rows multiply on AMX tiles ([`crate::prefill_matmul`]).
     pub tiles: bool,
+    /// The parts' adapter terms laid out for decode steps ([`Linear::stack_adapter`]); the
+    /// parts' own terms are views of it.
+    pub low_rank: Option<Arc<LowRank>>,
 }
 
 impl Linear {
@@ -107,6 +111,7 @@ impl Linear {
             parts,
             narrow,
             tiles: false,
+            low_rank: None,
         })
     }
 
@@ -138,11 +143,66 @@ impl Linear {
         }
     }
 
-    /// Sets (or clears) the on-the-fly adapter term of `proj`.
+    /// Sets (or clears) the on-the-fly adapter term of `proj`; [`Linear::stack_adapter`] lays
+    /// the terms out for decode steps once they are all set.
     pub(crate) fn set_lora(&mut self, proj: Proj, lora: Option<LoraDelta>) {
         if let Some(p) = self.parts.iter_mut().find(|p| p.proj == proj) {
             p.lora = lora;
         }
+        self.low_rank = None;
+    }
+
+    /// Lays the parts' adapter terms out for decode steps ([`LowRank`]: the `A`s stacked, each
+    /// `B` transposed and scaled) and makes each part's term a view of that layout, so that the
+    /// adapter is held once. Terms that are training variables stay as they are (a layout
+    /// would be a stale copy after the next step), and so do terms in another dtype than f32.
+    pub(crate) fn stack_adapter(&mut self) -> candle_core::Result<()> {
+        self.low_rank = None;
+        let mut adapted = Vec::new();
+        let mut col = 0;
+        for (i, p) in self.parts.iter().enumerate() {
+            if let Some(l) = &p.lora {
+                if l.a.is_variable()
+                    || l.b.is_variable()
+                    || l.a.dtype() != DType::F32
+                    || l.b.dtype() != DType::F32
+                {
+                    return Ok(());
+                }
+                adapted.push((i, col, l));
+            }
+            col += p.rows;
+        }
+        if adapted.is_empty() {
+            return Ok(());
+        }
+        let a = Tensor::cat(&adapted.iter().map(|(_, _, l)| &l.a).collect::<Vec<_>>(), 0)?;
+        let mut terms = Vec::with_capacity(adapted.len());
+        let mut at = 0;
+        for &(_, col, l) in &adapted {
+            let bt = (l.b.t()? * l.scale)?.contiguous()?;
+            terms.push(LowRankTerm { col, at, bt });
+            at += l.a.dim(0)?;
+        }
+        let views: Vec<(usize, LoraDelta)> = adapted
+            .iter()
+            .zip(&terms)
+            .map(|(&(i, _, _), t)| {
+                Ok((
+                    i,
+                    LoraDelta {
+                        a: a.narrow(0, t.at, t.bt.dim(0)?)?,
+                        b: t.bt.t()?,
+                        scale: 1.0,
+                    },
+                ))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        for (i, view) in views {
+            self.parts[i].lora = Some(view);
+        }
+        self.low_rank = Some(Arc::new(LowRank { a, terms }));
+        Ok(())
     }
 
     /// Adds `delta` `(rows, in)` to the weight rows of `proj`, in a new weight tensor (the old
@@ -180,11 +240,65 @@ impl Linear {
     /// `x W^T` plus the adapter terms, `x` the rows of one sequence or of several that are all
     /// decode-shaped (`narrow`) or all not.
     fn forward(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
+        if narrow {
+            if let Some(y) = self.forward_decode(x, &[(self, x.dim(0)?)])? {
+                return Ok(y);
+            }
+        }
         let y = self.base(x, narrow)?;
         match self.lora_delta(x)? {
             Some(delta) => y + delta,
             None => Ok(y),
         }
+    }
+
+    /// The rows of models that share this base weight (`runs`: each one's linear and rows, in
+    /// row order) on its narrow copy, each model's adapter term added in the same pass
+    /// ([`kernels::linear_narrow_low_rank`]). `None` where that path does not apply (no narrow
+    /// copy, or gradients); the caller then takes the general one.
+    fn forward_decode(
+        &self,
+        x: &Tensor,
+        runs: &[(&Linear, usize)],
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Some(packed) = self.narrow.as_ref().and_then(|n| n.of(&self.weight)) else {
+            return Ok(None);
+        };
+        if x.track_op() || x.dtype() != DType::F32 {
+            return Ok(None);
+        }
+        let (mut stacked, mut other, mut r0) = (Vec::new(), Vec::new(), 0);
+        for &(lin, rows) in runs {
+            match &lin.low_rank {
+                Some(l) => stacked.push((r0, rows, &**l)),
+                None if lin.parts.iter().any(|p| p.lora.is_some()) => other.push((r0, rows, lin)),
+                None => {}
+            }
+            r0 += rows;
+        }
+        let y = kernels::linear_narrow_low_rank(&x.contiguous()?, packed, &stacked)?;
+        if other.is_empty() {
+            return Ok(Some(y));
+        }
+        // Terms not laid out for decode (a model in training): added the general way.
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for (r0, rows, lin) in other {
+            if r0 > at {
+                pieces.push(y.narrow(0, at, r0 - at)?);
+            }
+            let d = lin.lora_delta(&x.narrow(0, r0, rows)?)?;
+            let ys = y.narrow(0, r0, rows)?;
+            pieces.push(match d {
+                Some(d) => (ys + d)?,
+                None => ys,
+            });
+            at = r0 + rows;
+        }
+        if at < y.dim(0)? {
+            pieces.push(y.narrow(0, at, y.dim(0)? - at)?);
+        }
+        Ok(Some(Tensor::cat(&pieces, 0)?))
     }
 
     /// Whether `self` and `other` multiply by the same base weight the same way (so that their
@@ -246,6 +360,17 @@ fn forward_rows(parts: &[(&Linear, usize)], x: &Tensor) -> candle_core::Result<T
             .take_while(|&&(l, n)| l.same_base(parts[i].0) && narrow(n) == narrow(parts[i].1))
             .count();
         let rows: usize = parts[i..i + run].iter().map(|&(_, n)| n).sum();
+        if narrow(parts[i].1) {
+            if let Some(y) = parts[i]
+                .0
+                .forward_decode(&x.narrow(0, row, rows)?, &parts[i..i + run])?
+            {
+                outs.push(y);
+                i += run;
+                row += rows;
+                continue;
+            }
+        }
         let y = parts[i]
             .0
             .base(&x.narrow(0, row, rows)?, narrow(parts[i].1))?;
@@ -928,6 +1053,28 @@ impl Llama {
     /// projections are each sequence's model's (an expert may rotate with its own base);
     /// attention is per sequence.
     fn run_layers(
+        &self,
+        x: Tensor,
+        layers: Range<usize>,
+        seqs: &mut [Rows<'_, '_>],
+        capture: &Capture,
+        captured: &mut Vec<LayerCapture>,
+    ) -> Result<Tensor, ForwardError> {
+        // A decode step is some two hundred small parallel products: called from outside the
+        // thread pool, each would hand its work to the pool and sleep until it is done (a
+        // futex wake and wait per product, half of a step's time on 2 cores). Run from inside,
+        // the pool's threads split them the cheap way. A prefill's few large products gain
+        // nothing, and run where they are called: on pool threads their allocations would
+        // spread over more of the allocator's arenas (about 90 MB more peak RSS at 1,024).
+        if seqs.iter().all(|s| decode_shaped(s.rows)) {
+            rayon::scope(|_| self.run_layers_in_pool(x, layers, seqs, capture, captured))
+        } else {
+            self.run_layers_in_pool(x, layers, seqs, capture, captured)
+        }
+    }
+
+    /// [`Llama::run_layers`]' work, on the thread that calls it.
+    fn run_layers_in_pool(
         &self,
         mut x: Tensor,
         layers: Range<usize>,

@@ -409,6 +409,13 @@ impl Llama {
                 ),
             }
         }
+        if mode == AdapterMode::OnTheFly {
+            for block in &mut model.blocks {
+                for lin in block.linears_mut() {
+                    lin.stack_adapter()?;
+                }
+            }
+        }
         // A merge replaced weights: their packed decode copies are stale, and are quantised
         // again (to Q8_0, from the merged f32 values) unless the model decodes on f32.
         if mode == AdapterMode::Merge && self.decode_weights() == DecodeWeights::Narrow {

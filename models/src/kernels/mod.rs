@@ -14,6 +14,7 @@ mod attend;
 mod attend_tiles;
 mod exp;
 mod heads;
+mod low_rank;
 mod narrow;
 mod rows;
 mod softmax;
@@ -23,7 +24,8 @@ pub(crate) use attend::{attend_few, MAX_QUERY_ROWS};
 pub(crate) use attend_tiles::attend_tiles;
 pub(crate) use exp::exp;
 pub(crate) use heads::{merge_heads, split_qkv_rope};
-pub(crate) use narrow::{linear_narrow, Format, PackedWeight};
+pub(crate) use low_rank::{LowRank, LowRankTerm};
+pub(crate) use narrow::{linear_narrow, linear_narrow_low_rank, Format, PackedWeight};
 pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
 pub(crate) use swiglu::swiglu;
@@ -121,6 +123,28 @@ pub(crate) fn with_f32<R>(
             t.dtype()
         ),
     }
+}
+
+/// [`with_f32`] for several tensors at once: `f` gets their elements in the same order.
+pub(crate) fn with_f32_all<R>(
+    ts: &[&Tensor],
+    f: impl FnOnce(&[&[f32]]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(ts.len());
+    for (storage, layout) in &held {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!(
+                "kernel input must be contiguous, got strides {:?}",
+                layout.stride()
+            );
+        };
+        match &**storage {
+            Storage::Cpu(CpuStorage::F32(data)) => slices.push(&data[start..end]),
+            _ => candle_core::bail!("kernel input must be an f32 CPU tensor"),
+        }
+    }
+    f(&slices)
 }
 
 /// `len` deterministic values in `[-1, 1)` (xorshift from `seed`), the kernels' test inputs.

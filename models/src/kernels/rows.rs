@@ -36,17 +36,19 @@ pub(crate) fn linear_few_rows(x: &Tensor, w: &Tensor) -> candle_core::Result<Ten
     if k != k_w || m == 0 || m > MAX_ROWS {
         candle_core::bail!("linear_few_rows: x {:?} and w {:?}", x.dims(), w.dims());
     }
-    // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
-    let mut yt = vec![0f32; n * m];
-    with_f32(x, |xs| {
-        with_f32(w, |ws| {
-            yt.par_chunks_mut(ROWS_PER_TASK * m)
-                .zip(ws.par_chunks(ROWS_PER_TASK * k))
-                .for_each(|(out, rows)| weight_rows(xs, m, k, rows, out));
-            Ok(())
-        })
-    })?;
+    let yt = with_f32(x, |xs| with_f32(w, |ws| Ok(few_rows_t(xs, m, k, ws))))?;
     transposed(&yt, m, n)
+}
+
+/// `(x W^T)^T` `(n, m)` for `x` `(m, k)` and `w` `(n, k)` as slices: each parallel task writes
+/// its own contiguous block.
+pub(crate) fn few_rows_t(x: &[f32], m: usize, k: usize, w: &[f32]) -> Vec<f32> {
+    let n = w.len() / k;
+    let mut yt = vec![0f32; n * m];
+    yt.par_chunks_mut(ROWS_PER_TASK * m)
+        .zip(w.par_chunks(ROWS_PER_TASK * k))
+        .for_each(|(out, rows)| weight_rows(x, m, k, rows, out));
+    yt
 }
 
 /// `out[j * m + r] = w_j . x_r` for the weight rows `w` (each `k` long) and all `m` rows of `x`.

@@ -32,7 +32,9 @@ use pack::Row;
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::{transposed, with_f32, MAX_ROWS};
+use super::low_rank::{add_terms, Group, LowRank};
+use super::rows::few_rows_t;
+use super::{transposed, with_f32, with_f32_all, MAX_ROWS};
 
 /// Weights per quantisation block (GGUF's Q4_1 and Q8_0).
 pub(crate) const BLOCK: usize = 32;
@@ -195,35 +197,102 @@ fn round(v: f32) -> i32 {
 
 /// `x W^T` for `x` `(m, k)` f32 and `w` packed `(n, k)`, [`MAX_ROWS`] rows of `x` at a time.
 pub(crate) fn linear_narrow(x: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
+    linear_narrow_low_rank(x, w, &[])
+}
+
+/// [`linear_narrow`] plus adapter terms: `lora` holds `(first row, rows, terms)` per run of
+/// rows of one expert, in row order, and each run's rows get its [`LowRank`] term, added to
+/// each block of outputs in the pass that computes it.
+pub(crate) fn linear_narrow_low_rank(
+    x: &Tensor,
+    w: &PackedWeight,
+    lora: &[(usize, usize, &LowRank)],
+) -> candle_core::Result<Tensor> {
     let m = x.dim(0)?;
-    let one = |x: &Tensor| linear_narrow_on(Isa::best(), x, w);
+    let one = |x: &Tensor, r0: usize| {
+        // The runs that meet rows `r0..r0 + rows of x`, clipped to them and counted from `r0`.
+        let rows = x.dim(0)?;
+        let clipped: Vec<_> = lora
+            .iter()
+            .filter_map(|&(at, n, l)| {
+                let (lo, hi) = (at.max(r0), (at + n).min(r0 + rows));
+                (lo < hi).then(|| (lo - r0, hi - lo, l))
+            })
+            .collect();
+        linear_narrow_on(Isa::best(), x, w, &clipped)
+    };
     if m <= MAX_ROWS {
-        return one(x);
+        return one(x, 0);
     }
     let parts = (0..m)
         .step_by(MAX_ROWS)
-        .map(|r| one(&x.narrow(0, r, MAX_ROWS.min(m - r))?.contiguous()?))
+        .map(|r| one(&x.narrow(0, r, MAX_ROWS.min(m - r))?.contiguous()?, r))
         .collect::<candle_core::Result<Vec<_>>>()?;
     Tensor::cat(&parts, 0)
 }
 
-/// [`linear_narrow`] on a given instruction set.
+/// [`linear_narrow_low_rank`] on a given instruction set, for at most [`MAX_ROWS`] rows.
 pub(crate) fn linear_narrow_on(
     isa: Isa,
     x: &Tensor,
     w: &PackedWeight,
+    lora: &[(usize, usize, &LowRank)],
 ) -> candle_core::Result<Tensor> {
     let (m, k) = x.dims2()?;
     let (n, k_w) = (w.rows(), w.cols());
     if k != k_w || m == 0 || m > MAX_ROWS {
         candle_core::bail!("linear_narrow: x {:?} and packed w ({n}, {k_w})", x.dims());
     }
-    let xq = with_f32(x, |xs| Ok(QuantRows::new(xs, m, k)))?;
-    // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
-    let mut yt = vec![0f32; n * m];
-    yt.par_chunks_mut(ROWS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(t, out)| weight_rows(isa, w, t * ROWS_PER_TASK, &xq, out));
+    let mut tensors = Vec::new();
+    for &(r0, rows, l) in lora {
+        if r0 + rows > m || l.a.dim(1)? != k {
+            candle_core::bail!(
+                "linear_narrow: adapter term ({:?}) on rows {r0}..{} of x {:?}",
+                l.a.dims(),
+                r0 + rows,
+                x.dims()
+            );
+        }
+        tensors.push(&l.a);
+        tensors.extend(l.terms.iter().map(|t| &t.bt));
+    }
+    let yt = with_f32(x, |xs| {
+        with_f32_all(&tensors, |slices| {
+            // Each run's `x A^T` first: the pass over the weight adds the terms block by block.
+            let mut groups = Vec::with_capacity(lora.len());
+            let mut at = 0;
+            for &(r0, rows, l) in lora {
+                let a = slices[at];
+                let mut terms = Vec::with_capacity(l.terms.len());
+                for (t, &bt) in l.terms.iter().zip(&slices[at + 1..]) {
+                    let (rank, cols) = t.bt.dims2()?;
+                    if t.at + rank > l.a.dim(0)? || t.col + cols > n {
+                        candle_core::bail!("linear_narrow: adapter term out of its projection");
+                    }
+                    terms.push((t.col, t.at, rank, bt, cols));
+                }
+                at += 1 + l.terms.len();
+                groups.push(Group {
+                    r0,
+                    m: rows,
+                    xat: few_rows_t(&xs[r0 * k..(r0 + rows) * k], rows, k, a),
+                    terms,
+                });
+            }
+            let xq = QuantRows::new(xs, m, k);
+            // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
+            let mut yt = vec![0f32; n * m];
+            yt.par_chunks_mut(ROWS_PER_TASK * m)
+                .enumerate()
+                .for_each(|(t, out)| {
+                    weight_rows(isa, w, t * ROWS_PER_TASK, &xq, out);
+                    for g in &groups {
+                        add_terms(out, m, t * ROWS_PER_TASK, g);
+                    }
+                });
+            Ok(yt)
+        })
+    })?;
     transposed(&yt, m, n)
 }
 
@@ -314,7 +383,7 @@ mod tests {
                 let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
                 let mut first: Option<Vec<f32>> = None;
                 for isa in Isa::available() {
-                    let got = linear_narrow_on(isa, &x, &w)?;
+                    let got = linear_narrow_on(isa, &x, &w, &[])?;
                     let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
                     // Two bytes per activation: about 1e-5 of the largest output.
                     assert!(
@@ -322,7 +391,7 @@ mod tests {
                         "{format:?} {isa:?} ({m}, {k}, {n}): max difference {diff} of {scale}"
                     );
                     for row in 0..m {
-                        let alone = linear_narrow_on(isa, &x.narrow(0, row, 1)?, &w)?;
+                        let alone = linear_narrow_on(isa, &x.narrow(0, row, 1)?, &w, &[])?;
                         assert_eq!(
                             alone.flatten_all()?.to_vec1::<f32>()?,
                             got.narrow(0, row, 1)?.flatten_all()?.to_vec1::<f32>()?,
@@ -364,10 +433,120 @@ mod tests {
         let x = Tensor::from_vec(xs, (m, k), &Device::Cpu)?;
         let want = x.matmul(&wf.t()?)?;
         for isa in Isa::available() {
-            let got = linear_narrow_on(isa, &x, &w)?;
+            let got = linear_narrow_on(isa, &x, &w, &[])?;
             let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-3, "{isa:?}: {diff}");
         }
+        Ok(())
+    }
+
+    /// A [`LowRank`] with terms `(col, rank, cols)` and its reference delta for `x`.
+    fn low_rank(
+        k: usize,
+        n: usize,
+        terms: &[(usize, usize, usize)],
+        seed: f64,
+    ) -> candle_core::Result<(LowRank, impl Fn(&Tensor) -> candle_core::Result<Tensor>)> {
+        let mut a_parts = Vec::new();
+        let mut out = Vec::new();
+        let mut at = 0;
+        let mut reference = Vec::new();
+        for &(col, rank, cols) in terms {
+            let a = (Tensor::randn(0f32, 1.0, (rank, k), &Device::Cpu)? * seed)?;
+            let bt = Tensor::randn(0f32, 0.1, (rank, cols), &Device::Cpu)?;
+            a_parts.push(a.clone());
+            reference.push((col, a, bt.clone()));
+            out.push(crate::kernels::LowRankTerm { col, at, bt });
+            at += rank;
+        }
+        let stacked = Tensor::cat(&a_parts, 0)?;
+        let delta = move |x: &Tensor| {
+            let m = x.dim(0)?;
+            let mut d = Tensor::zeros((m, n), candle_core::DType::F32, &Device::Cpu)?;
+            for (col, a, bt) in &reference {
+                let (_, cols) = bt.dims2()?;
+                let part = x.matmul(&a.t()?)?.matmul(bt)?;
+                let mut pieces = Vec::new();
+                if *col > 0 {
+                    pieces.push(Tensor::zeros(
+                        (m, *col),
+                        candle_core::DType::F32,
+                        &Device::Cpu,
+                    )?);
+                }
+                pieces.push(part);
+                if col + cols < n {
+                    pieces.push(Tensor::zeros(
+                        (m, n - col - cols),
+                        candle_core::DType::F32,
+                        &Device::Cpu,
+                    )?);
+                }
+                d = (d + Tensor::cat(&pieces, 1)?)?;
+            }
+            Ok(d)
+        };
+        Ok((
+            LowRank {
+                a: stacked,
+                terms: out,
+            },
+            delta,
+        ))
+    }
+
+    #[test]
+    fn adapter_terms_add_to_their_rows_only_and_a_row_gets_the_same_alone_as_in_a_batch(
+    ) -> candle_core::Result<()> {
+        // Two experts over one base weight: terms that start mid-task, a rank below and above
+        // a vector, a part of fewer columns than a vector; rows of no expert between them;
+        // more rows than one pass takes, so that a run spans two.
+        let (k, n) = (96, 200);
+        let (w, wf) = weights(Format::Q4_1, n, k)?;
+        let (one, one_delta) = low_rank(k, n, &[(0, 3, 70), (120, 17, 80)], 0.5)?;
+        let (two, two_delta) = low_rank(k, n, &[(65, 5, 9)], 1.0)?;
+        let m = MAX_ROWS + 4;
+        let runs = [(0, 2, &one), (3, 2, &two), (10, m - 10, &one)];
+        let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+        let got = linear_narrow_low_rank(&x, &w, &runs)?;
+        let base = x.matmul(&wf.t()?)?;
+        for (r0, rows, delta) in [
+            (0, 2, Some(&one_delta as &dyn Fn(&Tensor) -> _)),
+            (2, 1, None),
+            (3, 2, Some(&two_delta)),
+            (5, 5, None),
+            (10, m - 10, Some(&one_delta)),
+        ] {
+            let xs = x.narrow(0, r0, rows)?;
+            let mut want = base.narrow(0, r0, rows)?;
+            if let Some(d) = delta {
+                want = (want + d(&xs)?)?;
+            }
+            let have = got.narrow(0, r0, rows)?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            let diff = (&have - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-4 * scale, "rows {r0}..: {diff} of {scale}");
+        }
+        for (r, l) in [
+            (0, Some(&one)),
+            (4, Some(&two)),
+            (7, None),
+            (m - 1, Some(&one)),
+        ] {
+            let alone = linear_narrow_low_rank(
+                &x.narrow(0, r, 1)?,
+                &w,
+                &l.map(|l| vec![(0, 1, l)]).unwrap_or_default(),
+            )?;
+            assert_eq!(
+                alone.flatten_all()?.to_vec1::<f32>()?,
+                got.narrow(0, r, 1)?.flatten_all()?.to_vec1::<f32>()?,
+                "row {r}"
+            );
+        }
+        // A term past the projection's outputs is refused, not written out of bounds.
+        let (bad, _) = low_rank(k, n + 10, &[(190, 2, 20)], 1.0)?;
+        assert!(linear_narrow_low_rank(&x, &w, &[(0, 1, &bad)]).is_err());
         Ok(())
     }
 }
