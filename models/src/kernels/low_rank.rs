@@ -72,8 +72,16 @@ crate::kernels::multiversion! {
                     // per step (never fused), whatever the lanes and rows around it.
                     let mut acc = [[0f32; LANES]; ROWS];
                     for i in 0..rank {
-                        let mut bv = [0f32; LANES];
-                        bv[..w].copy_from_slice(&bt[i * cols + c..][..w]);
+                        let src = &bt[i * cols + c..][..w];
+                        // A whole vector by value (a copy of unknown length is a memmove call).
+                        let bv: [f32; LANES] = match src.try_into() {
+                            Ok(whole) => whole,
+                            Err(_) => {
+                                let mut v = [0f32; LANES];
+                                v[..w].copy_from_slice(src);
+                                v
+                            }
+                        };
                         let xa = &g.xat[(at + i) * g.m + b..][..rows];
                         for (sums, &a) in acc.iter_mut().zip(xa) {
                             for (s, &v) in sums.iter_mut().zip(&bv) {
