@@ -8,7 +8,7 @@
 //! weights are exactly the values the f32 path dequantises; any other weight (a Hugging Face
 //! checkpoint, another GGUF type, an expert merged into the base) is quantised to Q8_0 from its
 //! f32 values. Adapters applied on the fly keep their low-rank term in f32 beside the packed
-//! base.
+//! base, added in the same pass ([`crate::kernels`]' `low_rank`).
 //!
 //! The f32 weights stay: prefill and training multiply many rows, on f32 with gemm or on AMX
 //! tiles packed from the f32 values per call ([`crate::prefill_matmul`]). The packed copies

@@ -7,7 +7,8 @@
 //! a second time for AVX2 + FMA and picks that copy at run time when the CPU has it, so the
 //! binary stays portable without giving up the wide registers. The AMX kernels of a prefill
 //! (`amx`, `attend_tiles`) and the narrow decode kernels (`narrow`) are written for their
-//! instructions (`asm!`, intrinsics) and chosen at run time where the CPU has them.
+//! instructions (`asm!`, intrinsics) and chosen at run time where the CPU has them; `low_rank`
+//! adds an expert's adapter terms inside the narrow kernel's pass.
 
 pub(crate) mod amx;
 mod attend;
