@@ -50,8 +50,20 @@ pub(crate) struct Group<'a> {
     pub m: usize,
     /// `(sum of ranks, m)`: `x A^T` of those rows, transposed.
     pub xat: Vec<f32>,
-    /// `(col, at, rank, bt, cols)` per term.
-    pub terms: Vec<(usize, usize, usize, &'a [f32], usize)>,
+    /// Its terms' values.
+    pub terms: Vec<TermValues<'a>>,
+}
+
+/// A [`LowRankTerm`]'s values as a slice.
+pub(crate) struct TermValues<'a> {
+    /// As [`LowRankTerm::col`].
+    pub col: usize,
+    /// As [`LowRankTerm::at`].
+    pub at: usize,
+    pub rank: usize,
+    pub cols: usize,
+    /// `(rank, cols)`, as [`LowRankTerm::bt`].
+    pub bt: &'a [f32],
 }
 
 crate::kernels::multiversion! {
@@ -59,7 +71,7 @@ crate::kernels::multiversion! {
     /// for all `m` rows, `out[(j - first) * m + r]`.
     pub(crate) fn add_terms(out: &mut [f32], m: usize, first: usize, g: &Group<'_>) {
         let n = out.len() / m;
-        for &(col, at, rank, bt, cols) in &g.terms {
+        for &TermValues { col, at, rank, cols, bt } in &g.terms {
             let hi = (col + cols).min(first + n);
             let mut j = col.max(first);
             while j < hi {

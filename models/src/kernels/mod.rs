@@ -31,7 +31,7 @@ pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
 pub(crate) use swiglu::swiglu;
 
-use candle_core::{CpuStorage, Storage, Tensor};
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
 /// Defines `fn $name(args)` as a dispatcher over two compilations of one body: AVX2 + FMA when
 /// the CPU reports both, the build's baseline otherwise.
@@ -111,19 +111,7 @@ pub(crate) fn with_f32<R>(
     f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let (storage, layout) = t.storage_and_layout();
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!(
-            "kernel input must be contiguous, got strides {:?}",
-            layout.stride()
-        );
-    };
-    match &*storage {
-        Storage::Cpu(CpuStorage::F32(data)) => f(&data[start..end]),
-        _ => candle_core::bail!(
-            "kernel input must be an f32 CPU tensor, got {:?}",
-            t.dtype()
-        ),
-    }
+    f(f32_elements(&storage, layout)?)
 }
 
 /// [`with_f32`] for several tensors at once: `f` gets their elements in the same order.
@@ -132,20 +120,28 @@ pub(crate) fn with_f32_all<R>(
     f: impl FnOnce(&[&[f32]]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let mut slices = Vec::with_capacity(ts.len());
-    for (storage, layout) in &held {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!(
-                "kernel input must be contiguous, got strides {:?}",
-                layout.stride()
-            );
-        };
-        match &**storage {
-            Storage::Cpu(CpuStorage::F32(data)) => slices.push(&data[start..end]),
-            _ => candle_core::bail!("kernel input must be an f32 CPU tensor"),
-        }
-    }
+    let slices = held
+        .iter()
+        .map(|(storage, layout)| f32_elements(storage, layout))
+        .collect::<candle_core::Result<Vec<_>>>()?;
     f(&slices)
+}
+
+/// The window of `storage` that a contiguous f32 CPU tensor with `layout` holds.
+fn f32_elements<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!(
+            "kernel input must be contiguous, got strides {:?}",
+            layout.stride()
+        );
+    };
+    match storage {
+        Storage::Cpu(CpuStorage::F32(data)) => Ok(&data[start..end]),
+        other => candle_core::bail!(
+            "kernel input must be an f32 CPU tensor, got {:?}",
+            other.dtype()
+        ),
+    }
 }
 
 /// `len` deterministic values in `[-1, 1)` (xorshift from `seed`), the kernels' test inputs.

@@ -32,9 +32,9 @@ use pack::Row;
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::low_rank::{add_terms, Group, LowRank};
+use super::low_rank::{add_terms, Group, LowRank, TermValues};
 use super::rows::few_rows_t;
-use super::{transposed, with_f32, with_f32_all, MAX_ROWS};
+use super::{transposed, with_f32_all, MAX_ROWS};
 
 /// Weights per quantisation block (GGUF's Q4_1 and Q8_0).
 pub(crate) const BLOCK: usize = 32;
@@ -243,7 +243,7 @@ pub(crate) fn linear_narrow_on(
     if k != k_w || m == 0 || m > MAX_ROWS {
         candle_core::bail!("linear_narrow: x {:?} and packed w ({n}, {k_w})", x.dims());
     }
-    let mut tensors = Vec::new();
+    let mut tensors = vec![x];
     for &(r0, rows, l) in lora {
         if r0 + rows > m || l.a.dim(1)? != k {
             candle_core::bail!(
@@ -256,42 +256,47 @@ pub(crate) fn linear_narrow_on(
         tensors.push(&l.a);
         tensors.extend(l.terms.iter().map(|t| &t.bt));
     }
-    let yt = with_f32(x, |xs| {
-        with_f32_all(&tensors, |slices| {
-            // Each run's `x A^T` first: the pass over the weight adds the terms block by block.
-            let mut groups = Vec::with_capacity(lora.len());
-            let mut at = 0;
-            for &(r0, rows, l) in lora {
-                let a = slices[at];
-                let mut terms = Vec::with_capacity(l.terms.len());
-                for (t, &bt) in l.terms.iter().zip(&slices[at + 1..]) {
-                    let (rank, cols) = t.bt.dims2()?;
-                    if t.at + rank > l.a.dim(0)? || t.col + cols > n {
-                        candle_core::bail!("linear_narrow: adapter term out of its projection");
-                    }
-                    terms.push((t.col, t.at, rank, bt, cols));
+    let yt = with_f32_all(&tensors, |slices| {
+        let xs = slices[0];
+        // Each run's `x A^T` first: the pass over the weight adds the terms block by block.
+        let mut groups = Vec::with_capacity(lora.len());
+        let mut at = 1;
+        for &(r0, rows, l) in lora {
+            let a = slices[at];
+            let mut terms = Vec::with_capacity(l.terms.len());
+            for (t, &bt) in l.terms.iter().zip(&slices[at + 1..]) {
+                let (rank, cols) = t.bt.dims2()?;
+                if t.at + rank > l.a.dim(0)? || t.col + cols > n {
+                    candle_core::bail!("linear_narrow: adapter term out of its projection");
                 }
-                at += 1 + l.terms.len();
-                groups.push(Group {
-                    r0,
-                    m: rows,
-                    xat: few_rows_t(&xs[r0 * k..(r0 + rows) * k], rows, k, a),
-                    terms,
+                terms.push(TermValues {
+                    col: t.col,
+                    at: t.at,
+                    rank,
+                    cols,
+                    bt,
                 });
             }
-            let xq = QuantRows::new(xs, m, k);
-            // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
-            let mut yt = vec![0f32; n * m];
-            yt.par_chunks_mut(ROWS_PER_TASK * m)
-                .enumerate()
-                .for_each(|(t, out)| {
-                    weight_rows(isa, w, t * ROWS_PER_TASK, &xq, out);
-                    for g in &groups {
-                        add_terms(out, m, t * ROWS_PER_TASK, g);
-                    }
-                });
-            Ok(yt)
-        })
+            at += 1 + l.terms.len();
+            groups.push(Group {
+                r0,
+                m: rows,
+                xat: few_rows_t(&xs[r0 * k..(r0 + rows) * k], rows, k, a),
+                terms,
+            });
+        }
+        let xq = QuantRows::new(xs, m, k);
+        // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
+        let mut yt = vec![0f32; n * m];
+        yt.par_chunks_mut(ROWS_PER_TASK * m)
+            .enumerate()
+            .for_each(|(t, out)| {
+                weight_rows(isa, w, t * ROWS_PER_TASK, &xq, out);
+                for g in &groups {
+                    add_terms(out, m, t * ROWS_PER_TASK, g);
+                }
+            });
+        Ok(yt)
     })?;
     transposed(&yt, m, n)
 }
@@ -498,9 +503,9 @@ mod tests {
     #[test]
     fn adapter_terms_add_to_their_rows_only_and_a_row_gets_the_same_alone_as_in_a_batch(
     ) -> candle_core::Result<()> {
-        // Two experts over one base weight: terms that start mid-task, a rank below and above
-        // a vector, a part of fewer columns than a vector; rows of no expert between them;
-        // more rows than one pass takes, so that a run spans two.
+        // Two experts over one base weight: terms that start inside a task's block of
+        // outputs, parts narrower and wider than a vector of columns (9, 70, 80); rows of no
+        // expert between them; more rows than one pass takes, so that a run spans two.
         let (k, n) = (96, 200);
         let (w, wf) = weights(Format::Q4_1, n, k)?;
         let (one, one_delta) = low_rank(k, n, &[(0, 3, 70), (120, 17, 80)], 0.5)?;
