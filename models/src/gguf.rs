@@ -13,6 +13,7 @@ use candle_core::{Device, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::config::LlamaConfig;
+use crate::decode_products::DecodeProducts;
 use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
 use crate::kernels::{Format, PackedWeight};
@@ -232,7 +233,11 @@ impl GgufFile {
             norm,
             (output, head_packed),
             identity,
-            (decode, PrefillMatmul::from_env()?),
+            (
+                decode,
+                DecodeProducts::from_env()?,
+                PrefillMatmul::from_env()?,
+            ),
         )
         .map_err(|source| LoadError::Tensor {
             path: self.path.clone(),

@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::config::{HfLlamaConfig, LlamaConfig};
+use crate::decode_products::DecodeProducts;
 use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
 use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
@@ -143,7 +144,11 @@ impl Llama {
             sha256: hex::encode(hasher.finalize()),
             source: dir.clone(),
         };
-        let kernels = (DecodeWeights::from_env()?, PrefillMatmul::from_env()?);
+        let kernels = (
+            DecodeWeights::from_env()?,
+            DecodeProducts::from_env()?,
+            PrefillMatmul::from_env()?,
+        );
         Llama::assemble(cfg, embed, blocks, norm, (output, None), identity, kernels).map_err(wrap)
     }
 

@@ -9,16 +9,18 @@
 //!   with its metrics.
 //!
 //! Math is f32 on the CPU, except the products of the projections: a decode step's multiply the
-//! weights' 4- and 8-bit blocks by activations in two bytes, integer dot products scaled in f32
-//! (`decode_weights`, within float noise of f32, tested), and a prefill's run on AMX tiles in
-//! bf16 with f32 sums where the CPU has them (`prefill_matmul`, accuracy tested); f16/bf16
-//! also appear where tensors are packed for the wire.
+//! weights' 4- and 8-bit blocks (`decode_weights`) by activations rounded to bf16 where the CPU
+//! has AVX-512 BF16, in two bytes with integer dot products elsewhere (`decode_products`, both
+//! with f32 sums and accuracy tested), and a prefill's run on AMX tiles in bf16 with f32 sums
+//! where the CPU has them (`prefill_matmul`, accuracy tested); f16/bf16 also appear where
+//! tensors are packed for the wire.
 //!
 //! Files, top-down: `config` (hyperparameters from GGUF metadata or `config.json`), `gguf` and
 //! `hf` (loaders, as constructors of [`Llama`]), `llama` (the model and its one forward pass
 //! with hooks), `ops` (the forward pass's operations: fused kernels from `kernels` for
 //! inference, candle's differentiable ops while gradients are recorded), `decode_weights` (the
-//! packed copies decode steps multiply), `prefill_matmul` (AMX tiles or f32 for prefill), `cache` (the per-layer
+//! packed copies decode steps multiply), `decode_products` (bf16 or integer products for
+//! them), `prefill_matmul` (AMX tiles or f32 for prefill), `cache` (the per-layer
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
 //! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
 //! `generate` (and `batch`, several generations decoded together), `pic` (documents compiled
@@ -40,6 +42,7 @@ pub mod cache;
 pub mod codec;
 pub mod config;
 pub mod corpus;
+pub mod decode_products;
 pub mod decode_weights;
 pub mod error;
 pub mod eval;
@@ -67,6 +70,7 @@ pub mod translator;
 pub use cache::KvCache;
 pub use codec::{Codec, CodecError, LayerDecoder, Prefix};
 pub use config::{HfLlamaConfig, LlamaConfig, RopeVariant};
+pub use decode_products::DecodeProducts;
 pub use decode_weights::DecodeWeights;
 pub use error::{AdapterError, ForwardError, GenerateError, LoadError};
 pub use generate::{generate, generate_with_cache, GenerateParams, Generation, StopReason};

@@ -21,6 +21,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::cache::KvCache;
 use crate::config::LlamaConfig;
+use crate::decode_products::DecodeProducts;
 use crate::decode_weights::{DecodeWeights, Narrow};
 use crate::error::ForwardError;
 use crate::kernels::{self, LowRank, LowRankTerm, PackedWeight};
@@ -78,6 +79,8 @@ pub(crate) struct Linear {
     pub narrow: Option<Narrow>,
     /// Whether prefill rows multiply on AMX tiles ([`crate::prefill_matmul`]).
     pub tiles: bool,
+    /// The products of decode rows on `narrow` ([`crate::decode_products`]).
+    pub products: DecodeProducts,
     /// The parts' adapter terms laid out for decode steps ([`Linear::stack_adapter`]); the
     /// parts' own terms are views of it.
     pub low_rank: Option<Arc<LowRank>>,
@@ -111,6 +114,7 @@ impl Linear {
             parts,
             narrow,
             tiles: false,
+            products: DecodeProducts::Int,
             low_rank: None,
         })
     }
@@ -120,7 +124,8 @@ impl Linear {
     /// otherwise.
     fn base(&self, x: &Tensor, narrow: bool) -> candle_core::Result<Tensor> {
         let packed = self.narrow.as_ref().and_then(|n| n.of(&self.weight));
-        ops::linear_packed(x, &self.weight, packed.filter(|_| narrow), self.tiles)
+        let packed = packed.filter(|_| narrow).map(|p| (p, self.products.isa()));
+        ops::linear_packed(x, &self.weight, packed, self.tiles)
     }
 
     /// The first row of `proj` and its part.
@@ -276,7 +281,8 @@ impl Linear {
             }
             r0 += rows;
         }
-        let y = kernels::linear_narrow_low_rank(&x.contiguous()?, packed, &stacked)?;
+        let isa = self.products.isa();
+        let y = kernels::linear_narrow_low_rank(&x.contiguous()?, packed, isa, &stacked)?;
         if other.is_empty() {
             return Ok(Some(y));
         }
@@ -306,6 +312,7 @@ impl Linear {
     fn same_base(&self, other: &Linear) -> bool {
         self.weight.id() == other.weight.id()
             && self.tiles == other.tiles
+            && self.products == other.products
             && match (&self.narrow, &other.narrow) {
                 (None, None) => true,
                 (Some(a), Some(b)) => a.same(b),
@@ -594,6 +601,8 @@ pub struct Llama {
     pub(crate) head_narrow: Option<Narrow>,
     /// The kernel of prefill products ([`crate::prefill_matmul`]).
     pub(crate) prefill: PrefillMatmul,
+    /// The products of decode steps on narrow weights ([`crate::decode_products`]).
+    pub(crate) products: DecodeProducts,
     pub(crate) rope: Rope,
     /// The base model file's RoPE, which `rope` differs from when an adapter brings its own:
     /// the producer (the base) rotated the keys of any cache it serves with this one.
@@ -763,7 +772,7 @@ impl Llama {
         norm: Tensor,
         (output, head_packed): (Option<Tensor>, Option<PackedWeight>),
         identity: ModelIdentity,
-        (decode, prefill): (DecodeWeights, PrefillMatmul),
+        (decode, products, prefill): (DecodeWeights, DecodeProducts, PrefillMatmul),
     ) -> candle_core::Result<Self> {
         let blocks = blocks
             .into_iter()
@@ -781,9 +790,11 @@ impl Llama {
             lm_head,
             head_narrow,
             prefill: PrefillMatmul::F32,
+            products: DecodeProducts::Int,
             identity,
         };
         model.set_decode_weights(decode)?;
+        model.set_decode_products(products);
         model.set_prefill_matmul(prefill);
         Ok(model)
     }
@@ -1044,7 +1055,8 @@ impl Llama {
         let x = ops::rms_norm(x, &self.norm, self.cfg.rms_norm_eps)?;
         let packed = self.head_narrow.as_ref().and_then(|n| n.of(&self.lm_head));
         let tiles = self.prefill == PrefillMatmul::Tiles;
-        ops::linear_packed(&x, &self.lm_head, packed.filter(|_| narrow), tiles)
+        let packed = packed.filter(|_| narrow).map(|p| (p, self.products.isa()));
+        ops::linear_packed(&x, &self.lm_head, packed, tiles)
     }
 
     /// The layers of `layers` over the rows of `x`: one sequence's, or several sequences'

@@ -41,20 +41,21 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `x W^T` where `W` may also be held in a block format (`packed`, the same values, given for
-/// a decode step's rows): without gradients the rows multiply the packed copy
+/// a decode step's rows with the kernel to multiply them on): without gradients the rows
+/// multiply the packed copy
 /// ([`kernels::linear_narrow`]), which streams a quarter to an eighth of the f32 bytes. Other
 /// rows without gradients multiply on AMX tiles when `tiles` ([`kernels::linear_tiles`], bf16
 /// products); anything else goes to [`linear`].
 pub(crate) fn linear_packed(
     x: &Tensor,
     w: &Tensor,
-    packed: Option<&kernels::PackedWeight>,
+    packed: Option<(&kernels::PackedWeight, kernels::NarrowIsa)>,
     tiles: bool,
 ) -> candle_core::Result<Tensor> {
     let plain = !x.track_op() && !w.track_op() && x.dtype() == candle_core::DType::F32;
-    if let Some(p) = packed {
+    if let Some((p, isa)) = packed {
         if plain {
-            return kernels::linear_narrow(&x.contiguous()?, p);
+            return kernels::linear_narrow(&x.contiguous()?, p, isa);
         }
     }
     if tiles && plain && x.dims2()?.0 > kernels::MAX_ROWS && w.dtype() == candle_core::DType::F32 {

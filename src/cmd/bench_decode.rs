@@ -86,8 +86,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| "?".into());
     println!(
         "batched decode: {} prompt tokens per job, {} greedy tokens, median of {} runs after {} \
-         untimed, {threads} threads",
-        args.prompt_tokens, args.tokens, args.reps, args.warmup
+         untimed, {threads} threads; decode weights {} with {} products",
+        args.prompt_tokens,
+        args.tokens,
+        args.reps,
+        args.warmup,
+        base.decode_weights(),
+        base.decode_products()
     );
     let merged = Arc::new(base.with_adapter(&adapters[0], AdapterMode::Merge)?);
     let alone = time_jobs(&args, &[merged], 1)?;

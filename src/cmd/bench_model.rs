@@ -17,7 +17,7 @@ use scd_models::bench::{
     amx_peak_gflops, fma_peak_gflops, matmul_gflops, peak_rss_bytes, prefill_flops, rss_bytes,
     synthetic_tokens, time_decode, time_prefill, Protocol, Runs, Timed, TimedLlama,
 };
-use scd_models::{DecodeWeights, Llama, LlamaConfig, PrefillMatmul};
+use scd_models::{DecodeProducts, DecodeWeights, Llama, LlamaConfig, PrefillMatmul};
 use serde::Deserialize;
 
 /// Arguments of `scd bench model`.
@@ -129,9 +129,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let model = Llama::from_gguf(&args.model).context("loading the model")?;
     let cfg = model.config().clone();
     println!(
-        "model loaded (f32 weights dequantized, prefill on {}, decode weights {}) in {:.2}s; RSS {} (peak so far {})",
+        "model loaded (f32 weights dequantized, prefill on {}, decode weights {} with {} products) in {:.2}s; RSS {} (peak so far {})",
         model.prefill_matmul(),
         model.decode_weights(),
+        model.decode_products(),
         t.elapsed().as_secs_f64(),
         mb(rss_bytes()),
         mb(peak_rss_bytes())
@@ -156,9 +157,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     results.push(Measured {
         name: format!(
-            "scd (prefill {}, decode {})",
+            "scd (prefill {}, decode {} {})",
             model.prefill_matmul(),
-            model.decode_weights()
+            model.decode_weights(),
+            model.decode_products()
         ),
         prefill,
         decode,
@@ -169,6 +171,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
     });
     drop(timed);
+    // Where the default decode takes bf16 products, the integer ones too (decode only): what
+    // the rounding to bf16 buys.
+    if model.decode_products() != DecodeProducts::Int {
+        let int_model = model
+            .clone()
+            .with_decode_products(DecodeProducts::Int)
+            .context("integer decode products")?;
+        let mut timed = TimedLlama::new(&int_model);
+        let decode = decode_all(&mut |p| {
+            time_decode(&mut timed, p, &protocol).context("scd decode (narrow weights, int)")
+        })?;
+        results.push(Measured {
+            name: "scd (decode narrow int)".into(),
+            prefill: Vec::new(),
+            decode,
+            decode_bytes: Some(int_model.decode_weight_bytes()),
+            peak: Some(fma_peak),
+        });
+    }
     // The same weights, prefill and decode on f32: what the tiles and the narrow weights are
     // measured against (the prefill only where it differs from the row above).
     let f32_model = model

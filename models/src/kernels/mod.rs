@@ -26,7 +26,9 @@ pub(crate) use attend_tiles::attend_tiles;
 pub(crate) use exp::exp;
 pub(crate) use heads::{merge_heads, split_qkv_rope};
 pub(crate) use low_rank::{LowRank, LowRankTerm};
-pub(crate) use narrow::{linear_narrow, linear_narrow_low_rank, Format, PackedWeight};
+pub(crate) use narrow::{
+    linear_narrow, linear_narrow_low_rank, Format, Isa as NarrowIsa, PackedWeight,
+};
 pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
 pub(crate) use swiglu::swiglu;

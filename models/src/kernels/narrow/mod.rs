@@ -9,12 +9,16 @@
 //! bytes, not one ([`QuantRows`]): one byte per value changed greedy answers against the f32
 //! path on this model (SmolLM2's hidden states carry outlier channels that round a block's
 //! other values away), two cost a second integer product per block and keep the decode within
-//! float noise of f32 (measured in the real-model tests).
+//! float noise of f32 (measured in the real-model tests). Where the CPU has AVX-512 BF16 the
+//! default is bf16 products instead ([`bf16`]).
 //!
 //! - [`pack`]: the packed layout ([`PackedWeight`]): from GGUF blocks (Q4_1, Q8_0) without loss,
 //!   or quantised from f32 to Q8_0 (a merged expert, a checkpoint with another format);
 //! - [`avx512`], [`avx2`] and [`portable`]: the same function per instruction set, picked at run
-//!   time ([`Isa::best`]).
+//!   time ([`Isa::best_integer`]);
+//! - [`bf16`]: the products in bf16 instead (AVX-512 BF16), activations rounded to bf16: fewer
+//!   steps per product, what a batch of jobs is bound by, for a rounding the model's tests
+//!   state (`crate::decode_products` chooses).
 //!
 //! The weights' values are exactly the GGUF's (the f32 path dequantises the same blocks). Each
 //! output is the same sum whatever the other rows of `x`, so a job's tokens are the same alone
@@ -22,6 +26,7 @@
 
 mod avx2;
 mod avx512;
+mod bf16;
 mod pack;
 mod portable;
 
@@ -56,6 +61,8 @@ const TILE: usize = 4;
 /// The instruction set a kernel runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isa {
+    /// AVX-512 with BF16's dot products: activations rounded to bf16.
+    Avx512Bf16,
     /// AVX-512 with VNNI's `u8 x i8` dot products (and BW, VL for byte and masked loads).
     Avx512Vnni,
     /// AVX2 + FMA + F16C.
@@ -65,33 +72,46 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// The widest this CPU runs.
-    pub(crate) fn best() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-                && std::arch::is_x86_feature_detected!("avx512vnni")
-            {
-                return Isa::Avx512Vnni;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
+    /// The widest integer kernel this CPU runs (two bytes per activation).
+    pub(crate) fn best_integer() -> Self {
+        [Isa::Avx512Vnni, Isa::Avx2]
+            .into_iter()
+            .find(|i| i.runs_here())
+            .unwrap_or(Isa::Portable)
     }
 
-    /// Every instruction set this CPU runs, widest first (tests run them all).
+    /// Whether this CPU has the instruction set's features.
+    pub(crate) fn runs_here(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx512 = has!("avx512f") && has!("avx512bw") && has!("avx512vl");
+            match self {
+                Isa::Avx512Bf16 => avx512 && has!("avx512bf16") && has!("f16c"),
+                Isa::Avx512Vnni => avx512 && has!("avx512vnni") && has!("f16c"),
+                Isa::Avx2 => has!("avx2") && has!("fma") && has!("f16c"),
+                Isa::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Portable
+        }
+    }
+
+    /// Every instruction set this CPU runs (tests run them all).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        let all = [Isa::Avx512Vnni, Isa::Avx2, Isa::Portable];
-        let best = all.iter().position(|&i| i == Isa::best()).unwrap_or(2);
-        all[best..].to_vec()
+        [Isa::Avx512Bf16, Isa::Avx512Vnni, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|i| i.runs_here())
+            .collect()
+    }
+
+    /// Whether the kernel rounds activations to bf16 (else two bytes per value).
+    #[cfg(test)]
+    fn rounds_to_bf16(self) -> bool {
+        self == Isa::Avx512Bf16
     }
 }
 
@@ -187,6 +207,34 @@ impl QuantRows {
     }
 }
 
+/// The rows of `x` in the form an instruction set's kernel reads.
+enum Activations {
+    /// Two signed bytes per value, for the integer kernels.
+    Bytes(QuantRows),
+    /// bf16, for [`Isa::Avx512Bf16`].
+    #[cfg(target_arch = "x86_64")]
+    Bf16(bf16::Bf16Rows),
+}
+
+impl Activations {
+    fn new(isa: Isa, x: &[f32], m: usize, k: usize) -> Self {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => Self::Bf16(bf16::Bf16Rows::new(x, m, k)),
+            _ => Self::Bytes(QuantRows::new(x, m, k)),
+        }
+    }
+
+    /// Rows.
+    fn m(&self) -> usize {
+        match self {
+            Self::Bytes(x) => x.m,
+            #[cfg(target_arch = "x86_64")]
+            Self::Bf16(x) => x.m,
+        }
+    }
+}
+
 /// `v` to the nearest integer, halves away from zero, in `[-127, 127]` (for `|v| <= 127`, as
 /// the scales make it): `f32::round` is a libm call on the baseline x86-64 target, this is a
 /// convert instruction.
@@ -195,9 +243,10 @@ fn round(v: f32) -> i32 {
     ((v + 0.5f32.copysign(v)) as i32).clamp(-127, 127)
 }
 
-/// `x W^T` for `x` `(m, k)` f32 and `w` packed `(n, k)`, [`MAX_ROWS`] rows of `x` at a time.
-pub(crate) fn linear_narrow(x: &Tensor, w: &PackedWeight) -> candle_core::Result<Tensor> {
-    linear_narrow_low_rank(x, w, &[])
+/// `x W^T` for `x` `(m, k)` f32 and `w` packed `(n, k)` on `isa`, [`MAX_ROWS`] rows of `x` at
+/// a time.
+pub(crate) fn linear_narrow(x: &Tensor, w: &PackedWeight, isa: Isa) -> candle_core::Result<Tensor> {
+    linear_narrow_low_rank(x, w, isa, &[])
 }
 
 /// [`linear_narrow`] plus adapter terms: `lora` holds `(first row, rows, terms)` per run of
@@ -206,6 +255,7 @@ pub(crate) fn linear_narrow(x: &Tensor, w: &PackedWeight) -> candle_core::Result
 pub(crate) fn linear_narrow_low_rank(
     x: &Tensor,
     w: &PackedWeight,
+    isa: Isa,
     lora: &[(usize, usize, &LowRank)],
 ) -> candle_core::Result<Tensor> {
     let m = x.dim(0)?;
@@ -219,7 +269,7 @@ pub(crate) fn linear_narrow_low_rank(
                 (lo < hi).then(|| (lo - r0, hi - lo, l))
             })
             .collect();
-        linear_narrow_on(Isa::best(), x, w, &clipped)
+        linear_narrow_on(isa, x, w, &clipped)
     };
     if m <= MAX_ROWS {
         return one(x, 0);
@@ -285,7 +335,7 @@ pub(crate) fn linear_narrow_on(
                 terms,
             });
         }
-        let xq = QuantRows::new(xs, m, k);
+        let xq = Activations::new(isa, xs, m, k);
         // Computed as y^T `(n, m)` so that each task writes its own contiguous block.
         let mut yt = vec![0f32; n * m];
         yt.par_chunks_mut(ROWS_PER_TASK * m)
@@ -303,8 +353,8 @@ pub(crate) fn linear_narrow_on(
 
 /// `out[(j - first) * m + r] = w_j . x_r` for the weight rows `first..` that `out` has room
 /// for and every row `r` of `x`: tiles of [`TILE`] weight rows by up to [`GROUP`] rows of `x`.
-fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &QuantRows, out: &mut [f32]) {
-    let m = x.m;
+fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &Activations, out: &mut [f32]) {
+    let m = x.m();
     let n = out.len() / m;
     let mut j = 0;
     while j < n {
@@ -325,21 +375,29 @@ fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &QuantRows, out: &mu
         while r < m {
             let group = (m - r).min(GROUP);
             let mut tile = [[0f32; GROUP]; TILE];
-            match isa {
+            match (isa, x) {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Isa::Avx512Vnni` and `Isa::Avx2` are only chosen (by `Isa::best`, or
-                // by tests from `Isa::available`) on CPUs that have their features.
-                Isa::Avx512Vnni => unsafe {
+                // SAFETY: the x86 instruction sets are only chosen (by `Isa::best_integer`,
+                // `DecodeProducts`, or by tests from `Isa::available`) on CPUs that have their
+                // features.
+                (Isa::Avx512Bf16, Activations::Bf16(x)) => unsafe {
+                    bf16::tile(w.format(), &rows[..wide], x, r, group, &mut tile)
+                },
+                #[cfg(target_arch = "x86_64")]
+                (_, Activations::Bf16(_)) => unreachable!("bf16 rows are made for Avx512Bf16"),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                (Isa::Avx512Vnni, Activations::Bytes(x)) => unsafe {
                     avx512::tile(w.format(), &rows[..wide], x, r, group, &mut tile)
                 },
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => {
+                (Isa::Avx2, Activations::Bytes(x)) => {
                     for (a, row) in rows[..wide].iter().enumerate() {
                         // SAFETY: as above.
                         unsafe { avx2::row(w.format(), row, x, r, &mut tile[a][..group]) };
                     }
                 }
-                _ => {
+                (_, Activations::Bytes(x)) => {
                     for (a, row) in rows[..wide].iter().enumerate() {
                         portable::row(w.format(), row, x, r, &mut tile[a][..group]);
                     }
@@ -376,6 +434,17 @@ mod tests {
         Ok((packed, f))
     }
 
+    /// `x` as the kernel of `isa` sees it: rounded to bf16, or as it is (two bytes per value
+    /// are within the tests' tolerance).
+    fn input_of(isa: Isa, x: &Tensor) -> candle_core::Result<Tensor> {
+        if isa.rounds_to_bf16() {
+            x.to_dtype(candle_core::DType::BF16)?
+                .to_dtype(candle_core::DType::F32)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
     #[test]
     fn narrow_rows_match_the_f32_product_and_a_row_alone_equals_it_in_a_batch(
     ) -> candle_core::Result<()> {
@@ -384,13 +453,15 @@ mod tests {
             for (m, k, n) in [(1, 576, 131), (3, 96, 70), (9, 1536, 65), (16, 32, 200)] {
                 let (w, wf) = weights(format, n, k)?;
                 let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-                let want = x.matmul(&wf.t()?)?;
-                let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                let scale = x.matmul(&wf.t()?)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 let mut first: Option<Vec<f32>> = None;
                 for isa in Isa::available() {
                     let got = linear_narrow_on(isa, &x, &w, &[])?;
+                    // The bf16 kernel against the product of x rounded as it rounds it, the
+                    // integer kernels (two bytes per activation: about 1e-5 of the largest
+                    // output) against the product of x.
+                    let want = input_of(isa, &x)?.matmul(&wf.t()?)?;
                     let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                    // Two bytes per activation: about 1e-5 of the largest output.
                     assert!(
                         diff < 1e-4 * scale,
                         "{format:?} {isa:?} ({m}, {k}, {n}): max difference {diff} of {scale}"
@@ -403,8 +474,11 @@ mod tests {
                             "{format:?} {isa:?} ({m}, {k}, {n}) row {row}"
                         );
                     }
-                    // The instruction sets sum in different orders: close, not equal.
+                    // The integer kernels sum in different orders: close, not equal.
                     let got = got.flatten_all()?.to_vec1::<f32>()?;
+                    if isa.rounds_to_bf16() {
+                        continue;
+                    }
                     if let Some(f) = &first {
                         let worst = f
                             .iter()
@@ -513,45 +587,52 @@ mod tests {
         let m = MAX_ROWS + 4;
         let runs = [(0, 2, &one), (3, 2, &two), (10, m - 10, &one)];
         let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-        let got = linear_narrow_low_rank(&x, &w, &runs)?;
-        let base = x.matmul(&wf.t()?)?;
-        for (r0, rows, delta) in [
-            (0, 2, Some(&one_delta as &dyn Fn(&Tensor) -> _)),
-            (2, 1, None),
-            (3, 2, Some(&two_delta)),
-            (5, 5, None),
-            (10, m - 10, Some(&one_delta)),
-        ] {
-            let xs = x.narrow(0, r0, rows)?;
-            let mut want = base.narrow(0, r0, rows)?;
-            if let Some(d) = delta {
-                want = (want + d(&xs)?)?;
+        for isa in Isa::available() {
+            let got = linear_narrow_low_rank(&x, &w, isa, &runs)?;
+            // The terms take x as it is; the weight's product x as the kernel rounds it.
+            let base = input_of(isa, &x)?.matmul(&wf.t()?)?;
+            for (r0, rows, delta) in [
+                (0, 2, Some(&one_delta as &dyn Fn(&Tensor) -> _)),
+                (2, 1, None),
+                (3, 2, Some(&two_delta)),
+                (5, 5, None),
+                (10, m - 10, Some(&one_delta)),
+            ] {
+                let xs = x.narrow(0, r0, rows)?;
+                let mut want = base.narrow(0, r0, rows)?;
+                if let Some(d) = delta {
+                    want = (want + d(&xs)?)?;
+                }
+                let have = got.narrow(0, r0, rows)?;
+                let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                let diff = (&have - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(
+                    diff < 1e-4 * scale,
+                    "{isa:?} rows {r0}..: {diff} of {scale}"
+                );
             }
-            let have = got.narrow(0, r0, rows)?;
-            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
-            let diff = (&have - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(diff < 1e-4 * scale, "rows {r0}..: {diff} of {scale}");
+            for (r, l) in [
+                (0, Some(&one)),
+                (4, Some(&two)),
+                (7, None),
+                (m - 1, Some(&one)),
+            ] {
+                let alone = linear_narrow_low_rank(
+                    &x.narrow(0, r, 1)?,
+                    &w,
+                    isa,
+                    &l.map(|l| vec![(0, 1, l)]).unwrap_or_default(),
+                )?;
+                assert_eq!(
+                    alone.flatten_all()?.to_vec1::<f32>()?,
+                    got.narrow(0, r, 1)?.flatten_all()?.to_vec1::<f32>()?,
+                    "{isa:?} row {r}"
+                );
+            }
+            // A term past the projection's outputs is refused, not written out of bounds.
+            let (bad, _) = low_rank(k, n + 10, &[(190, 2, 20)], 1.0)?;
+            assert!(linear_narrow_low_rank(&x, &w, isa, &[(0, 1, &bad)]).is_err());
         }
-        for (r, l) in [
-            (0, Some(&one)),
-            (4, Some(&two)),
-            (7, None),
-            (m - 1, Some(&one)),
-        ] {
-            let alone = linear_narrow_low_rank(
-                &x.narrow(0, r, 1)?,
-                &w,
-                &l.map(|l| vec![(0, 1, l)]).unwrap_or_default(),
-            )?;
-            assert_eq!(
-                alone.flatten_all()?.to_vec1::<f32>()?,
-                got.narrow(0, r, 1)?.flatten_all()?.to_vec1::<f32>()?,
-                "row {r}"
-            );
-        }
-        // A term past the projection's outputs is refused, not written out of bounds.
-        let (bad, _) = low_rank(k, n + 10, &[(190, 2, 20)], 1.0)?;
-        assert!(linear_narrow_low_rank(&x, &w, &[(0, 1, &bad)]).is_err());
         Ok(())
     }
 }
