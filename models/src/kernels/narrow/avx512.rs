@@ -30,22 +30,12 @@ pub(super) unsafe fn tile(
     n: usize,
     tile: &mut [[f32; GROUP]; TILE],
 ) {
-    macro_rules! go {
-        ($(($w:literal, $n:literal))*) => {
-            match (format, rows.len(), n) {
-                $((Format::Q4_1, $w, $n) => kernel::<true, $w, $n>(rows, x, r, tile),)*
-                $((Format::Q8_0, $w, $n) => kernel::<false, $w, $n>(rows, x, r, tile),)*
-                _ => unreachable!("at most TILE weight rows and GROUP rows of x"),
-            }
-        };
-    }
-    const _: () = assert!(TILE == 4 && GROUP == 4);
     // SAFETY: the caller guarantees the features `kernel` is compiled for.
-    unsafe { go!((1, 1)(1, 2)(1, 3)(1, 4)(4, 1)(4, 2)(4, 3)(4, 4)) }
+    unsafe { tile_kernel!(kernel, format, rows, x, r, n, tile) }
 }
 
 /// The mask of the first `n` of 16 lanes.
-fn first(n: usize) -> __mmask16 {
+pub(super) fn first(n: usize) -> __mmask16 {
     ((1u32 << n.min(16)) - 1) as __mmask16
 }
 
@@ -119,33 +109,52 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
         }
         p += chunk;
     }
-    // The offsets: sum over blocks of m (Q4_1's, or Q8_0's -128 d) times the activation's
-    // block sum, 16 blocks at a time.
-    let blocks = 2 * pairs;
     for a in 0..W {
         for b in 0..N {
-            let sum = x.sum(r + b);
-            let mut o = acc[a][b];
-            let mut k = 0;
-            while k < blocks {
-                let mask = first(blocks - k);
-                // SAFETY: masked loads of blocks `k..min(k + 16, blocks)`, inside the row's
-                // `blocks` offsets (or scales) and the activation's `blocks` sums.
-                unsafe {
-                    let m = if Q4 {
-                        let at = ws[a].offsets.as_ptr().add(2 * k).cast::<i16>();
-                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at))
-                    } else {
-                        let at = ws[a].scales.as_ptr().add(2 * k).cast::<i16>();
-                        let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
-                        _mm512_mul_ps(d, _mm512_set1_ps(-128.0))
-                    };
-                    let s = _mm512_maskz_loadu_ps(mask, sum.as_ptr().add(k));
-                    o = _mm512_fmadd_ps(m, s, o);
-                }
-                k += 16;
-            }
-            tile[a][b] = _mm512_reduce_add_ps(o);
+            tile[a][b] = with_offsets(Q4, false, ws[a], x.sum(r + b), acc[a][b]);
         }
     }
+}
+
+/// The lanes of `acc` summed, plus the offsets: over the row's blocks, its offset times the
+/// activation's block sum (`sum`), 16 blocks at a time. The offset is Q4_1's `m` (less `128 d`
+/// when `less_128d`: the bf16 kernel's weights are `128 + u`) or Q8_0's `-128 d` (its weights
+/// are `q + 128`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+#[inline]
+pub(super) fn with_offsets(
+    q4: bool,
+    less_128d: bool,
+    w: &Row<'_>,
+    sum: &[f32],
+    acc: __m512,
+) -> f32 {
+    let blocks = sum.len();
+    assert!(w.scales.len() >= 2 * blocks && (!q4 || w.offsets.len() >= 2 * blocks));
+    let mut o = acc;
+    let mut k = 0;
+    while k < blocks {
+        let mask = first(blocks - k);
+        // SAFETY: masked loads of blocks `k..min(k + 16, blocks)`, inside the row's `blocks`
+        // scales and offsets (asserted) and the activation's `blocks` sums.
+        unsafe {
+            let at = w.scales.as_ptr().add(2 * k).cast::<i16>();
+            let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+            let m = if q4 {
+                let at = w.offsets.as_ptr().add(2 * k).cast::<i16>();
+                let m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+                if less_128d {
+                    _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0), m)
+                } else {
+                    m
+                }
+            } else {
+                _mm512_mul_ps(d, _mm512_set1_ps(-128.0))
+            };
+            let s = _mm512_maskz_loadu_ps(mask, sum.as_ptr().add(k));
+            o = _mm512_fmadd_ps(m, s, o);
+        }
+        k += 16;
+    }
+    _mm512_reduce_add_ps(o)
 }

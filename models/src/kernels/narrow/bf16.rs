@@ -25,6 +25,7 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
+use super::avx512::{first, with_offsets};
 use super::pack::Row;
 use super::{Format, BLOCK, GROUP, TILE};
 
@@ -91,23 +92,8 @@ pub(super) unsafe fn tile(
     n: usize,
     tile: &mut [[f32; GROUP]; TILE],
 ) {
-    macro_rules! go {
-        ($(($w:literal, $n:literal))*) => {
-            match (format, rows.len(), n) {
-                $((Format::Q4_1, $w, $n) => kernel::<true, $w, $n>(rows, x, r, tile),)*
-                $((Format::Q8_0, $w, $n) => kernel::<false, $w, $n>(rows, x, r, tile),)*
-                _ => unreachable!("at most TILE weight rows and GROUP rows of x"),
-            }
-        };
-    }
-    const _: () = assert!(TILE == 4 && GROUP == 4);
     // SAFETY: the caller guarantees the features `kernel` is compiled for.
-    unsafe { go!((1, 1)(1, 2)(1, 3)(1, 4)(4, 1)(4, 2)(4, 3)(4, 4)) }
-}
-
-/// The mask of the first `n` of 16 lanes.
-fn first(n: usize) -> __mmask16 {
-    ((1u32 << n.min(16)) - 1) as __mmask16
+    unsafe { tile_kernel!(kernel, format, rows, x, r, n, tile) }
 }
 
 /// A pair's 64 weights as bf16 in [`Bf16Rows`]' order: Q4_1's as `128 + u`, Q8_0's as `u`.
@@ -199,34 +185,10 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
         }
         p += chunk;
     }
-    // The offsets: sum over blocks of Q4_1's `m - 128 d` (the `128` of its bf16 weights), or
-    // Q8_0's `-128 d`, times the activation's block sum, 16 blocks at a time.
-    let blocks = 2 * pairs;
+    // The offsets: Q4_1's `m` less the `128 d` of its bf16 weights `128 + u`.
     for a in 0..W {
         for b in 0..N {
-            let sum = x.sum(r + b);
-            let mut o = acc[a][b];
-            let mut k = 0;
-            while k < blocks {
-                let mask = first(blocks - k);
-                // SAFETY: masked loads of blocks `k..min(k + 16, blocks)`, inside the row's
-                // `blocks` offsets and scales and the activation's `blocks` sums.
-                unsafe {
-                    let at = ws[a].scales.as_ptr().add(2 * k).cast::<i16>();
-                    let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
-                    let m = if Q4 {
-                        let at = ws[a].offsets.as_ptr().add(2 * k).cast::<i16>();
-                        let m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
-                        _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0), m)
-                    } else {
-                        _mm512_mul_ps(d, _mm512_set1_ps(-128.0))
-                    };
-                    let s = _mm512_maskz_loadu_ps(mask, sum.as_ptr().add(k));
-                    o = _mm512_fmadd_ps(m, s, o);
-                }
-                k += 16;
-            }
-            tile[a][b] = _mm512_reduce_add_ps(o);
+            tile[a][b] = with_offsets(Q4, true, ws[a], x.sum(r + b), acc[a][b]);
         }
     }
 }

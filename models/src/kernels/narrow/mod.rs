@@ -24,6 +24,35 @@
 //! output is the same sum whatever the other rows of `x`, so a job's tokens are the same alone
 //! and in a batch on a given CPU.
 
+/// `$kernel::<Q4, W, N>($rows, $x, $r, $tile)`, the AVX-512 kernels' instance for the weight's
+/// format (`Q4`: Q4_1, else Q8_0), the tile's weight rows (`W`: [`TILE`] or 1) and its rows of
+/// `x` (`N`: 1 to [`GROUP`]).
+#[cfg(target_arch = "x86_64")]
+macro_rules! tile_kernel {
+    ($kernel:ident, $format:expr, $rows:expr, $x:expr, $r:expr, $n:expr, $tile:expr) => {{
+        const _: () = assert!(TILE == 4 && GROUP == 4);
+        match ($format, $rows.len(), $n) {
+            (Format::Q4_1, 1, 1) => $kernel::<true, 1, 1>($rows, $x, $r, $tile),
+            (Format::Q4_1, 1, 2) => $kernel::<true, 1, 2>($rows, $x, $r, $tile),
+            (Format::Q4_1, 1, 3) => $kernel::<true, 1, 3>($rows, $x, $r, $tile),
+            (Format::Q4_1, 1, 4) => $kernel::<true, 1, 4>($rows, $x, $r, $tile),
+            (Format::Q4_1, 4, 1) => $kernel::<true, 4, 1>($rows, $x, $r, $tile),
+            (Format::Q4_1, 4, 2) => $kernel::<true, 4, 2>($rows, $x, $r, $tile),
+            (Format::Q4_1, 4, 3) => $kernel::<true, 4, 3>($rows, $x, $r, $tile),
+            (Format::Q4_1, 4, 4) => $kernel::<true, 4, 4>($rows, $x, $r, $tile),
+            (Format::Q8_0, 1, 1) => $kernel::<false, 1, 1>($rows, $x, $r, $tile),
+            (Format::Q8_0, 1, 2) => $kernel::<false, 1, 2>($rows, $x, $r, $tile),
+            (Format::Q8_0, 1, 3) => $kernel::<false, 1, 3>($rows, $x, $r, $tile),
+            (Format::Q8_0, 1, 4) => $kernel::<false, 1, 4>($rows, $x, $r, $tile),
+            (Format::Q8_0, 4, 1) => $kernel::<false, 4, 1>($rows, $x, $r, $tile),
+            (Format::Q8_0, 4, 2) => $kernel::<false, 4, 2>($rows, $x, $r, $tile),
+            (Format::Q8_0, 4, 3) => $kernel::<false, 4, 3>($rows, $x, $r, $tile),
+            (Format::Q8_0, 4, 4) => $kernel::<false, 4, 4>($rows, $x, $r, $tile),
+            _ => unreachable!("at most TILE weight rows and GROUP rows of x"),
+        }
+    }};
+}
+
 mod avx2;
 mod avx512;
 mod bf16;
