@@ -1082,24 +1082,6 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
         "a hit computes nothing"
     );
 
-    // Documents and a prompt that each fit the context but not together: the producer fails
-    // the job with the three numbers before it fetches, compiles or sends anything.
-    let context = m.base.config().context_length;
-    let mut long = ask([0, 1]);
-    long.max_tokens = (context - question.len()) as u32;
-    let job = cluster.run("mail", Mode::Oracle, long).await;
-    assert_eq!(job.state, JobState::Failed, "{job:?}");
-    let err = job.error.clone().unwrap_or_default();
-    let rows = docs[0].len() + docs[1].len();
-    for says in [
-        format!("the documents take {rows} positions"),
-        format!("the prompt {context} more"),
-        format!("context holds {context}"),
-    ] {
-        assert!(err.contains(&says), "{err}");
-    }
-    assert_eq!((store.compilations(), store.hits()), (2, 2));
-
     // Refused at submission, with the reason: a document the cluster does not know, a
     // malformed id, and a mode other than oracle.
     let mut unknown = ask([0, 1]);
