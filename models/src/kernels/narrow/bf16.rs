@@ -11,8 +11,8 @@
 //! Every integer weight of a block, 0-15 (Q4_1) or 0-255 (Q8_0, stored as `q + 128`), is exact
 //! in bf16. Q4_1's nibbles become bf16 by an OR: the bits `0x4300 | u` are the bf16 `128 + u`,
 //! so each block's dot product carries `128` times the activation's block sum, which joins the
-//! offset (`m - 128 d`) after the weights. Q8_0's bytes go through f32 (four converts and two
-//! narrowings per pair, shared by the tile's rows of `x`).
+//! offset (`m - 128 d`) after the weights. Q8_0's bytes go through f32 (four widenings, four
+//! converts and two narrowings per pair, shared by the tile's rows of `x`).
 //!
 //! A pair's 64 weights go in two registers, each holding 16 of the first block and 16 of the
 //! second, so that lanes 0-7 of a product sum the first block and lanes 8-15 the second, and
