@@ -12,7 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::blocking::{self, run_and_reply, Interrupted};
+use crate::blocking::{self, run_and_reply, Interrupted, Outlet};
 use crate::job::JobCodec;
 use crate::timeline::{LayerBytes, Span};
 
@@ -109,6 +109,7 @@ fn encode(rt: &Handle, job: EncodeJob) -> Result<EncodeReport, EncoderError> {
         frames,
         cancel,
     } = job;
+    let frames = Outlet::new(frames, cancel.clone());
     let interrupted = |e| match e {
         Interrupted::Cancelled => EncoderError::Cancelled,
         Interrupted::Closed => EncoderError::TransferGone,
@@ -135,9 +136,10 @@ fn encode(rt: &Handle, job: EncodeJob) -> Result<EncodeReport, EncoderError> {
             if let Some(hash) = codec.translator {
                 frame = frame.with_translator(hash);
             }
-            blocking::send(rt, &frames, frame, &cancel).map_err(interrupted)?;
+            frames.send(rt, frame).map_err(interrupted)?;
         }
     }
+    frames.finish();
     report.span = start.map(|start| Span {
         start,
         end: Instant::now(),

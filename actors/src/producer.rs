@@ -27,7 +27,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::blocking::{self, run_and_reply, Interrupted};
+use crate::blocking::{run_and_reply, Interrupted, Outlet};
 use crate::documents::DocumentServer;
 use crate::job::JobCodec;
 use crate::prefix_cache::{Block, LayerRows, PrefixCache};
@@ -217,8 +217,7 @@ impl Actor for Producer {
                 let model = Arc::clone(&state.model);
                 let documents = state.documents.clone();
                 run_and_reply("documents", reply, ProducerError::Internal, move |rt| {
-                    let server = documents.ok_or(ProducerError::NoDocuments)?;
-                    serve_documents(rt, &model, &server, job)
+                    serve_documents(rt, &model, documents.as_deref(), job)
                 })
                 .await;
             }
@@ -228,15 +227,19 @@ impl Actor for Producer {
 }
 
 /// Checks a job's prefix; `None` when its codec needs no producer pass.
-fn check(model: &Llama, job: &PrefillJob) -> Result<Option<Capture>, ProducerError> {
-    let Some(capture) = job.codec.codec.capture() else {
+fn check(
+    model: &Llama,
+    prefix: &[u32],
+    codec: &JobCodec,
+) -> Result<Option<Capture>, ProducerError> {
+    let Some(capture) = codec.codec.capture() else {
         return Ok(None);
     };
-    if job.prefix.is_empty() {
+    if prefix.is_empty() {
         return Err(ProducerError::EmptyPrefix);
     }
     let vocab = model.config().vocab_size;
-    if let Some(&id) = job.prefix.iter().find(|&&t| t as usize >= vocab) {
+    if let Some(&id) = prefix.iter().find(|&&t| t as usize >= vocab) {
         return Err(ProducerError::TokenOutOfRange { id, vocab });
     }
     Ok(Some(capture))
@@ -244,11 +247,10 @@ fn check(model: &Llama, job: &PrefillJob) -> Result<Option<Capture>, ProducerErr
 
 fn send(
     rt: &Handle,
-    captures: &mpsc::Sender<LayerCapture>,
+    captures: &Outlet<LayerCapture>,
     c: LayerCapture,
-    cancel: &CancellationToken,
 ) -> Result<(), ProducerError> {
-    blocking::send(rt, captures, c, cancel).map_err(|e| match e {
+    captures.send(rt, c).map_err(|e| match e {
         Interrupted::Cancelled => ProducerError::Cancelled,
         Interrupted::Closed => ProducerError::EncoderGone,
     })
@@ -265,15 +267,18 @@ fn prefill(
     cache: Option<&PrefixCache>,
     job: PrefillJob,
 ) -> Result<Option<Prefilled>, ProducerError> {
-    let Some(wanted) = check(model, &job)? else {
-        return Ok(None);
-    };
     let PrefillJob {
         prefix,
+        codec,
         captures,
         cancel,
         ..
     } = job;
+    let captures = Outlet::new(captures, cancel.clone());
+    let Some(wanted) = check(model, &prefix, &codec)? else {
+        captures.finish();
+        return Ok(None);
+    };
     let start = Instant::now();
     let chain = cache.map(|c| c.hashes(&prefix)).unwrap_or_default();
     let run = cache.map(|c| c.lookup(&chain)).unwrap_or_default();
@@ -393,9 +398,10 @@ fn prefill(
                 h_in: h_in.filter(|_| wanted.h_in),
                 hidden: x.filter(|_| wanted.hidden),
             };
-            send(rt, &captures, c, &cancel)?;
+            send(rt, &captures, c)?;
         }
     }
+    captures.finish();
     if let Some(cache) = cache {
         let new = pending
             .into_iter()
@@ -418,7 +424,7 @@ fn prefill(
 fn serve_documents(
     rt: &Handle,
     model: &Llama,
-    server: &DocumentServer,
+    server: Option<&DocumentServer>,
     job: DocumentsJob,
 ) -> Result<DocumentsServed, ProducerError> {
     let DocumentsJob {
@@ -428,6 +434,8 @@ fn serve_documents(
         frames,
         cancel,
     } = job;
+    let frames = Outlet::new(frames, cancel.clone());
+    let server = server.ok_or(ProducerError::NoDocuments)?;
     let start = Instant::now();
     let vocab = model.config().vocab_size;
     let context = model.config().context_length;
@@ -474,14 +482,15 @@ fn serve_documents(
             encoded: Instant::now(),
         });
         for code in codes.drain(..) {
-            blocking::send(rt, &frames, CodeFrame::new(job, code), &cancel).map_err(
-                |e| match e {
+            frames
+                .send(rt, CodeFrame::new(job, code))
+                .map_err(|e| match e {
                     Interrupted::Cancelled => ProducerError::Cancelled,
                     Interrupted::Closed => ProducerError::TransferGone,
-                },
-            )?;
+                })?;
         }
     }
+    frames.finish();
     Ok(DocumentsServed {
         span: Span {
             start,

@@ -120,23 +120,28 @@ async fn send_job(job: SendJob) -> Result<TransferReport, TransferError> {
     } = job;
     let start = Instant::now();
     // Dropping the sender on cancellation resets the stream: the consumer node sees the job
-    // cancelled.
+    // cancelled. The cancellation is polled first: a stage that failed cancels the job before
+    // its channel closes (`blocking::Outlet`), and that close must not finish the stream.
     let mut sender = tokio::select! {
+        biased;
         () = cancel.cancelled() => return Err(TransferError::Cancelled),
         s = conn.open_job(job, trace) => s?,
     };
     loop {
         let frame = tokio::select! {
+            biased;
             () = cancel.cancelled() => return Err(TransferError::Cancelled),
             f = frames.recv() => f,
         };
         let Some(frame) = frame else { break };
         tokio::select! {
+            biased;
             () = cancel.cancelled() => return Err(TransferError::Cancelled),
             sent = sender.send(frame) => sent?,
         }
     }
     let report = tokio::select! {
+        biased;
         () = cancel.cancelled() => return Err(TransferError::Cancelled),
         r = sender.finish() => r?,
     };

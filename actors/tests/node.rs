@@ -961,7 +961,8 @@ fn documents_reference(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
-    use scd_scheduler::DocumentRegistry;
+    use scd_actors::config::ExpertConfig;
+    use scd_scheduler::{DocumentRegistry, JobId, TraceContext};
     let m = models();
     let cluster = Cluster::new();
     let store_dir = tempfile::tempdir().unwrap();
@@ -971,13 +972,19 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
         store_dir.path().display(),
         writer_dir.display()
     );
-    let producer_config = config_with(
+    let mut producer_config = config_with(
         "prefill-0",
         "\"producer\", \"scheduler\"",
         true,
         &repo().join("experts/mail/translator"),
         &section,
     );
+    let sotu = ExpertConfig {
+        name: "sotu".into(),
+        adapter: Some(repo().join("experts/sotu")),
+        translator: repo().join("experts/sotu/translator"),
+    };
+    producer_config.experts.push(sotu.clone());
     let producer = cluster.start(&producer_config).await;
     let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
     let writer = {
@@ -1036,6 +1043,7 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
     // First job: the producer compiles both into its store, serves them, and announces them.
     let job = cluster.run("mail", Mode::Oracle, ask([0, 1])).await;
     assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    let first_payload = job.payload_bytes;
     let docs: Vec<&[u32]> = records.iter().map(|r| r.tokens.as_slice()).collect();
     let want = documents_reference(m, &writer, &docs, &question);
     assert_eq!(job.output.as_ref().unwrap().tokens, want);
@@ -1082,6 +1090,24 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
         "a hit computes nothing"
     );
 
+    // Documents and a prompt that each fit the context but not together: the producer fails
+    // the job with the three numbers before it fetches, compiles or sends anything.
+    let context = m.base.config().context_length;
+    let mut long = ask([0, 1]);
+    long.max_tokens = (context - question.len()) as u32;
+    let job = cluster.run("mail", Mode::Oracle, long).await;
+    assert_eq!(job.state, JobState::Failed, "{job:?}");
+    let err = job.error.clone().unwrap_or_default();
+    let rows = docs[0].len() + docs[1].len();
+    for says in [
+        format!("the documents take {rows} positions"),
+        format!("the prompt {context} more"),
+        format!("context holds {context}"),
+    ] {
+        assert!(err.contains(&says), "{err}");
+    }
+    assert_eq!((store.compilations(), store.hits()), (2, 2));
+
     // Refused at submission, with the reason: a document the cluster does not know, a
     // malformed id, and a mode other than oracle.
     let mut unknown = ask([0, 1]);
@@ -1103,6 +1129,43 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
         assert!(matches!(err, ClientError::Documents(_)), "{err:?}");
         assert!(err.to_string().contains(says), "{err}");
     }
+
+    // A fan-out naming documents: the node that hosts mail and sotu (the only consumer now)
+    // takes one stream of the documents' codes, and each expert reads the prompt after them.
+    // Each answer is that expert's own job's on the same node.
+    consumer.shutdown(Duration::ZERO).await;
+    let mut both = config("experts-0", "\"consumer\"", true);
+    both.experts.push(sotu);
+    let consumer = cluster.start(&both).await;
+    // Long enough for the experts to part after the answer both read from the documents.
+    let longer = || {
+        let mut r = ask([0, 1]);
+        r.max_tokens = 64;
+        r
+    };
+    let mut alone = std::collections::BTreeMap::new();
+    for e in ["mail", "sotu"] {
+        let job = cluster.run(e, Mode::Oracle, longer()).await;
+        assert_eq!(job.state, JobState::Done, "{e}: {:?}", job.error);
+        alone.insert(e, job.output.unwrap().tokens);
+    }
+    assert_ne!(
+        alone["mail"], alone["sotu"],
+        "the experts answer differently: {alone:?}"
+    );
+    let id = JobId::random();
+    let experts = ["mail".to_owned(), "sotu".to_owned()];
+    cluster
+        .client
+        .submit_fan_out(id, &experts, Mode::Oracle, longer(), TraceContext::new())
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.output.as_ref().unwrap().tokens, alone["mail"]);
+    assert_eq!(job.outputs["sotu"].tokens, alone["sotu"]);
+    assert_eq!(job.payload_bytes, first_payload, "one stream of codes");
+    assert_eq!(job.documents.unwrap().hits, 2, "nothing compiled");
 
     // A restarted producer finds its store again: it announces what it holds before any job,
     // and serves the next job without compiling.

@@ -207,6 +207,14 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn new() -> Self {
+        // The nodes' logs, where `RUST_LOG` asks for them (printed with a failing test's
+        // output): what each node did with a job that did not end.
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_test_writer()
+                .try_init();
+        }
         let store: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
         let client = ClusterClient::new(store.clone(), Keys::default());
         Self {
