@@ -44,6 +44,19 @@ pub(crate) struct LoraDelta {
     pub scale: f64,
 }
 
+/// `t` in bf16 where that holds each of its values exactly (an adapter saved in bf16, scaled by
+/// a power of two), else `t`: half the bytes for a decode step to stream, the same products.
+fn narrowest(t: Tensor) -> candle_core::Result<Tensor> {
+    let narrow = t.to_dtype(DType::BF16)?;
+    let exact = narrow
+        .to_dtype(DType::F32)?
+        .eq(&t)?
+        .min_all()?
+        .to_scalar::<u8>()?
+        == 1;
+    Ok(if exact { narrow } else { t })
+}
+
 impl LoraDelta {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         ops::linear(&ops::linear(x, &self.a)?, &self.b)? * self.scale
@@ -158,8 +171,8 @@ impl Linear {
     }
 
     /// Lays the parts' adapter terms out for decode steps ([`LowRank`]: the `A`s stacked, each
-    /// `B` transposed and scaled) and makes each part's term a view of that layout, so that the
-    /// adapter is held once. Terms that are training variables stay as they are (a layout
+    /// `B` transposed and scaled, each in bf16 where that holds its values exactly) and makes
+    /// each part's term a view of that layout, so that the adapter is held once. Terms that are training variables stay as they are (a layout
     /// would be a stale copy after the next step), and so do terms in another dtype than f32.
     pub(crate) fn stack_adapter(&mut self) -> candle_core::Result<()> {
         self.low_rank = None;
@@ -182,10 +195,11 @@ impl Linear {
             return Ok(());
         }
         let a = Tensor::cat(&adapted.iter().map(|(_, _, l)| &l.a).collect::<Vec<_>>(), 0)?;
+        let a = narrowest(a)?;
         let mut terms = Vec::with_capacity(adapted.len());
         let mut at = 0;
         for &(_, col, l) in &adapted {
-            let bt = (l.b.t()? * l.scale)?.contiguous()?;
+            let bt = narrowest((l.b.t()? * l.scale)?.contiguous()?)?;
             terms.push(LowRankTerm { col, at, bt });
             at += l.a.dim(0)?;
         }
@@ -1330,4 +1344,29 @@ pub(crate) fn check_shape(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    #[test]
+    fn adapter_terms_are_held_in_bf16_only_where_that_is_exact() -> candle_core::Result<()> {
+        let exact = Tensor::new(&[1.0f32, -0.5, 3.0, 0.0078125, 1.5e-3], &Device::Cpu)?
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?;
+        let doubled = (exact.clone() * 2.0)?;
+        let held = super::narrowest(doubled.clone())?;
+        assert_eq!(held.dtype(), DType::BF16);
+        assert_eq!(
+            held.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            doubled.to_vec1::<f32>()?
+        );
+        // A scale that is not a power of two leaves values bf16 cannot hold: kept in f32.
+        let scaled = (exact * 0.3)?;
+        let held = super::narrowest(scaled.clone())?;
+        assert_eq!(held.dtype(), DType::F32);
+        assert_eq!(held.to_vec1::<f32>()?, scaled.to_vec1::<f32>()?);
+        Ok(())
+    }
 }

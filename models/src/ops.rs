@@ -23,18 +23,22 @@ use crate::kernels;
 /// Without gradients, a few rows (a decode step, one row per job) go to
 /// [`kernels::linear_few_rows`], which streams the weight once instead of packing it first.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if x.track_op() && !w.track_op() {
-        x.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })
-    } else if !x.track_op()
+    use candle_core::DType;
+    if !x.track_op()
         && !w.track_op()
         && x.dims2()?.0 <= kernels::MAX_ROWS
         && x.dims2()?.1 >= kernels::MIN_DEPTH
         && x.is_contiguous()
         && w.is_contiguous()
-        && x.dtype() == candle_core::DType::F32
-        && w.dtype() == candle_core::DType::F32
+        && x.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::BF16)
     {
-        kernels::linear_few_rows(x, w)
+        return kernels::linear_few_rows(x, w);
+    }
+    // A weight held narrower than `x` (an adapter's terms in bf16) is widened for the others.
+    let w = w.to_dtype(x.dtype())?;
+    if x.track_op() && !w.track_op() {
+        x.contiguous()?.apply_op1(FrozenMatmul { w })
     } else {
         x.matmul(&w.t()?)
     }

@@ -16,13 +16,18 @@
 
 use candle_core::Tensor;
 
+use super::{Elements, Widen};
+
 /// Output columns per vector of partial sums (the AVX-512 width; AVX2 takes two registers).
 const LANES: usize = 16;
 
 /// Rows of `x` that share each load of `B`.
 const ROWS: usize = 4;
 
-/// One projection's adapter terms, laid out for decode steps.
+/// One projection's adapter terms, laid out for decode steps: in bf16 where that holds every
+/// value exactly (an adapter saved in bf16 with a power-of-two scale, as ours are), else in f32.
+/// The kernels widen bf16 as they load it, so both give the same sums; bf16 halves the bytes
+/// a decode step streams for the adapter.
 #[derive(Debug)]
 pub(crate) struct LowRank {
     /// `(sum of ranks, in)`: the adapted parts' `A`, one after another.
@@ -63,53 +68,78 @@ pub(crate) struct TermValues<'a> {
     pub rank: usize,
     pub cols: usize,
     /// `(rank, cols)`, as [`LowRankTerm::bt`].
-    pub bt: &'a [f32],
+    pub bt: Elements<'a>,
 }
 
 crate::kernels::multiversion! {
     /// Adds the terms of `g` to `out`, the outputs of weight rows (output columns) `first..`
     /// for all `m` rows, `out[(j - first) * m + r]`.
     pub(crate) fn add_terms(out: &mut [f32], m: usize, first: usize, g: &Group<'_>) {
-        let n = out.len() / m;
-        for &TermValues { col, at, rank, cols, bt } in &g.terms {
-            let hi = (col + cols).min(first + n);
-            let mut j = col.max(first);
-            while j < hi {
-                let w = LANES.min(hi - j);
-                let c = j - col;
-                let mut b = 0;
-                while b < g.m {
-                    let rows = ROWS.min(g.m - b);
-                    // Each output is one sum over the rank in order, a plain multiply then add
-                    // per step (never fused), whatever the lanes and rows around it.
-                    let mut acc = [[0f32; LANES]; ROWS];
-                    for i in 0..rank {
-                        let src = &bt[i * cols + c..][..w];
-                        // A whole vector by value (a copy of unknown length is a memmove call).
-                        let bv: [f32; LANES] = match src.try_into() {
-                            Ok(whole) => whole,
-                            Err(_) => {
-                                let mut v = [0f32; LANES];
-                                v[..w].copy_from_slice(src);
-                                v
-                            }
-                        };
-                        let xa = &g.xat[(at + i) * g.m + b..][..rows];
-                        for (sums, &a) in acc.iter_mut().zip(xa) {
-                            for (s, &v) in sums.iter_mut().zip(&bv) {
-                                *s += a * v;
-                            }
-                        }
-                    }
-                    for (bb, sums) in acc[..rows].iter().enumerate() {
-                        for (l, &v) in sums[..w].iter().enumerate() {
-                            out[(j + l - first) * m + g.r0 + b + bb] += v;
-                        }
-                    }
-                    b += rows;
-                }
-                j += w;
+        for t in &g.terms {
+            match t.bt {
+                Elements::F32(bt) => add_term(out, m, first, g, t, bt),
+                Elements::Bf16(bt) => add_term(out, m, first, g, t, bt),
             }
         }
+    }
+}
+
+/// [`add_terms`] for one term, its `B^T` in `bt`.
+#[inline(always)]
+fn add_term<T: Widen>(
+    out: &mut [f32],
+    m: usize,
+    first: usize,
+    g: &Group<'_>,
+    t: &TermValues<'_>,
+    bt: &[T],
+) {
+    let n = out.len() / m;
+    let &TermValues {
+        col,
+        at,
+        rank,
+        cols,
+        ..
+    } = t;
+    let hi = (col + cols).min(first + n);
+    let mut j = col.max(first);
+    while j < hi {
+        let w = LANES.min(hi - j);
+        let c = j - col;
+        let mut b = 0;
+        while b < g.m {
+            let rows = ROWS.min(g.m - b);
+            // Each output is one sum over the rank in order, a plain multiply then add per
+            // step (never fused), whatever the lanes and rows around it.
+            let mut acc = [[0f32; LANES]; ROWS];
+            for i in 0..rank {
+                let src = &bt[i * cols + c..][..w];
+                // A whole vector by value (a copy of unknown length is a memmove call).
+                let bv: [f32; LANES] = match <&[T; LANES]>::try_from(src) {
+                    Ok(whole) => whole.map(Widen::f32),
+                    Err(_) => {
+                        let mut v = [0f32; LANES];
+                        for (v, s) in v.iter_mut().zip(src) {
+                            *v = s.f32();
+                        }
+                        v
+                    }
+                };
+                let xa = &g.xat[(at + i) * g.m + b..][..rows];
+                for (sums, &a) in acc.iter_mut().zip(xa) {
+                    for (s, &v) in sums.iter_mut().zip(&bv) {
+                        *s += a * v;
+                    }
+                }
+            }
+            for (bb, sums) in acc[..rows].iter().enumerate() {
+                for (l, &v) in sums[..w].iter().enumerate() {
+                    out[(j + l - first) * m + g.r0 + b + bb] += v;
+                }
+            }
+            b += rows;
+        }
+        j += w;
     }
 }

@@ -116,32 +116,81 @@ pub(crate) fn with_f32<R>(
     f(f32_elements(&storage, layout)?)
 }
 
-/// [`with_f32`] for several tensors at once: `f` gets their elements in the same order.
-pub(crate) fn with_f32_all<R>(
-    ts: &[&Tensor],
-    f: impl FnOnce(&[&[f32]]) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
-    let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let slices = held
-        .iter()
-        .map(|(storage, layout)| f32_elements(storage, layout))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    f(&slices)
-}
-
 /// The window of `storage` that a contiguous f32 CPU tensor with `layout` holds.
 fn f32_elements<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!(
-            "kernel input must be contiguous, got strides {:?}",
-            layout.stride()
-        );
-    };
+    let (start, end) = contiguous(layout)?;
     match storage {
         Storage::Cpu(CpuStorage::F32(data)) => Ok(&data[start..end]),
         other => candle_core::bail!(
             "kernel input must be an f32 CPU tensor, got {:?}",
             other.dtype()
+        ),
+    }
+}
+
+/// An element the kernels widen to f32 as they load it: f32 itself, or bf16, whose bits are an
+/// f32's high half, so that the widening is exact and a bf16 weight holding a value gives the
+/// same products as an f32 weight holding it.
+pub(crate) trait Widen: Copy + Send + Sync + 'static {
+    /// Whether it is bf16 (the SIMD kernels choose their load by this constant).
+    const BF16: bool;
+    /// Its value.
+    fn f32(self) -> f32;
+}
+
+impl Widen for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::bf16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+}
+
+/// A contiguous CPU tensor's elements in either storage the kernels take for weights.
+#[derive(Clone, Copy)]
+pub(crate) enum Elements<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
+/// Calls `f` with the elements of several contiguous CPU tensors, f32 or bf16, in order.
+pub(crate) fn with_elements_all<R>(
+    ts: &[&Tensor],
+    f: impl FnOnce(&[Elements<'_>]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let slices = held
+        .iter()
+        .map(|(storage, layout)| {
+            let (start, end) = contiguous(layout)?;
+            match &**storage {
+                Storage::Cpu(CpuStorage::F32(d)) => Ok(Elements::F32(&d[start..end])),
+                Storage::Cpu(CpuStorage::BF16(d)) => Ok(Elements::Bf16(&d[start..end])),
+                other => candle_core::bail!(
+                    "kernel input must be an f32 or bf16 CPU tensor, got {:?}",
+                    other.dtype()
+                ),
+            }
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    f(&slices)
+}
+
+/// The offsets of a contiguous layout's window of its storage.
+fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    match layout.contiguous_offsets() {
+        Some(offsets) => Ok(offsets),
+        None => candle_core::bail!(
+            "kernel input must be contiguous, got strides {:?}",
+            layout.stride()
         ),
     }
 }

@@ -67,8 +67,8 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::low_rank::{add_terms, Group, LowRank, TermValues};
-use super::rows::few_rows_t;
-use super::{transposed, with_f32_all, MAX_ROWS};
+use super::rows::few_rows_t_of;
+use super::{transposed, with_elements_all, Elements, MAX_ROWS};
 
 /// Weights per quantisation block (GGUF's Q4_1 and Q8_0).
 pub(crate) const BLOCK: usize = 32;
@@ -335,8 +335,10 @@ pub(crate) fn linear_narrow_on(
         tensors.push(&l.a);
         tensors.extend(l.terms.iter().map(|t| &t.bt));
     }
-    let yt = with_f32_all(&tensors, |slices| {
-        let xs = slices[0];
+    let yt = with_elements_all(&tensors, |slices| {
+        let Elements::F32(xs) = slices[0] else {
+            candle_core::bail!("linear_narrow: x must be f32");
+        };
         // Each run's `x A^T` first: the pass over the weight adds the terms block by block.
         let mut groups = Vec::with_capacity(lora.len());
         let mut at = 1;
@@ -360,7 +362,7 @@ pub(crate) fn linear_narrow_on(
             groups.push(Group {
                 r0,
                 m: rows,
-                xat: few_rows_t(&xs[r0 * k..(r0 + rows) * k], rows, k, a),
+                xat: few_rows_t_of(&xs[r0 * k..(r0 + rows) * k], rows, k, a),
                 terms,
             });
         }
@@ -661,6 +663,52 @@ mod tests {
             // A term past the projection's outputs is refused, not written out of bounds.
             let (bad, _) = low_rank(k, n + 10, &[(190, 2, 20)], 1.0)?;
             assert!(linear_narrow_low_rank(&x, &w, isa, &[(0, 1, &bad)]).is_err());
+        }
+        Ok(())
+    }
+
+    /// `l`'s values rounded to bf16, held in `dtype`.
+    fn in_bf16(l: &LowRank, dtype: candle_core::DType) -> candle_core::Result<LowRank> {
+        let round = |t: &Tensor| t.to_dtype(candle_core::DType::BF16)?.to_dtype(dtype);
+        Ok(LowRank {
+            a: round(&l.a)?,
+            terms: l
+                .terms
+                .iter()
+                .map(|t| {
+                    Ok(crate::kernels::LowRankTerm {
+                        col: t.col,
+                        at: t.at,
+                        bt: round(&t.bt)?,
+                    })
+                })
+                .collect::<candle_core::Result<_>>()?,
+        })
+    }
+
+    #[test]
+    fn adapter_terms_held_in_bf16_give_the_outputs_of_the_same_values_in_f32(
+    ) -> candle_core::Result<()> {
+        use candle_core::DType;
+        let (k, n) = (96, 200);
+        let (w, _) = weights(Format::Q4_1, n, k)?;
+        let (one, _) = low_rank(k, n, &[(0, 3, 70), (120, 17, 80)], 0.5)?;
+        let (two, _) = low_rank(k, n, &[(65, 5, 9)], 1.0)?;
+        let wide = [in_bf16(&one, DType::F32)?, in_bf16(&two, DType::F32)?];
+        let narrow = [in_bf16(&one, DType::BF16)?, in_bf16(&two, DType::BF16)?];
+        let x = Tensor::randn(0f32, 1.0, (7, k), &Device::Cpu)?;
+        for isa in Isa::available() {
+            let runs = |l: &[LowRank; 2]| {
+                let [one, two] = l;
+                linear_narrow_low_rank(&x, &w, isa, &[(0, 3, one), (4, 3, two)])
+            };
+            let want = runs(&wide)?;
+            let got = runs(&narrow)?;
+            assert_eq!(
+                got.flatten_all()?.to_vec1::<f32>()?,
+                want.flatten_all()?.to_vec1::<f32>()?,
+                "{isa:?}"
+            );
         }
         Ok(())
     }
