@@ -67,7 +67,7 @@ pub enum ClientError {
     #[error("following the job failed: {0}")]
     Internal(String),
     /// The job did not finish in time.
-    #[error("job {id} did not finish within {after:?}; it is {state}")]
+    #[error("job {id} did not finish within {after:?}; it is {state} (attempt {attempt}, producer {producer}, consumer {consumer})")]
     Timeout {
         /// The job.
         id: JobId,
@@ -75,6 +75,12 @@ pub enum ClientError {
         after: Duration,
         /// Where it was.
         state: scd_scheduler::JobState,
+        /// Its attempt then.
+        attempt: u32,
+        /// The attempt's producer node (`none` before one is assigned).
+        producer: String,
+        /// The attempt's consumer node (`none` before one is assigned).
+        consumer: String,
     },
 }
 
@@ -360,11 +366,18 @@ impl ClusterClient {
         };
         match tokio::time::timeout(timeout, wait).await {
             Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout {
-                id,
-                after: timeout,
-                state: self.get(id).await?.state,
-            }),
+            Err(_) => {
+                let job = self.get(id).await?;
+                let node = |n: Option<String>| n.unwrap_or_else(|| "none".into());
+                Err(ClientError::Timeout {
+                    id,
+                    after: timeout,
+                    state: job.state,
+                    attempt: job.attempts,
+                    producer: node(job.producer),
+                    consumer: node(job.consumer),
+                })
+            }
         }
     }
 

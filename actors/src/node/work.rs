@@ -157,6 +157,11 @@ pub(crate) enum Refusal {
     Documents(String),
 }
 
+/// How long a producer whose stream the consumer stopped waits for the consumer to record why
+/// before it hands the attempt back (a consumer records within milliseconds; this only delays
+/// the retry of a job whose consumer never took it).
+const CONSUMER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The most document ids a node announces holding (the newest kept): the registration is
 /// rewritten at every change, so it stays small.
 pub(crate) const MAX_ANNOUNCED_DOCUMENTS: usize = 4096;
@@ -287,8 +292,12 @@ impl Work {
             }
         };
         let started = Instant::now();
-        let outcome = match self.start_producer(&job, &cancel).await {
-            Ok(replies) => replies.settle(&cancel).await.map_err(cause),
+        // The stages' own token: the first stage to fail cancels the others through it, so that
+        // `cancel` still tells whether the job was stopped from outside (cancelled by its user,
+        // ended on the record by the consumer, or the node shutting down).
+        let stages = cancel.child_token();
+        let outcome = match self.start_producer(&job, &stages).await {
+            Ok(replies) => replies.settle(&stages).await.map_err(cause),
             // The consumer is gone or unreachable: not the job's fault; another attempt goes
             // to another consumer.
             Err(refusal @ (Refusal::ConsumerGone(_) | Refusal::Connect { .. })) => {
@@ -448,13 +457,18 @@ impl Work {
             Err(e) if e.is_knock_on() && cancel.is_cancelled() => {
                 tracing::debug!(job = %id, error = %e, "producer side stopped");
             }
-            // The consumer dropped the stream and nobody cancelled the job: the attempt is lost
-            // (the consumer may not have been able to read the record); run it again rather
-            // than leave it running for ever.
+            // The consumer stopped the stream and nobody stopped the job. A consumer that took
+            // the job records why it stopped, which ends the attempt and cancels `cancel`
+            // (the record's watch); one that never took it (busy, shutting down, unable to read
+            // the record) records nothing. After a grace the attempt is taken as lost and runs
+            // again, rather than stay running for ever.
             Err(e) if e.is_knock_on() => {
-                let reason = format!("producer {me}: {e}");
-                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Nobody)
-                    .await
+                let ended = tokio::time::timeout(CONSUMER_GRACE, cancel.cancelled()).await;
+                if ended.is_err() {
+                    let reason = format!("producer {me}: {e}");
+                    self.hand_back(id, attempt, Side::Producer, &reason, Blame::Nobody)
+                        .await
+                }
             }
             Err(e @ JobError::ActorGone(_)) => {
                 let reason = format!("producer {me}: {e}");
