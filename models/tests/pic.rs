@@ -541,8 +541,8 @@ fn needles_hide_one_number_in_one_paragraph_of_real_text() {
     use scd_models::eval::needle::{haystack_paragraphs, needle_items};
     let (_, tok) = real();
     let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
-    assert!(haystack_paragraphs(&data.wikitext).len() > 100);
-    let items = needle_items(&data.wikitext, 30, (3, 7), 2);
+    assert!(haystack_paragraphs(&data.text).len() > 100);
+    let items = needle_items(&data.text, 30, (3, 7), 2);
     assert_eq!(items.len(), 30);
     for item in &items {
         assert!((4..=8).contains(&item.documents.len()));
@@ -571,12 +571,12 @@ fn needles_hide_one_number_in_one_paragraph_of_real_text() {
         );
         assert!(pieces(tok, item).unwrap().documents.len() == item.documents.len());
     }
-    let again = needle_items(&data.wikitext, 30, (3, 7), 2);
+    let again = needle_items(&data.text, 30, (3, 7), 2);
     assert!(items
         .iter()
         .zip(&again)
         .all(|(a, b)| a.documents == b.documents));
-    let other = needle_items(&data.wikitext, 30, (3, 7), 3);
+    let other = needle_items(&data.text, 30, (3, 7), 3);
     assert!(items
         .iter()
         .zip(&other)

@@ -404,9 +404,7 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
             let (_, held_out) = writer_split(&data.squad);
             build_items(&held_out, args.questions, distractors, args.seed)
         }
-        "needle" => {
-            eval::needle::needle_items(&data.wikitext, args.questions, distractors, args.seed)
-        }
+        "needle" => eval::needle::needle_items(&data.text, args.questions, distractors, args.seed),
         other => bail!("--task {other:?}: expected squad or needle"),
     };
     if items.is_empty() {
@@ -480,7 +478,7 @@ fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
         _ => "SQuAD".to_string(),
     };
     let file = match args.task.as_str() {
-        "needle" => &data.wikitext_file,
+        "needle" => &data.text_file,
         _ => &data.squad_file,
     };
     println!(

@@ -19,10 +19,10 @@ pub struct EvalData {
     /// What the continuation windows are cut from: "WikiText-2" (its validation text) unless
     /// [`EvalData::with_text`] put another text there.
     pub text_name: String,
-    /// WikiText-2 validation text (or the text named by `text_name`).
-    pub wikitext: String,
+    /// The continuation text: WikiText-2's validation text, or the text named by `text_name`.
+    pub text: String,
     /// Where it came from and its SHA-256.
-    pub wikitext_file: FileInfo,
+    pub text_file: FileInfo,
     /// SQuAD answerable questions, in file order.
     pub squad: Vec<QaItem>,
     /// Where SQuAD came from and its SHA-256.
@@ -118,11 +118,11 @@ impl EvalData {
         })?;
         Ok(Self {
             text_name: WIKITEXT.into(),
-            wikitext_file: FileInfo {
+            text_file: FileInfo {
                 path: wpath.display().to_string(),
                 sha256: corpus::sha256_hex(wikitext.as_bytes()),
             },
-            wikitext,
+            text: wikitext,
             squad: parse_squad(&sbytes, &spath)?,
             squad_file: FileInfo {
                 path: spath.display().to_string(),
@@ -137,8 +137,8 @@ impl EvalData {
     pub fn with_text(&self, name: &str, text: &str, path: &str) -> Self {
         Self {
             text_name: name.into(),
-            wikitext: text.into(),
-            wikitext_file: FileInfo {
+            text: text.into(),
+            text_file: FileInfo {
                 path: path.into(),
                 sha256: corpus::sha256_hex(text.as_bytes()),
             },

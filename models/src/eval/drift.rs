@@ -125,7 +125,7 @@ pub fn drift(
         &dom_windows,
         seed,
     )?;
-    let wiki_tokens = corpus::tokenize_long(tok, &data.wikitext)?;
+    let wiki_tokens = corpus::tokenize_long(tok, &data.text)?;
     let wiki_windows = seeded_windows(
         &wiki_tokens,
         opts.window_tokens,

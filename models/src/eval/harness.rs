@@ -208,7 +208,7 @@ pub fn evaluate(
     let mut oracle_nll = Vec::new();
 
     if cfg.wikitext_windows > 0 {
-        let tokens = corpus::tokenize_long(tok, &data.wikitext)?;
+        let tokens = corpus::tokenize_long(tok, &data.text)?;
         let len = cfg.prefix_tokens + cfg.continuation_tokens;
         let windows = seeded_windows(&tokens, len, cfg.wikitext_windows, cfg.seed);
         for (wi, w) in windows.iter().enumerate() {
@@ -297,7 +297,7 @@ pub fn evaluate(
         },
         data: DataInfo {
             text_name: data.text_name.clone(),
-            wikitext: data.wikitext_file.clone(),
+            wikitext: data.text_file.clone(),
             squad: data.squad_file.clone(),
             squad_ids: questions.iter().map(|q| q.id.clone()).collect(),
         },
