@@ -73,15 +73,21 @@ mod tests {
         t0 + Duration::from_millis(m)
     }
 
+    /// `n` frames of 100 bytes written back to back from 1 ms, 10 ms each, each queued behind
+    /// the one before.
+    fn queued(m: &mut LinkMeter, t0: Instant, n: u64) {
+        for i in 0..n {
+            m.wrote(true, 100, ms(t0, 1 + 10 * i), ms(t0, 11 + 10 * i));
+        }
+    }
+
     #[test]
     fn a_long_spell_counts_its_queued_frames_and_the_drain() {
         let t0 = Instant::now();
         let mut m = LinkMeter::default();
         // Waited for: not counted, and it closes nothing.
         m.wrote(false, 1000, ms(t0, 0), ms(t0, 1));
-        for i in 0..10 {
-            m.wrote(true, 100, ms(t0, 1 + 10 * i), ms(t0, 11 + 10 * i));
-        }
+        queued(&mut m, t0, 10);
         m.finish(ms(t0, 121));
         assert_eq!(m.spells(), (1000, Duration::from_millis(120)));
     }
@@ -91,9 +97,7 @@ mod tests {
         let t0 = Instant::now();
         let mut m = LinkMeter::default();
         m.wrote(false, 100, ms(t0, 0), ms(t0, 1));
-        for i in 0..7 {
-            m.wrote(true, 100, ms(t0, 1 + 10 * i), ms(t0, 11 + 10 * i));
-        }
+        queued(&mut m, t0, 7);
         m.waiting();
         // The producer closes the stream long after: the wait is not the link's.
         m.finish(ms(t0, 500));
