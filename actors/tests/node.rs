@@ -1179,3 +1179,40 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// A consumer that stops a job's stream without recording why must not leave the job running for
+/// ever. Here the record names as consumer a node that takes no job streams (producer role only:
+/// its transport refuses them, "no decoder expects this job", and writes nothing), as a
+/// scheduler's stale view might. The producer hands the attempt back after its grace, and the
+/// next attempt runs on the node that serves mail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_refused_without_a_record_is_handed_back_and_runs_again() {
+    use scd_scheduler::{JobId, JobRecord, JobStore};
+    let m = models();
+    let cluster = Cluster::new();
+    let (producer, consumer) = cluster.two_nodes().await;
+    let bystander = cluster
+        .start(&config("prefill-1", "\"producer\"", true))
+        .await;
+    let prompt = prompt(m);
+    let mut job = JobRecord::new(JobId::random(), "mail", Mode::Raw, 3)
+        .with_request(request(&prompt, MAX_TOKENS));
+    job.assign("prefill-0", "prefill-1", scd_scheduler::jobs::now_ms())
+        .unwrap();
+    JobStore::new(cluster.store.clone(), Keys::default())
+        .create(&job)
+        .await
+        .unwrap();
+    let done = cluster.client.wait(job.id, WAIT).await.unwrap();
+    assert_eq!(done.state, JobState::Done, "{:?}", done.error);
+    assert_eq!(done.attempts, 2, "{:?}", done.history);
+    assert_eq!(done.consumer.as_deref(), Some("mail-0"));
+    assert!(
+        done.history.iter().any(|h| h.state == JobState::Queued),
+        "handed back to the queue: {:?}",
+        done.history
+    );
+    for node in [bystander, consumer, producer] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}
