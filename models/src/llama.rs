@@ -172,19 +172,17 @@ impl Linear {
 
     /// Lays the parts' adapter terms out for decode steps ([`LowRank`]: the `A`s stacked, each
     /// `B` transposed and scaled, each in bf16 where that holds its values exactly) and makes
-    /// each part's term a view of that layout, so that the adapter is held once. Terms that are training variables stay as they are (a layout
-    /// would be a stale copy after the next step), and so do terms in another dtype than f32.
+    /// each part's term a view of that layout, so that the adapter is held once. Terms that are
+    /// training variables stay as they are (a layout would be a stale copy after the next
+    /// step), and so do terms in another dtype than f32 or bf16.
     pub(crate) fn stack_adapter(&mut self) -> candle_core::Result<()> {
         self.low_rank = None;
         let mut adapted = Vec::new();
         let mut col = 0;
         for (i, p) in self.parts.iter().enumerate() {
             if let Some(l) = &p.lora {
-                if l.a.is_variable()
-                    || l.b.is_variable()
-                    || l.a.dtype() != DType::F32
-                    || l.b.dtype() != DType::F32
-                {
+                let held = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16);
+                if l.a.is_variable() || l.b.is_variable() || !held(&l.a) || !held(&l.b) {
                     return Ok(());
                 }
                 adapted.push((i, col, l));
@@ -194,12 +192,17 @@ impl Linear {
         if adapted.is_empty() {
             return Ok(());
         }
-        let a = Tensor::cat(&adapted.iter().map(|(_, _, l)| &l.a).collect::<Vec<_>>(), 0)?;
-        let a = narrowest(a)?;
+        // In f32 first: a part laid out before (a view, maybe in bf16) joins the others exactly.
+        let wide = |t: &Tensor| t.to_dtype(DType::F32);
+        let parts_a = adapted
+            .iter()
+            .map(|(_, _, l)| wide(&l.a))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let a = narrowest(Tensor::cat(&parts_a, 0)?)?;
         let mut terms = Vec::with_capacity(adapted.len());
         let mut at = 0;
         for &(_, col, l) in &adapted {
-            let bt = narrowest((l.b.t()? * l.scale)?.contiguous()?)?;
+            let bt = narrowest((wide(&l.b)?.t()? * l.scale)?.contiguous()?)?;
             terms.push(LowRankTerm { col, at, bt });
             at += l.a.dim(0)?;
         }
@@ -1367,6 +1370,53 @@ mod tests {
         let held = super::narrowest(scaled.clone())?;
         assert_eq!(held.dtype(), DType::F32);
         assert_eq!(held.to_vec1::<f32>()?, scaled.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    #[test]
+    fn a_part_adapted_after_the_layout_joins_it_and_the_terms_are_unchanged(
+    ) -> candle_core::Result<()> {
+        use super::{Linear, LoraDelta, Proj};
+        let bf16_valued = |shape: (usize, usize)| {
+            Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)
+        };
+        let (k, q_rows, k_rows) = (32, 24, 8);
+        let lora = |rows, rank| -> candle_core::Result<LoraDelta> {
+            Ok(LoraDelta {
+                a: bf16_valued((rank, k))?,
+                b: bf16_valued((rows, rank))?,
+                scale: 2.0,
+            })
+        };
+        let (on_q, on_k) = (lora(q_rows, 4)?, lora(k_rows, 3)?);
+        let fused = Linear::fuse(vec![
+            (Proj::Q, bf16_valued((q_rows, k))?, None),
+            (Proj::K, bf16_valued((k_rows, k))?, None),
+        ])?;
+        // Both parts at once, and one after the other (the first then a bf16 view).
+        let mut at_once = fused.clone();
+        at_once.set_lora(Proj::Q, Some(on_q.clone()));
+        at_once.set_lora(Proj::K, Some(on_k.clone()));
+        at_once.stack_adapter()?;
+        let mut in_turn = fused;
+        in_turn.set_lora(Proj::Q, Some(on_q));
+        in_turn.stack_adapter()?;
+        in_turn.set_lora(Proj::K, Some(on_k));
+        in_turn.stack_adapter()?;
+        for lin in [&at_once, &in_turn] {
+            let layout = lin.low_rank.as_ref().expect("laid out for decode steps");
+            assert_eq!(
+                (layout.a.dtype(), layout.a.dims()),
+                (DType::BF16, &[7, k][..])
+            );
+        }
+        let x = Tensor::randn(0f32, 1.0, (5, k), &Device::Cpu)?;
+        let delta = |l: &Linear| -> candle_core::Result<Vec<Vec<f32>>> {
+            l.lora_delta(&x)?.expect("adapted").to_vec2()
+        };
+        assert_eq!(delta(&at_once)?, delta(&in_turn)?);
         Ok(())
     }
 }

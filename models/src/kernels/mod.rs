@@ -118,13 +118,9 @@ pub(crate) fn with_f32<R>(
 
 /// The window of `storage` that a contiguous f32 CPU tensor with `layout` holds.
 fn f32_elements<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
-    let (start, end) = contiguous(layout)?;
-    match storage {
-        Storage::Cpu(CpuStorage::F32(data)) => Ok(&data[start..end]),
-        other => candle_core::bail!(
-            "kernel input must be an f32 CPU tensor, got {:?}",
-            other.dtype()
-        ),
+    match elements(storage, layout)? {
+        Elements::F32(data) => Ok(data),
+        Elements::Bf16(_) => candle_core::bail!("kernel input must be an f32 CPU tensor, got bf16"),
     }
 }
 
@@ -169,28 +165,25 @@ pub(crate) fn with_elements_all<R>(
     let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
     let slices = held
         .iter()
-        .map(|(storage, layout)| {
-            let (start, end) = contiguous(layout)?;
-            match &**storage {
-                Storage::Cpu(CpuStorage::F32(d)) => Ok(Elements::F32(&d[start..end])),
-                Storage::Cpu(CpuStorage::BF16(d)) => Ok(Elements::Bf16(&d[start..end])),
-                other => candle_core::bail!(
-                    "kernel input must be an f32 or bf16 CPU tensor, got {:?}",
-                    other.dtype()
-                ),
-            }
-        })
+        .map(|(storage, layout)| elements(storage, layout))
         .collect::<candle_core::Result<Vec<_>>>()?;
     f(&slices)
 }
 
-/// The offsets of a contiguous layout's window of its storage.
-fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
-    match layout.contiguous_offsets() {
-        Some(offsets) => Ok(offsets),
-        None => candle_core::bail!(
+/// The window of `storage` that a contiguous f32 or bf16 CPU tensor with `layout` holds.
+fn elements<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<Elements<'a>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!(
             "kernel input must be contiguous, got strides {:?}",
             layout.stride()
+        );
+    };
+    match storage {
+        Storage::Cpu(CpuStorage::F32(d)) => Ok(Elements::F32(&d[start..end])),
+        Storage::Cpu(CpuStorage::BF16(d)) => Ok(Elements::Bf16(&d[start..end])),
+        other => candle_core::bail!(
+            "kernel input must be an f32 or bf16 CPU tensor, got {:?}",
+            other.dtype()
         ),
     }
 }
