@@ -402,13 +402,22 @@ fn inference_kernels_equal_the_differentiable_path() {
 /// M10's batched decode on the real model and the shipped experts: six jobs (the base, the
 /// three experts applied on the fly over the shared base, one merged, one expert twice) with
 /// prompts of different lengths decode together, and each job's greedy tokens equal its tokens
-/// decoded alone.
+/// decoded alone: on the default products, and on AMX tiles where the CPU has them.
 #[test]
 fn batched_greedy_decoding_across_experts_equals_each_job_alone() {
+    use scd_models::DecodeProducts;
+    let (model, tok) = real();
+    batched_equals_alone(model, tok);
+    match model.clone().with_decode_products(DecodeProducts::Tiles) {
+        Ok(tiles) => batched_equals_alone(&tiles, tok),
+        Err(e) => println!("tile products not checked: {e}"),
+    }
+}
+
+fn batched_equals_alone(model: &scd_models::Llama, tok: &scd_models::tokenizer::Tokenizer) {
     use scd_models::batch::{Batch, Event};
     use scd_models::{generate_with_cache, AdapterMode, GenerateParams, Llama, LoraAdapter};
     use std::sync::Arc;
-    let (model, tok) = real();
     let experts_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../experts");
     let expert = |name: &str, mode| {
         let file = experts_dir.join(name).join("adapter.safetensors");
@@ -480,8 +489,9 @@ fn batched_greedy_decoding_across_experts_equals_each_job_alone() {
 }
 
 /// M10's narrow decode weights: the model decodes on the GGUF's own Q4_1 / Q8_0 blocks, with
-/// activations in two bytes (integer products) and, where the CPU has AVX-512 BF16, rounded to
-/// bf16 (bf16 products, the default there), and stays with the f32 path (the same weights
+/// activations in two bytes (integer products) and, where the CPU has AVX-512 BF16 or AMX,
+/// rounded to bf16 (bf16 products, the default there, or tile products), and stays with the
+/// f32 path (the same weights
 /// dequantised) over 256 decode steps after a 128-token prompt, both fed the same WikiText-2 tokens: top-1 agreement
 /// and mean KL(f32 || narrow) per step, printed for BENCHMARKS.md. A merged expert's weights
 /// are quantised again (Q8_0) and held to the looser bounds below; experts applied on the fly
@@ -559,10 +569,15 @@ fn narrow_decode_weights_track_the_f32_path() {
     // Activations rounded to bf16 (2026-12-03): the base 1.0 and 7e-5, sotu and mail on the fly
     // 0.996 / 0.992 and 7e-5 / 6e-5, mail merged 0.992 and 2e-4.
     let mut kernels = vec![(DecodeProducts::Int, 0.99, 1e-4)];
-    if DecodeProducts::best() == DecodeProducts::Bf16 {
-        kernels.push((DecodeProducts::Bf16, 0.98, 3e-4));
-    } else {
-        println!("this CPU lacks AVX-512 BF16: the bf16 decode products are not checked here");
+    for (products, lacks) in [
+        (DecodeProducts::Bf16, "AVX-512 BF16"),
+        (DecodeProducts::Tiles, "AMX"),
+    ] {
+        if model.clone().with_decode_products(products).is_ok() {
+            kernels.push((products, 0.98, 3e-4));
+        } else {
+            println!("this CPU lacks {lacks}: the {products} decode products are not checked here");
+        }
     }
     for (products, agree_min, kl_max) in kernels {
         let on = |m: &Llama| m.clone().with_decode_products(products).unwrap();

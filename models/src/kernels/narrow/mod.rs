@@ -18,7 +18,9 @@
 //!   time ([`Isa::best_integer`]);
 //! - [`bf16`]: the products in bf16 instead (AVX-512 BF16), activations rounded to bf16: fewer
 //!   steps per product, what a batch of jobs is bound by, for a rounding the model's tests
-//!   state (`crate::decode_products` chooses).
+//!   state (`crate::decode_products` chooses);
+//! - [`tiles`]: the same rounding on AMX tiles, all of a step's rows in one product per block:
+//!   for batches, slower for one row.
 //!
 //! The weights' values are exactly the GGUF's (the f32 path dequantises the same blocks). Each
 //! output is the same sum whatever the other rows of `x`, so a job's tokens are the same alone
@@ -58,6 +60,7 @@ mod avx512;
 mod bf16;
 mod pack;
 mod portable;
+mod tiles;
 
 pub(crate) use pack::{Format, PackedWeight};
 
@@ -90,6 +93,9 @@ const TILE: usize = 4;
 /// The instruction set a kernel runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isa {
+    /// AMX tiles with bf16 products (and AVX-512 BF16 around them): activations rounded to
+    /// bf16.
+    AmxBf16,
     /// AVX-512 with BF16's dot products: activations rounded to bf16.
     Avx512Bf16,
     /// AVX-512 with VNNI's `u8 x i8` dot products (and BW, VL for byte and masked loads).
@@ -116,6 +122,9 @@ impl Isa {
             use std::arch::is_x86_feature_detected as has;
             let avx512 = has!("avx512f") && has!("avx512bw") && has!("avx512vl");
             match self {
+                Isa::AmxBf16 => {
+                    avx512 && has!("avx512bf16") && has!("f16c") && super::amx::available()
+                }
                 Isa::Avx512Bf16 => avx512 && has!("avx512bf16") && has!("f16c"),
                 Isa::Avx512Vnni => avx512 && has!("avx512vnni") && has!("f16c"),
                 Isa::Avx2 => has!("avx2") && has!("fma") && has!("f16c"),
@@ -131,16 +140,22 @@ impl Isa {
     /// Every instruction set this CPU runs (tests run them all).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Self> {
-        [Isa::Avx512Bf16, Isa::Avx512Vnni, Isa::Avx2, Isa::Portable]
-            .into_iter()
-            .filter(|i| i.runs_here())
-            .collect()
+        [
+            Isa::AmxBf16,
+            Isa::Avx512Bf16,
+            Isa::Avx512Vnni,
+            Isa::Avx2,
+            Isa::Portable,
+        ]
+        .into_iter()
+        .filter(|i| i.runs_here())
+        .collect()
     }
 
     /// Whether the kernel rounds activations to bf16 (else two bytes per value).
     #[cfg(test)]
     fn rounds_to_bf16(self) -> bool {
-        self == Isa::Avx512Bf16
+        matches!(self, Isa::AmxBf16 | Isa::Avx512Bf16)
     }
 }
 
@@ -243,11 +258,16 @@ enum Activations {
     /// bf16, for [`Isa::Avx512Bf16`].
     #[cfg(target_arch = "x86_64")]
     Bf16(bf16::Bf16Rows),
+    /// bf16 B tiles, for [`Isa::AmxBf16`].
+    #[cfg(target_arch = "x86_64")]
+    Tiles(tiles::TileRows),
 }
 
 impl Activations {
     fn new(isa: Isa, x: &[f32], m: usize, k: usize) -> Self {
         match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::AmxBf16 => Self::Tiles(tiles::TileRows::new(x, m, k)),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => Self::Bf16(bf16::Bf16Rows::new(x, m, k)),
             _ => Self::Bytes(QuantRows::new(x, m, k)),
@@ -260,6 +280,8 @@ impl Activations {
             Self::Bytes(x) => x.m,
             #[cfg(target_arch = "x86_64")]
             Self::Bf16(x) => x.m,
+            #[cfg(target_arch = "x86_64")]
+            Self::Tiles(x) => x.m,
         }
     }
 }
@@ -385,6 +407,13 @@ pub(crate) fn linear_narrow_on(
 /// `out[(j - first) * m + r] = w_j . x_r` for the weight rows `first..` that `out` has room
 /// for and every row `r` of `x`: tiles of [`TILE`] weight rows by up to [`GROUP`] rows of `x`.
 fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &Activations, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Activations::Tiles(x) = x {
+        // SAFETY: tile rows are made for `Isa::AmxBf16` only, which is only chosen (as the
+        // other instruction sets below) on CPUs that run it.
+        unsafe { tiles::weight_rows(w, first, x, out) };
+        return;
+    }
     let m = x.m();
     let n = out.len() / m;
     let mut j = 0;
@@ -416,6 +445,8 @@ fn weight_rows(isa: Isa, w: &PackedWeight, first: usize, x: &Activations, out: &
                 },
                 #[cfg(target_arch = "x86_64")]
                 (_, Activations::Bf16(_)) => unreachable!("bf16 rows are made for Avx512Bf16"),
+                #[cfg(target_arch = "x86_64")]
+                (_, Activations::Tiles(_)) => unreachable!("tile rows are taken above"),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 (Isa::Avx512Vnni, Activations::Bytes(x)) => unsafe {

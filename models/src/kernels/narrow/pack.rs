@@ -123,6 +123,16 @@ impl PackedWeight {
         self.cols
     }
 
+    /// Block pairs per row.
+    pub(crate) fn pairs(&self) -> usize {
+        self.pairs
+    }
+
+    /// Bytes from one row to the next.
+    pub(crate) fn row_stride(&self) -> usize {
+        self.format.row_bytes(self.pairs)
+    }
+
     /// Bytes held (what a decode step streams).
     pub(crate) fn bytes(&self) -> usize {
         self.data.len()
