@@ -5,7 +5,7 @@
 //! between: per-call costs that grow into milliseconds per token over 30 layers. Here each
 //! query head reads its KV head's keys and values once, straight from the cache's buffers:
 //! one dot product per visible key, the softmax of [`super::softmax`], then the weighted sum
-//! of the values.
+//! of the values. Head size 64 has kernels for AVX-512 and AVX2, picked at run time.
 //!
 //! Each output row is the same computation whatever the other rows, so a job's tokens are the
 //! same alone and in a batch.
@@ -145,6 +145,17 @@ fn query_row(q: &[f32], keys: &[f32], values: &[f32], probs: &mut [f32], out: &m
     let seen = keys.len() / q.len();
     let probs = &mut probs[..seen];
     #[cfg(target_arch = "x86_64")]
+    if q.len() == avx512::D && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F was just detected; `q` and `out` are `D` long and `keys`, `values`
+        // hold `seen` rows of `D`.
+        unsafe {
+            avx512::scores(q, keys, probs);
+            softmax_prefix(probs, seen);
+            avx512::weighted_values(probs, values, out);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if q.len() == avx2::D
         && std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
@@ -229,9 +240,150 @@ mod avx2 {
     }
 }
 
+/// [`avx2`] on AVX-512: a row is four registers, and sixteen keys' scores are summed across
+/// their lanes together (a tree of pairwise sums, three instructions per step) rather than one
+/// key at a time, which took as many instructions as the key's products.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    pub(super) const D: usize = 64;
+
+    /// Key `j`'s products with `q`, summed down to one register of 16 partial sums.
+    ///
+    /// # Safety
+    /// AVX-512F; `k` points at `D` values.
+    #[inline(always)]
+    unsafe fn partial(q: &[__m512; 4], k: *const f32) -> __m512 {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let a = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+            let a = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(k.add(16)), a);
+            let a = _mm512_fmadd_ps(q[2], _mm512_loadu_ps(k.add(32)), a);
+            _mm512_fmadd_ps(q[3], _mm512_loadu_ps(k.add(48)), a)
+        }
+    }
+
+    /// `scores[j] = q . k_j` for the `scores.len()` rows of `keys`, sixteen keys at a time.
+    ///
+    /// # Safety
+    /// AVX-512F; `q` is `D` long, `keys` at least `scores.len() * D`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scores: &mut [f32]) {
+        debug_assert!(q.len() == D && keys.len() >= scores.len() * D);
+        // Adjacent lanes' pairs: lanes 0-7 from the first register, 8-15 from the second.
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        // SAFETY: as the caller guarantees, every load is inside `q` or key row `j`; the
+        // stores write lanes of `scores` that exist (masked at the end).
+        unsafe {
+            let qv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(q.as_ptr().add(16 * c)));
+            for (b, out) in scores.chunks_mut(16).enumerate() {
+                let n = out.len();
+                // Sixteen registers of one key's partial sums each, then halved four times:
+                // each step sums adjacent lanes of two registers into one, keys in order.
+                let mut v: [__m512; 16] = std::array::from_fn(|i| {
+                    if i < n {
+                        partial(&qv, keys.as_ptr().add((16 * b + i) * D))
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
+                let mut width = 16;
+                while width > 1 {
+                    for i in 0..width / 2 {
+                        let (x, y) = (v[2 * i], v[2 * i + 1]);
+                        v[i] = _mm512_add_ps(
+                            _mm512_permutex2var_ps(x, even, y),
+                            _mm512_permutex2var_ps(x, odd, y),
+                        );
+                    }
+                    width /= 2;
+                }
+                _mm512_mask_storeu_ps(out.as_mut_ptr(), ((1u32 << n) - 1) as __mmask16, v[0]);
+            }
+        }
+    }
+
+    /// `out = sum_j p_j v_j` over the `probs.len()` rows of `values`.
+    ///
+    /// # Safety
+    /// AVX-512F; `out` is `D` long, `values` at least `probs.len() * D`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_values(probs: &[f32], values: &[f32], out: &mut [f32]) {
+        debug_assert!(out.len() == D && values.len() >= probs.len() * D);
+        // SAFETY: as the caller guarantees, every access is inside value row `j` or `out`.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for (j, &p) in probs.iter().enumerate() {
+                let v = values.as_ptr().add(j * D);
+                let pv = _mm512_set1_ps(p);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v.add(16 * c)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *a);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both x86 kernels, where the CPU has them, against plain sums: scores over key counts
+    /// around whole blocks of sixteen, and the weighted values.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_and_avx512_kernels_match_plain_sums() {
+        use std::arch::is_x86_feature_detected as has;
+        let d = avx512::D;
+        let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 300.0;
+        let q: Vec<f32> = (0..d).map(|i| value(i + 5)).collect();
+        for n in [1, 15, 16, 17, 40, 64] {
+            let keys: Vec<f32> = (0..n * d).map(|i| value(3 * i + 1)).collect();
+            let probs: Vec<f32> = (0..n).map(|j| value(j + 11).abs() / 2.0).collect();
+            let plain_scores: Vec<f32> = keys
+                .chunks_exact(d)
+                .map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum())
+                .collect();
+            let mut plain_out = vec![0f32; d];
+            for (p, v) in probs.iter().zip(keys.chunks_exact(d)) {
+                for (o, x) in plain_out.iter_mut().zip(v) {
+                    *o += p * x;
+                }
+            }
+            let close = |a: &[f32], b: &[f32], what: &str| {
+                for (x, y) in a.iter().zip(b) {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                        "{what}, {n} keys: {x} {y}"
+                    );
+                }
+            };
+            let (mut scores, mut out) = (vec![0f32; n], vec![0f32; d]);
+            if has!("avx512f") {
+                // SAFETY: AVX-512F detected; the lengths are as the kernels require.
+                unsafe {
+                    avx512::scores(&q, &keys, &mut scores);
+                    avx512::weighted_values(&probs, &keys, &mut out);
+                }
+                close(&scores, &plain_scores, "avx512 scores");
+                close(&out, &plain_out, "avx512 values");
+            }
+            if has!("avx2") && has!("fma") {
+                // SAFETY: AVX2 and FMA detected; the lengths are as the kernels require.
+                unsafe {
+                    avx2::scores(&q, &keys, &mut scores);
+                    avx2::weighted_values(&probs, &keys, &mut out);
+                }
+                close(&scores, &plain_scores, "avx2 scores");
+                close(&out, &plain_out, "avx2 values");
+            }
+        }
+    }
 
     /// The same attention through candle: scores, masked softmax, values.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> candle_core::Result<Tensor> {
@@ -257,7 +409,12 @@ mod tests {
     #[test]
     fn matches_candle_on_cache_views_and_rows_alone_equal_rows_together() -> candle_core::Result<()>
     {
-        for (n_h, n_kv, t, past, d) in [(9, 3, 1, 40, 64), (4, 2, 5, 11, 24), (2, 2, 3, 0, 8)] {
+        for (n_h, n_kv, t, past, d) in [
+            (9, 3, 1, 40, 64),
+            (3, 1, 3, 14, 64),
+            (4, 2, 5, 11, 24),
+            (2, 2, 3, 0, 8),
+        ] {
             let n_keys = past + t;
             // A buffer with spare capacity, as the cache holds it.
             let buf = Tensor::randn(0f32, 1.0, (n_kv, n_keys + 7, d), &Device::Cpu)?;
