@@ -21,8 +21,9 @@
 //!   depend on the load), so tiles are asked for, for a node that serves batches, rather than
 //!   picked.
 //!
-//! The default is the best the CPU runs ([`DecodeProducts::best`]), as the AMX prefill is the
-//! default where the CPU has tiles. `SCD_DECODE_PRODUCTS=int` at load, or
+//! The default ([`DecodeProducts::best`]) is bf16 where the CPU has AVX-512 BF16, as the AMX
+//! prefill is the default where the CPU has tiles, and integers elsewhere; tiles are never
+//! picked, only asked for. `SCD_DECODE_PRODUCTS=int` at load, or
 //! [`Llama::with_decode_products`], keeps the integer kernel; `bf16` and `tiles` ask for theirs
 //! and fail to load where the CPU lacks it; `auto` (or unset) picks. A job's tokens are the
 //! same alone and in a batch under each.
