@@ -15,7 +15,7 @@
 //!   and 0.965 for one byte per value as llama.cpp rounds them.
 //! - [`DecodeProducts::Tiles`]: the same rounding, products on AMX tiles (Sapphire Rapids and
 //!   later Xeons): 16 outputs by 32 inputs by every row of the step in one instruction, so a
-//!   batch of 8 jobs decodes some 40% faster, and a single job 10-25% slower (the tile's
+//!   batch of 8 jobs decodes some 40% faster, and a single job 10-18% slower (the tile's
 //!   stores and loads are latency one row cannot hide). A batch's kernel cannot depend on how
 //!   many rows it has (the two kernels sum in different orders, and a job's tokens would then
 //!   depend on the load), so tiles are asked for, for a node that serves batches, rather than

@@ -22,8 +22,8 @@
 //! row of `x` (a tile element reads one row of A and one column of B, and the scaling is per
 //! element), so a job's outputs are the same alone and in a batch.
 //!
-//! One row is 10-25% slower here than in the bf16 kernel (the stores and tile loads between
-//! the registers and the tiles are latency a single row does not hide), and a row count cannot
+//! One job decodes 10-18% slower on this kernel than on the bf16 one (the stores and tile
+//! loads between the registers and the tiles are latency a single row does not hide), and a row count cannot
 //! pick the kernel without a job's tokens depending on its batch; so this kernel is asked for
 //! (`crate::decode_products`), for nodes that serve batches.
 
@@ -229,7 +229,16 @@ unsafe fn outputs<const Q4: bool, const M: usize>(
     debug_assert_eq!(x.m, M);
     let pb = w.format().pair_bytes();
     let stride = w.row_stride();
+    // The group's rows as one slice, so that every pointer below (each row's weights, the
+    // gathers of their scales and offsets) stays inside what it was taken from; the row's
+    // parts lie at the same offsets in every row.
+    let Some(bytes) = w.bytes_of_rows(j0, rows) else {
+        unreachable!("the caller checked rows {j0}..{} exist", j0 + rows)
+    };
     let row0 = w.row(j0);
+    let part_at = |part: &[u8]| part.as_ptr() as usize - row0.weights.as_ptr() as usize;
+    let (scales_at, offsets_at) = (part_at(row0.scales), part_at(row0.offsets));
+    let base = bytes.as_ptr();
     let table: [u16; 32] = std::array::from_fn(|i| bf16::from_f32((i & 15) as f32).to_bits());
     // SAFETY: `table` is 64 bytes.
     let table = unsafe { _mm512_loadu_si512(table.as_ptr().cast()) };
@@ -254,7 +263,7 @@ unsafe fn outputs<const Q4: bool, const M: usize>(
             // The next group's same rows and pairs, a group ahead (its bytes lie 16 rows on):
             // sixteen rows read a little at a time are more streams than the hardware
             // prefetcher follows. The row's scales and offsets go with its first chunk.
-            let row = row0.weights.as_ptr().wrapping_add(o * stride);
+            let row = base.wrapping_add(o * stride);
             let ahead = row.wrapping_add(TILE * stride);
             // A prefetch is a hint and does not fault; the addresses are only formed.
             for line in (p0 * pb..(p0 + chunk) * pb).step_by(64) {
@@ -266,8 +275,8 @@ unsafe fn outputs<const Q4: bool, const M: usize>(
                 }
             }
             for q in 0..chunk {
-                // SAFETY: row j0 + o exists; pair p0 + q's bytes are inside it; each buffer
-                // holds 16 rows of 32 u16.
+                // SAFETY: row j0 + o is in `bytes`; pair p0 + q's bytes are inside it; each
+                // buffer holds 16 rows of 32 u16.
                 unsafe {
                     widen::<Q4>(
                         row.add((p0 + q) * pb),
@@ -317,9 +326,9 @@ unsafe fn outputs<const Q4: bool, const M: usize>(
             // Each row's two f16 scales (and offsets) of this pair, one 32-bit lane per
             // output.
             // SAFETY: the masked-off lanes are not read; row j0 + o's scales (and offsets)
-            // hold `pairs` pairs of two f16.
+            // hold `pairs` pairs of two f16, inside `bytes`.
             let (d, off) = unsafe {
-                let scales = row0.scales.as_ptr().add(4 * p);
+                let scales = base.add(scales_at + 4 * p);
                 let d = _mm512_mask_i32gather_epi32::<1>(
                     _mm512_setzero_si512(),
                     live,
@@ -327,7 +336,7 @@ unsafe fn outputs<const Q4: bool, const M: usize>(
                     scales.cast(),
                 );
                 let off = if Q4 {
-                    let offsets = row0.offsets.as_ptr().add(4 * p);
+                    let offsets = base.add(offsets_at + 4 * p);
                     _mm512_mask_i32gather_epi32::<1>(
                         _mm512_setzero_si512(),
                         live,
