@@ -1216,6 +1216,7 @@ impl Llama {
                 .attend(layer, heads, one.cache.as_deref_mut(), &mut outs)?;
         } else {
             let mut row = 0;
+            let mut inputs = Vec::with_capacity(seqs.len());
             for s in seqs.iter_mut() {
                 let rows = |x: &Tensor| x.narrow(1, row, s.rows)?.contiguous();
                 let own = ops::Heads {
@@ -1223,9 +1224,28 @@ impl Llama {
                     k_rot: rows(&heads.k_rot)?,
                     v: rows(&heads.v)?,
                 };
-                s.model
-                    .attend(layer, own, s.cache.as_deref_mut(), &mut outs)?;
+                inputs.push((
+                    s.model,
+                    s.model.attend_inputs(layer, own, s.cache.as_deref_mut())?,
+                ));
                 row += s.rows;
+            }
+            // A batched decode step: every sequence's heads in one parallel pass.
+            if inputs.iter().all(|(_, a)| a.few()) {
+                let few: Vec<_> = inputs
+                    .iter()
+                    .map(|(_, a)| kernels::FewQueries {
+                        q: &a.q,
+                        k: &a.keys,
+                        v: &a.values,
+                        past: a.past,
+                    })
+                    .collect();
+                outs = kernels::attend_few_many(&few)?;
+            } else {
+                for (model, a) in inputs {
+                    model.attend_on(a, &mut outs)?;
+                }
             }
         }
         Ok(project_rows(
@@ -1238,11 +1258,6 @@ impl Llama {
 
     /// One sequence's attention outputs, pushed onto `outs` as `(n_heads, rows, head_dim)`
     /// chunks.
-    ///
-    /// Queries of the heads that share a key/value head are stacked into one matrix per KV head,
-    /// `(kv_heads, groups * T, head_dim)`, so keys and values are never repeated per query head.
-    /// Query rows go in chunks of [`ATTN_CHUNK`], each multiplying only the keys its causal mask
-    /// lets it see.
     fn attend(
         &self,
         layer: usize,
@@ -1250,10 +1265,18 @@ impl Llama {
         cache: Option<&mut KvCache>,
         outs: &mut Vec<Tensor>,
     ) -> Result<(), ForwardError> {
-        let cfg = &self.cfg;
-        let (n_h, n_kv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let groups = n_h / n_kv;
-        let t = heads.q.dim(1)?;
+        let inputs = self.attend_inputs(layer, heads, cache)?;
+        self.attend_on(inputs, outs)
+    }
+
+    /// One sequence's queries with the keys and values they attend to: its new keys and values
+    /// appended to `cache` (if given) and the cache's views of the layer.
+    fn attend_inputs(
+        &self,
+        layer: usize,
+        heads: ops::Heads,
+        cache: Option<&mut KvCache>,
+    ) -> Result<AttendInputs, ForwardError> {
         let (keys, values, past) = match cache {
             Some(cache) => {
                 let past = cache.layer_len(layer);
@@ -1265,19 +1288,43 @@ impl Llama {
             }
             None => (heads.k_rot, heads.v, 0),
         };
+        Ok(AttendInputs {
+            q: heads.q,
+            keys,
+            values,
+            past,
+        })
+    }
+
+    /// The attention of [`Llama::attend_inputs`], pushed onto `outs`.
+    ///
+    /// Queries of the heads that share a key/value head are stacked into one matrix per KV head,
+    /// `(kv_heads, groups * T, head_dim)`, so keys and values are never repeated per query head.
+    /// Query rows go in chunks of [`ATTN_CHUNK`], each multiplying only the keys its causal mask
+    /// lets it see.
+    fn attend_on(&self, inputs: AttendInputs, outs: &mut Vec<Tensor>) -> Result<(), ForwardError> {
+        let cfg = &self.cfg;
+        let (n_h, n_kv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let groups = n_h / n_kv;
+        let few = inputs.few();
+        let AttendInputs {
+            q,
+            keys,
+            values,
+            past,
+        } = inputs;
+        let t = q.dim(1)?;
+        if few {
+            outs.push(kernels::attend_few(&q, &keys, &values, past)?);
+            return Ok(());
+        }
         let plain = |x: &Tensor| !x.track_op();
-        if plain(&heads.q) && plain(&keys) && plain(&values) {
-            if t <= kernels::MAX_QUERY_ROWS {
-                outs.push(kernels::attend_few(&heads.q, &keys, &values, past)?);
-                return Ok(());
-            }
-            if self.prefill == PrefillMatmul::Tiles {
-                outs.push(kernels::attend_tiles(&heads.q, &keys, &values, past)?);
-                return Ok(());
-            }
+        if plain(&q) && plain(&keys) && plain(&values) && self.prefill == PrefillMatmul::Tiles {
+            outs.push(kernels::attend_tiles(&q, &keys, &values, past)?);
+            return Ok(());
         }
         // (n_h, T, d) -> (n_kv, groups, T, d): head h uses KV head h / groups.
-        let q = heads.q.reshape((n_kv, groups, t, d))?;
+        let q = q.reshape((n_kv, groups, t, d))?;
         let keys_t = keys.transpose(1, 2)?;
         let mut start = 0;
         while start < t {
@@ -1300,6 +1347,26 @@ impl Llama {
             start += rows;
         }
         Ok(())
+    }
+}
+
+/// A sequence's queries `(n_h, T, d)` and the keys and values `(n_kv, past + T, d)` they attend
+/// to, the first `past` from before.
+struct AttendInputs {
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    past: usize,
+}
+
+impl AttendInputs {
+    /// Whether [`kernels::attend_few`] takes them: few query rows, no gradient to track.
+    fn few(&self) -> bool {
+        let plain = |x: &Tensor| !x.track_op();
+        self.q.dim(1).is_ok_and(|t| t <= kernels::MAX_QUERY_ROWS)
+            && plain(&self.q)
+            && plain(&self.keys)
+            && plain(&self.values)
     }
 }
 

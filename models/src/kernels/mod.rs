@@ -21,7 +21,7 @@ mod rows;
 mod softmax;
 mod swiglu;
 
-pub(crate) use attend::{attend_few, MAX_QUERY_ROWS};
+pub(crate) use attend::{attend_few, attend_few_many, FewQueries, MAX_QUERY_ROWS};
 pub(crate) use attend_tiles::attend_tiles;
 pub(crate) use exp::exp;
 pub(crate) use heads::{merge_heads, split_qkv_rope};
