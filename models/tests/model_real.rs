@@ -488,6 +488,46 @@ fn batched_equals_alone(model: &scd_models::Llama, tok: &scd_models::tokenizer::
     });
 }
 
+/// Decode steps keep the thread pool's other threads spinning for work while they run: several
+/// callers decoding at once on the one pool (more callers than pool threads, as in a process
+/// with several consumers) must neither stall each other nor change any job's tokens.
+#[test]
+fn decode_steps_from_several_threads_at_once_finish_and_equal_their_runs_alone() {
+    use scd_models::{generate_with_cache, GenerateParams, Llama};
+    let (model, tok) = real();
+    let text = wikitext_tokens(tok, 200);
+    let params = GenerateParams {
+        max_tokens: 24,
+        ..GenerateParams::default()
+    };
+    let run = |m: &Llama, i: usize| {
+        let prompt = &text[i * 40..i * 40 + 30 + 5 * i];
+        let (&last, prefix) = prompt.split_last().unwrap();
+        let mut cache = m.new_cache();
+        m.forward(
+            Input::new(prefix)
+                .with_cache(&mut cache)
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+        generate_with_cache(m, &mut cache, &[last], &params, |_| {
+            std::ops::ControlFlow::Continue(())
+        })
+        .unwrap()
+        .tokens
+    };
+    let callers = rayon::current_num_threads() + 2;
+    let alone: Vec<_> = (0..callers).map(|i| run(model, i)).collect();
+    let together: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..callers)
+            .map(|i| s.spawn(move || run(model, i)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+    assert!(alone.iter().all(|t| t.len() == params.max_tokens));
+}
+
 /// M10's narrow decode weights: the model decodes on the GGUF's own Q4_1 / Q8_0 blocks, with
 /// activations in two bytes (integer products) and, where the CPU has AVX-512 BF16 or AMX,
 /// rounded to bf16 (bf16 products, the default there, or tile products), and stays with the
