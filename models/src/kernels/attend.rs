@@ -67,13 +67,18 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
         .iter()
         .map(|s| vec![0f32; s.n_h * s.t * s.d])
         .collect();
+    // A task per KV head (its query heads together, each key and value read once for all of
+    // them) when there are enough such tasks to share out evenly, else a task per query head.
+    let per_kv_head: usize = shapes.iter().map(|s| s.n_kv).sum();
+    let fuse = per_kv_head >= 4 * rayon::current_num_threads();
     let mut tasks = Vec::new();
     for (i, out) in outs.iter_mut().enumerate() {
         let s = &shapes[i];
+        let heads = if fuse { s.n_h / s.n_kv } else { 1 };
         tasks.extend(
-            out.chunks_mut((s.t * s.d).max(1))
+            out.chunks_mut((heads * s.t * s.d).max(1))
                 .enumerate()
-                .map(|(h, o)| (i, h, o)),
+                .map(|(c, o)| (i, c * heads, heads, o)),
         );
     }
     let (qs, ks, vs) = (
@@ -81,7 +86,7 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
         HeadsView::slices(&kv)?,
         HeadsView::slices(&vv)?,
     );
-    tasks.into_par_iter().for_each(|(i, h, out)| {
+    tasks.into_par_iter().for_each(|(i, h0, heads, out)| {
         let Shapes {
             n_h,
             t,
@@ -89,19 +94,26 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
             n_kv,
             n_keys,
         } = shapes[i];
-        let g = h / (n_h / n_kv);
+        let g = h0 / (n_h / n_kv);
         let past = seqs[i].past;
         let keys = &ks[i].0[g * ks[i].1..][..n_keys * d];
         let values = &vs[i].0[g * vs[i].1..][..n_keys * d];
-        let queries = &qs[i].0[h * t * d..][..t * d];
-        let mut probs = vec![0f32; n_keys];
-        for (r, (q, o)) in queries
-            .chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-            .enumerate()
-        {
+        let queries = &qs[i].0[h0 * t * d..][..heads * t * d];
+        let mut probs = vec![0f32; heads * n_keys];
+        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(t * d).collect();
+        for r in 0..t {
             let seen = past + r + 1;
-            query_row(q, &keys[..seen * d], &values[..seen * d], &mut probs, o);
+            let q: Vec<&[f32]> = (0..heads)
+                .map(|h| &queries[(h * t + r) * d..][..d])
+                .collect();
+            let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[r * d..][..d]).collect();
+            query_rows(
+                &q,
+                &keys[..seen * d],
+                &values[..seen * d],
+                &mut probs,
+                &mut o,
+            );
         }
     });
     outs.into_iter()
@@ -216,6 +228,43 @@ impl<'a> HeadsView<'a> {
             }
             _ => candle_core::bail!("attend_few: f32 CPU tensors expected"),
         }
+    }
+}
+
+/// [`query_row`] for the rows `qs` of heads that share `keys` and `values`, into `outs`;
+/// `probs` has room for each head's scores. Each head's result is exactly [`query_row`]'s:
+/// the AVX-512 kernels take the heads in turn over each block of keys (still in L1 for the
+/// next head) and values, in the same order of sums as for one head.
+fn query_rows(
+    qs: &[&[f32]],
+    keys: &[f32],
+    values: &[f32],
+    probs: &mut [f32],
+    outs: &mut [&mut [f32]],
+) {
+    let Some(d) = qs.first().map(|q| q.len()) else {
+        return;
+    };
+    let seen = keys.len() / d.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if qs.len() > 1 && d == avx512::D && std::arch::is_x86_feature_detected!("avx512f") {
+        let mut rows: Vec<&mut [f32]> = probs
+            .chunks_exact_mut(probs.len() / qs.len())
+            .map(|p| &mut p[..seen])
+            .collect();
+        // SAFETY: AVX-512F was just detected; every query and output row is `D` long, `keys`
+        // and `values` hold `seen` rows of `D`, and every row of `rows` at least `seen`.
+        unsafe {
+            avx512::scores_heads(qs, keys, &mut rows);
+            for p in rows.iter_mut() {
+                softmax_prefix(p, seen);
+            }
+            avx512::weighted_values_heads(&rows, values, outs);
+        }
+        return;
+    }
+    for (q, out) in qs.iter().zip(outs.iter_mut()) {
+        query_row(q, keys, values, probs, out);
     }
 }
 
@@ -350,37 +399,56 @@ mod avx512 {
     /// AVX-512F; `q` is `D` long, `keys` at least `scores.len() * D`.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scores: &mut [f32]) {
-        debug_assert!(q.len() == D && keys.len() >= scores.len() * D);
+        // SAFETY: as the caller guarantees.
+        unsafe { scores_heads(&[q], keys, &mut [scores]) }
+    }
+
+    /// [`scores`] of each query of `qs` into the row of `scores` of the same index, the first
+    /// `n` of each (`n` the first row's length), over each block of sixteen keys in turn.
+    ///
+    /// # Safety
+    /// AVX-512F; each query is `D` long, each row of `scores` at least `n` long and `keys`
+    /// at least `n * D`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_heads(qs: &[&[f32]], keys: &[f32], scores: &mut [&mut [f32]]) {
+        let n = scores.first().map_or(0, |s| s.len());
+        debug_assert!(qs.len() == scores.len() && keys.len() >= n * D);
+        debug_assert!(qs.iter().all(|q| q.len() == D) && scores.iter().all(|s| s.len() >= n));
         // Adjacent lanes' pairs: lanes 0-7 from the first register, 8-15 from the second.
         let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        // SAFETY: as the caller guarantees, every load is inside `q` or key row `j`; the
-        // stores write lanes of `scores` that exist (masked at the end).
+        // SAFETY: as the caller guarantees, every load is inside a query or key row `j < n`;
+        // the stores write lanes of each row of `scores` below `n` (masked at the end).
         unsafe {
-            let qv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(q.as_ptr().add(16 * c)));
-            for (b, out) in scores.chunks_mut(16).enumerate() {
-                let n = out.len();
-                // Sixteen registers of one key's partial sums each, then halved four times:
-                // each step sums adjacent lanes of two registers into one, keys in order.
-                let mut v: [__m512; 16] = std::array::from_fn(|i| {
-                    if i < n {
-                        partial(&qv, keys.as_ptr().add((16 * b + i) * D))
-                    } else {
-                        _mm512_setzero_ps()
+            for b in 0..n.div_ceil(16) {
+                let len = (n - 16 * b).min(16);
+                for (q, out) in qs.iter().zip(scores.iter_mut()) {
+                    let qv: [__m512; 4] =
+                        std::array::from_fn(|c| _mm512_loadu_ps(q.as_ptr().add(16 * c)));
+                    // Sixteen registers of one key's partial sums each, then halved four
+                    // times: each step sums adjacent lanes of two registers into one, keys in
+                    // order.
+                    let mut v: [__m512; 16] = std::array::from_fn(|i| {
+                        if i < len {
+                            partial(&qv, keys.as_ptr().add((16 * b + i) * D))
+                        } else {
+                            _mm512_setzero_ps()
+                        }
+                    });
+                    let mut width = 16;
+                    while width > 1 {
+                        for i in 0..width / 2 {
+                            let (x, y) = (v[2 * i], v[2 * i + 1]);
+                            v[i] = _mm512_add_ps(
+                                _mm512_permutex2var_ps(x, even, y),
+                                _mm512_permutex2var_ps(x, odd, y),
+                            );
+                        }
+                        width /= 2;
                     }
-                });
-                let mut width = 16;
-                while width > 1 {
-                    for i in 0..width / 2 {
-                        let (x, y) = (v[2 * i], v[2 * i + 1]);
-                        v[i] = _mm512_add_ps(
-                            _mm512_permutex2var_ps(x, even, y),
-                            _mm512_permutex2var_ps(x, odd, y),
-                        );
-                    }
-                    width /= 2;
+                    let mask = ((1u32 << len) - 1) as __mmask16;
+                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(16 * b), mask, v[0]);
                 }
-                _mm512_mask_storeu_ps(out.as_mut_ptr(), ((1u32 << n) - 1) as __mmask16, v[0]);
             }
         }
     }
@@ -391,19 +459,71 @@ mod avx512 {
     /// AVX-512F; `out` is `D` long, `values` at least `probs.len() * D`.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn weighted_values(probs: &[f32], values: &[f32], out: &mut [f32]) {
-        debug_assert!(out.len() == D && values.len() >= probs.len() * D);
-        // SAFETY: as the caller guarantees, every access is inside value row `j` or `out`.
-        unsafe {
-            let mut acc = [_mm512_setzero_ps(); 4];
-            for (j, &p) in probs.iter().enumerate() {
-                let v = values.as_ptr().add(j * D);
-                let pv = _mm512_set1_ps(p);
-                for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v.add(16 * c)), *a);
+        // SAFETY: as the caller guarantees.
+        unsafe { weighted_values_heads(&[probs], values, &mut [out]) }
+    }
+
+    /// [`weighted_values`] for each row of `probs` (its first `n`, the first row's length, all
+    /// rows at least that long) into the row of `outs` of the same index: up to four heads'
+    /// sums at a time, each value row loaded once for them.
+    ///
+    /// # Safety
+    /// AVX-512F; each row of `outs` is `D` long, `values` at least `n * D`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_values_heads<P: AsRef<[f32]>>(
+        probs: &[P],
+        values: &[f32],
+        outs: &mut [&mut [f32]],
+    ) {
+        let n = probs.first().map_or(0, |p| p.as_ref().len());
+        debug_assert!(probs.len() == outs.len() && values.len() >= n * D);
+        debug_assert!(outs.iter().all(|o| o.len() == D));
+        for (ps, os) in probs.chunks(4).zip(outs.chunks_mut(4)) {
+            let ps: [&[f32]; 4] =
+                std::array::from_fn(|h| ps.get(h).map_or(&[][..], |p| &p.as_ref()[..n]));
+            // SAFETY: as the caller guarantees.
+            unsafe {
+                match os.len() {
+                    1 => weighted_values_of::<1>(&ps, n, values, os),
+                    2 => weighted_values_of::<2>(&ps, n, values, os),
+                    3 => weighted_values_of::<3>(&ps, n, values, os),
+                    _ => weighted_values_of::<4>(&ps, n, values, os),
                 }
             }
-            for (c, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *a);
+        }
+    }
+
+    /// [`weighted_values_heads`] for `H` heads, their accumulators in registers.
+    ///
+    /// # Safety
+    /// AVX-512F; `probs[..H]` at least `n` long, `outs` `H` rows of `D`, `values` `n * D`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn weighted_values_of<const H: usize>(
+        probs: &[&[f32]; 4],
+        n: usize,
+        values: &[f32],
+        outs: &mut [&mut [f32]],
+    ) {
+        debug_assert!(outs.len() == H && probs[..H].iter().all(|p| p.len() >= n));
+        // SAFETY: as the caller guarantees, every access is inside value row `j < n`, a row of
+        // `probs` or of `outs`.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 4]; H];
+            for j in 0..n {
+                let v = values.as_ptr().add(j * D);
+                let row: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let pv = _mm512_set1_ps(*probs[h].get_unchecked(j));
+                    for (c, a) in a.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(pv, row[c], *a);
+                    }
+                }
+            }
+            for (a, out) in acc.iter().zip(outs.iter_mut()) {
+                for (c, a) in a.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *a);
+                }
             }
         }
     }
@@ -461,6 +581,34 @@ mod tests {
                 }
                 close(&scores, &plain_scores, "avx2 scores");
                 close(&out, &plain_out, "avx2 values");
+            }
+        }
+    }
+
+    /// The heads of a KV head taken together give each head exactly what it gets alone, for
+    /// head counts below, at and above the four the value kernel takes at a time.
+    #[test]
+    fn heads_together_equal_each_head_alone() {
+        let d = 64;
+        let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 300.0;
+        for heads in [2, 3, 4, 5] {
+            for n in [1, 16, 17, 50] {
+                let keys: Vec<f32> = (0..n * d).map(|i| value(3 * i + 1)).collect();
+                let values: Vec<f32> = (0..n * d).map(|i| value(5 * i + 2) / 2.0).collect();
+                let qs: Vec<Vec<f32>> = (0..heads)
+                    .map(|h| (0..d).map(|i| value(i + 97 * h) / 8.0).collect())
+                    .collect();
+                let q: Vec<&[f32]> = qs.iter().map(|q| q.as_slice()).collect();
+                let mut probs = vec![0f32; heads * (n + 3)];
+                let mut together = vec![vec![0f32; d]; heads];
+                let mut outs: Vec<&mut [f32]> =
+                    together.iter_mut().map(|o| o.as_mut_slice()).collect();
+                query_rows(&q, &keys, &values, &mut probs, &mut outs);
+                for (h, got) in together.iter().enumerate() {
+                    let mut alone = vec![0f32; d];
+                    query_row(&qs[h], &keys, &values, &mut vec![0f32; n], &mut alone);
+                    assert_eq!(got, &alone, "{heads} heads, {n} keys, head {h}");
+                }
             }
         }
     }
@@ -524,9 +672,12 @@ mod tests {
 
     #[test]
     fn sequences_in_one_pass_get_what_each_gets_alone() -> candle_core::Result<()> {
-        // Different cache lengths, query rows and head counts; one cache a view with spare room.
+        // Different cache lengths, query rows and head counts; one cache a view with spare room;
+        // enough KV heads for a task per KV head on a few threads.
         let mut owned = Vec::new();
-        for (n_h, n_kv, t, past, d) in [(9, 3, 1, 40, 64), (4, 2, 3, 5, 64), (2, 1, 1, 0, 24)] {
+        let many = (0..8).map(|i| (9, 3, 1 + i % 2, 7 * i, 64));
+        let shapes = [(9, 3, 1, 40, 64), (4, 2, 3, 5, 64), (2, 1, 1, 0, 24)];
+        for (n_h, n_kv, t, past, d) in shapes.into_iter().chain(many) {
             let buf = Tensor::randn(0f32, 1.0, (n_kv, past + t + 3, d), &Device::Cpu)?;
             let k = buf.narrow(1, 0, past + t)?;
             let v = Tensor::randn(0f32, 1.0, (n_kv, past + t, d), &Device::Cpu)?;
