@@ -53,13 +53,10 @@ impl Bf16Rows {
             for (b, chunk) in row.chunks(BLOCK).enumerate() {
                 let (pair, half) = (b / 2, b % 2);
                 let dst = &mut out[(r * pairs + pair) * 2 * BLOCK..][..2 * BLOCK];
-                let mut s = 0f32;
-                for (i, &v) in chunk.iter().enumerate() {
-                    let v = bf16::from_f32(v);
-                    s += v.to_f32();
-                    // Value i of block `half` goes to quarter `2 (i / 16) + half`.
-                    dst[(2 * (i / 16) + half) * 16 + i % 16] = v.to_bits();
-                }
+                let (bits, s) = rounded_block(chunk);
+                // Value i of block `half` goes to quarter `2 (i / 16) + half`.
+                dst[half * 16..][..16].copy_from_slice(&bits[..16]);
+                dst[(2 + half) * 16..][..16].copy_from_slice(&bits[16..]);
                 sum[r * pairs * 2 + b] = s;
             }
         }
@@ -77,6 +74,55 @@ impl Bf16Rows {
 
     fn sum(&self, r: usize) -> &[f32] {
         &self.sum[r * self.pairs * 2..][..self.pairs * 2]
+    }
+}
+
+/// A block of up to [`BLOCK`] values rounded to bf16 (to nearest, ties to even), zeros past
+/// its end, and the f32 sum of the rounded values. Converted 32 at a time where the CPU has
+/// AVX-512 BF16 (the kernels that read these rows need it): value by value, rounding and a
+/// chain of dependent adds took as long per block as the block's products for a batch of rows.
+pub(super) fn rounded_block(chunk: &[f32]) -> ([u16; BLOCK], f32) {
+    debug_assert!(chunk.len() <= BLOCK);
+    use std::arch::is_x86_feature_detected as has;
+    if has!("avx512f") && has!("avx512bw") && has!("avx512bf16") {
+        // SAFETY: the features were just detected.
+        return unsafe { rounded_block_avx512(chunk) };
+    }
+    let mut bits = [0u16; BLOCK];
+    let mut s = 0f32;
+    for (b, &v) in bits.iter_mut().zip(chunk) {
+        let v = bf16::from_f32(v);
+        s += v.to_f32();
+        *b = v.to_bits();
+    }
+    (bits, s)
+}
+
+/// [`rounded_block`] on AVX-512 BF16 (which also flushes subnormal inputs, below 1e-38, to
+/// zero).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn rounded_block_avx512(chunk: &[f32]) -> ([u16; BLOCK], f32) {
+    let n = chunk.len().min(BLOCK);
+    // SAFETY: masked loads read only the block's `n` values; the store writes the 64 bytes of
+    // `bits`.
+    unsafe {
+        let lo = _mm512_maskz_loadu_ps(first(n), chunk.as_ptr());
+        let hi = if n > 16 {
+            _mm512_maskz_loadu_ps(first(n - 16), chunk.as_ptr().add(16))
+        } else {
+            _mm512_setzero_ps()
+        };
+        let bf = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+        // Each rounded value is its bf16 bits in the top half of an f32.
+        let widen =
+            |h: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+        let s = _mm512_reduce_add_ps(_mm512_add_ps(
+            widen(_mm512_castsi512_si256(bf)),
+            widen(_mm512_extracti64x4_epi64::<1>(bf)),
+        ));
+        let mut bits = [0u16; BLOCK];
+        _mm512_storeu_si512(bits.as_mut_ptr().cast(), bf);
+        (bits, s)
     }
 }
 

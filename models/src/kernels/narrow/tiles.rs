@@ -73,11 +73,9 @@ impl TileRows {
             let row = &x[r * k..(r + 1) * k];
             for (blk, chunk) in row.chunks(BLOCK).enumerate() {
                 let tile = &mut b[blk * BLOCK * m..][..BLOCK * m];
-                let mut s = 0f32;
-                for (i, &v) in chunk.iter().enumerate() {
-                    let v = bf16::from_f32(v);
-                    s += v.to_f32();
-                    tile[(i / 2 * m + r) * 2 + i % 2] = v.to_bits();
+                let (bits, s) = super::bf16::rounded_block(chunk);
+                for (i, pair) in bits.chunks_exact(2).enumerate() {
+                    tile[(i * m + r) * 2..][..2].copy_from_slice(pair);
                 }
                 sum[blk * TILE + r] = s;
             }
