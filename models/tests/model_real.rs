@@ -441,16 +441,7 @@ fn batched_equals_alone(model: &scd_models::Llama, tok: &scd_models::tokenizer::
         ..GenerateParams::default()
     };
     let prompt = |i: usize| &text[i * 30..i * 30 + 20 + 15 * i];
-    let prefill = |m: &Llama, prefix: &[u32]| {
-        let mut cache = m.new_cache();
-        m.forward(
-            Input::new(prefix)
-                .with_cache(&mut cache)
-                .logits(LogitsWanted::None),
-        )
-        .unwrap();
-        cache
-    };
+    let prefill = prefilled;
     let mut alone = Vec::new();
     let mut batch = Batch::new();
     for (i, m) in models.iter().enumerate() {
@@ -488,6 +479,19 @@ fn batched_equals_alone(model: &scd_models::Llama, tok: &scd_models::tokenizer::
     });
 }
 
+/// A cache holding `model`'s prefill of `prefix`.
+fn prefilled(model: &scd_models::Llama, prefix: &[u32]) -> KvCache {
+    let mut cache = model.new_cache();
+    model
+        .forward(
+            Input::new(prefix)
+                .with_cache(&mut cache)
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+    cache
+}
+
 /// Decode steps keep the thread pool's other threads spinning for work while they run: several
 /// callers decoding at once on the one pool (more callers than pool threads, as in a process
 /// with several consumers) must neither stall each other nor change any job's tokens.
@@ -503,13 +507,7 @@ fn decode_steps_from_several_threads_at_once_finish_and_equal_their_runs_alone()
     let run = |m: &Llama, i: usize| {
         let prompt = &text[i * 40..i * 40 + 30 + 5 * i];
         let (&last, prefix) = prompt.split_last().unwrap();
-        let mut cache = m.new_cache();
-        m.forward(
-            Input::new(prefix)
-                .with_cache(&mut cache)
-                .logits(LogitsWanted::None),
-        )
-        .unwrap();
+        let mut cache = prefilled(m, prefix);
         generate_with_cache(m, &mut cache, &[last], &params, |_| {
             std::ops::ControlFlow::Continue(())
         })
