@@ -42,11 +42,12 @@ pub(crate) struct FewQueries<'a> {
     pub past: usize,
 }
 
-/// [`attend_few`] of several sequences (a batched decode step) in one parallel pass, a task per
-/// sequence and query head. One pass instead of one per sequence spares a wake-up of the thread
-/// pool per sequence and layer and shares out the work more evenly; each output is the same
-/// computation as alone. (A task per KV head, its query heads together, left one job's 3 KV
-/// heads unevenly split over 2 threads: 15.2-15.6 against 12.9-13.6 ms per token.)
+/// [`attend_few`] of several sequences (a batched decode step) in one parallel pass. One pass
+/// instead of one per sequence spares a wake-up of the thread pool per sequence and layer and
+/// shares out the work more evenly. A task is a sequence's KV head (its query heads reading each
+/// key and value once, [`query_rows`]) when there are at least four such tasks per thread, else
+/// a sequence's query head: one job's 3 KV heads split unevenly over 2 threads (15.2-15.6
+/// against 12.9-13.6 ms per token). Either way each output is the same computation as alone.
 pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Vec<Tensor>> {
     let mut shapes = Vec::with_capacity(seqs.len());
     let mut queries = Vec::with_capacity(seqs.len());
@@ -586,7 +587,8 @@ mod tests {
     }
 
     /// The heads of a KV head taken together give each head exactly what it gets alone, for
-    /// head counts below, at and above the four the value kernel takes at a time.
+    /// head counts below, at and above the four the value kernel takes at a time. (Without
+    /// AVX-512 both sides take the one-head path; the CPUs we run on have it.)
     #[test]
     fn heads_together_equal_each_head_alone() {
         let d = 64;
