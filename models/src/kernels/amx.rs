@@ -122,8 +122,13 @@ impl TileWeight {
                 let r0 = c * TILE;
                 if r0 + TILE <= n && k.is_multiple_of(2) {
                     pack_full_column(&w[r0 * k..(r0 + TILE) * k], k, col);
+                    // Pair p takes `col[32 p..32 p + 32]`: the padding depth after pair k / 2.
+                    col[TILE * k..].fill(0);
                     return;
                 }
+                // Padding outputs (and an odd depth's last partner) must be zero; the rows
+                // below overwrite the rest.
+                col.fill(0);
                 for j in 0..TILE.min(n.saturating_sub(r0)) {
                     let src = &w[(r0 + j) * k..(r0 + j + 1) * k];
                     // Pair p = 16s + i of the row goes to tile s, row i, slot j.
@@ -136,18 +141,22 @@ impl TileWeight {
             });
     }
 
-    /// Sizes the buffer for `(n, k)` and records the shape; returns the padded depth. Padding
-    /// must be zero, so a padded shape starts from a cleared buffer; anything else the packing
-    /// overwrites.
+    /// Sizes the buffer for `(n, k)` and records the shape; returns the padded depth. The
+    /// buffer keeps what an earlier call left: each packing task writes all of its tile
+    /// column, padding zeros included (clearing the whole buffer per call, for a chunk of
+    /// attention's keys, cost more than packing it).
     fn reset(&mut self, n: usize, k: usize) -> usize {
         let k_pad = k.div_ceil(DEPTH) * DEPTH;
         let n_pad = n.div_ceil(STEP) * STEP;
-        if k_pad != k || n_pad != n {
-            self.data.clear();
-        }
         self.data.resize(n_pad * k_pad, 0);
         (self.n, self.k, self.n_pad, self.k_pad) = (n, k, n_pad, k_pad);
         k_pad
+    }
+
+    /// The depth rounded up to whole tiles: the row length of the bf16 `x` that
+    /// [`linear_padded_bf16`] multiplies by this weight.
+    pub(crate) fn padded_depth(&self) -> usize {
+        self.k_pad
     }
 
     /// Packs `W = V^T` for `v` `(k, n)` row-major f32: outputs are `v`'s columns, the depth
@@ -160,11 +169,17 @@ impl TileWeight {
             .enumerate()
             .for_each(|(c, col)| {
                 let c0 = c * TILE;
+                if c0 + TILE > n {
+                    // Padding outputs must be zero; the columns below overwrite the rest.
+                    col.fill(0);
+                }
                 if c0 >= n {
                     return;
                 }
                 // Pair p (depth 2p, 2p + 1) of output j goes to tile p / 16, row p % 16, slot j.
                 let pairs = k / 2;
+                // The padding depth, after the last pair with a value (`col[32 p..]` is pair p).
+                col[2 * TILE * k.div_ceil(2)..].fill(0);
                 if c0 + TILE <= n {
                     // SAFETY: `available()` (which the tile path requires) checked AVX-512BW
                     // and AVX512_BF16; the 16 columns from `c0` exist in every row.
@@ -301,12 +316,31 @@ pub(crate) fn linear_padded(
     a: &mut Vec<u16>,
     y: &mut Vec<f32>,
 ) -> usize {
-    debug_assert!(available());
-    let (k, n_pad, k_pad) = (w.k, w.n_pad, w.k_pad);
+    let (k, k_pad) = (w.k, w.k_pad);
     debug_assert!(stride >= k && x.len() >= (rows.max(1) - 1) * stride + k);
-    let rows_pad = rows.div_ceil(STEP) * STEP;
+    let rows_pad = padded_rows(rows);
     to_bf16_rows((x, stride), rows, k, (rows_pad, k_pad), a);
-    let a = &a[..];
+    linear_padded_bf16(a, rows_pad, w, y)
+}
+
+/// `rows` rounded up to the rows of whole steps: the rows [`linear_padded_bf16`] takes.
+pub(crate) fn padded_rows(rows: usize) -> usize {
+    rows.div_ceil(STEP) * STEP
+}
+
+/// [`linear_padded`] for `x` already in bf16: `a` holds `rows_pad` rows (from
+/// [`padded_rows`]) of `w`'s [`TileWeight::padded_depth`], zeros in the padding rows and
+/// columns. Returns the row length of `y`, `n` rounded up to 32.
+pub(crate) fn linear_padded_bf16(
+    a: &[u16],
+    rows_pad: usize,
+    w: &TileWeight,
+    y: &mut Vec<f32>,
+) -> usize {
+    debug_assert!(available());
+    let (n_pad, k_pad) = (w.n_pad, w.k_pad);
+    // The tile loads below read whole steps of `a`.
+    assert!(rows_pad.is_multiple_of(STEP) && a.len() >= rows_pad * k_pad);
     // Not zeroed: the tasks store every element (whole 32 x 32 blocks cover `rows_pad x
     // n_pad`), and zeroing a large buffer costs as much as a small product.
     y.clear();
@@ -655,6 +689,7 @@ mod tests {
             (64, 96, 576),
             (17, 40, 64),
             (100, 33, 50),
+            (9, 24, 37),
             (1, 16, 32),
             (45, 960, 576),
         ] {

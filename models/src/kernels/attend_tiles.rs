@@ -5,16 +5,16 @@
 //! about as long as the projections on tiles. Here each task is one KV head and one chunk of
 //! consecutive queries: the queries of the heads that share the KV head are stacked (so keys
 //! and values are packed once for all of them), the keys the chunk can see are packed as a
-//! tile weight, the scores go through the causal softmax of [`super::softmax`] in place, and
-//! the values, packed transposed, are multiplied by the probabilities. Products are bf16 with
-//! f32 sums, as the projections' ([`super::amx`]).
+//! tile weight, the scores go through a causal softmax that writes the probabilities in bf16
+//! ([`super::softmax`]), and the values, packed transposed, are multiplied by them. Products
+//! are bf16 with f32 sums, as the projections' ([`super::amx`]).
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::amx;
 use super::attend::{heads_view, Shapes};
-use super::softmax::softmax_prefix;
+use super::softmax::softmax_prefix_bf16;
 
 /// Query rows per task: small enough that even a 256-token prefill gives each core a few
 /// tasks, large enough that packing a chunk's keys is a small part of its work.
@@ -92,14 +92,28 @@ fn chunk<'s>(
 ) -> &'s [f32] {
     let seen = keys.len() / d;
     s.weight.repack(keys, seen, d);
-    // Scores in rows of `width` (`seen` rounded up); the softmax zeroes what a query cannot see,
-    // padding included, so the rows go to the second product as they are.
+    // Scores in rows of `width` (`seen` rounded up to whole tiles).
     let width = amx::linear_padded((&s.x, d), stacked, &s.weight, &mut s.a, &mut s.y);
-    for (r, row) in s.y.chunks_exact_mut(width).take(stacked).enumerate() {
-        softmax_prefix(row, first + r % rows + 1);
-    }
+    // The probabilities in bf16 are the second product's `x`: the softmax writes them there,
+    // zeros past what each query may see (padding included), and zero padding rows.
     s.weight.repack_transposed(values, seen, d);
-    let d_pad = amx::linear_padded((&s.y, width), stacked, &s.weight, &mut s.a, &mut s.x);
+    debug_assert_eq!(s.weight.padded_depth(), width);
+    let rows_pad = amx::padded_rows(stacked);
+    // Each of the first `stacked` rows is written whole below; only the padding rows are
+    // zeroed (a whole cleared buffer per chunk is a pass over it for nothing).
+    s.a.resize(rows_pad * width, 0);
+    s.a[stacked * width..rows_pad * width].fill(0);
+    for (r, (scores, probs)) in
+        s.y.chunks_exact_mut(width)
+            .zip(s.a.chunks_exact_mut(width))
+            .take(stacked)
+            .enumerate()
+    {
+        // SAFETY: the tile path runs only where `amx::available()`, which checked AVX-512F
+        // and AVX512_BF16; `width` is a multiple of 32.
+        unsafe { softmax_prefix_bf16(scores, first + r % rows + 1, probs) };
+    }
+    let d_pad = amx::linear_padded_bf16(&s.a, rows_pad, &s.weight, &mut s.x);
     debug_assert_eq!(d_pad, d.next_multiple_of(32));
     if d_pad != d {
         // Rows of `d_pad` to rows of `d`, in place.
