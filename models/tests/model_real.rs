@@ -126,14 +126,7 @@ fn injecting_the_captured_cache_reproduces_the_logits() {
     assert_eq!(cache.len(), tokens.len());
 
     // The cache a prefill builds holds exactly RoPE(captured K) at the true positions, and V.
-    let mut own = model.new_cache();
-    model
-        .forward(
-            Input::new(prefix)
-                .with_cache(&mut own)
-                .logits(LogitsWanted::None),
-        )
-        .unwrap();
+    let own = prefilled(model, prefix);
     for (l, (k_pre, v)) in layers.iter().enumerate() {
         let (k_cache, v_cache) = own.layer(l).unwrap().unwrap();
         let k_rot = model.rope().apply(k_pre, &positions).unwrap();
@@ -441,19 +434,18 @@ fn batched_equals_alone(model: &scd_models::Llama, tok: &scd_models::tokenizer::
         ..GenerateParams::default()
     };
     let prompt = |i: usize| &text[i * 30..i * 30 + 20 + 15 * i];
-    let prefill = prefilled;
     let mut alone = Vec::new();
     let mut batch = Batch::new();
     for (i, m) in models.iter().enumerate() {
         let (&last, prefix) = prompt(i).split_last().unwrap();
-        let mut cache = prefill(m, prefix);
+        let mut cache = prefilled(m, prefix);
         let g = generate_with_cache(m, &mut cache, &[last], &params, |_| {
             std::ops::ControlFlow::Continue(())
         })
         .unwrap();
         alone.push(g.tokens);
         batch
-            .join(i, Arc::clone(m), prefill(m, prefix), vec![last], &params)
+            .join(i, Arc::clone(m), prefilled(m, prefix), vec![last], &params)
             .unwrap();
     }
     let mut batched = vec![Vec::new(); models.len()];
@@ -470,7 +462,7 @@ fn batched_equals_alone(model: &scd_models::Llama, tok: &scd_models::tokenizer::
     // The experts do differ: not every job produced the base's tokens for its prompt.
     assert_ne!(alone[1], {
         let (&last, prefix) = prompt(1).split_last().unwrap();
-        let mut cache = prefill(&base, prefix);
+        let mut cache = prefilled(&base, prefix);
         generate_with_cache(&base, &mut cache, &[last], &params, |_| {
             std::ops::ControlFlow::Continue(())
         })

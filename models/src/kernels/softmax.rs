@@ -78,25 +78,32 @@ multiversion! {
             .iter()
             .chain(&acc)
             .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-        let mut sums = [0f32; LANES];
-        let mut chunks = seen.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for (s, x) in sums.iter_mut().zip(c.iter_mut()) {
-                *x = exp(*x - max);
-                *s += *x;
-            }
-        }
-        let mut sum: f32 = sums.iter().sum();
-        for x in chunks.into_remainder() {
-            *x = exp(*x - max);
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
+        let inv = 1.0 / exp_sum::<LANES>(seen, max);
         for x in seen.iter_mut() {
             *x *= inv;
         }
         hidden.fill(0.0);
     }
+}
+
+/// Replaces each of `seen` by `e^(x - max)` and returns their sum, taken in `W` independent
+/// partial sums (one SIMD register of them, at the caller's vector width) and then the tail.
+#[inline(always)]
+fn exp_sum<const W: usize>(seen: &mut [f32], max: f32) -> f32 {
+    let mut sums = [0f32; W];
+    let mut chunks = seen.chunks_exact_mut(W);
+    for c in &mut chunks {
+        for (s, x) in sums.iter_mut().zip(c.iter_mut()) {
+            *x = exp(*x - max);
+            *s += *x;
+        }
+    }
+    let mut sum: f32 = sums.iter().sum();
+    for x in chunks.into_remainder() {
+        *x = exp(*x - max);
+        sum += *x;
+    }
+    sum
 }
 
 /// Softmax of `row[..visible]` rounded to bf16 into `out` (`row`'s length, a multiple of 32),
@@ -130,20 +137,7 @@ pub(crate) unsafe fn softmax_prefix_bf16(row: &mut [f32], visible: usize, out: &
             _mm512_reduce_max_ps(maxes),
             |m, &x| if x > m { x } else { m },
         );
-    let mut sums = [0f32; WIDE];
-    let mut chunks = seen.chunks_exact_mut(WIDE);
-    for c in &mut chunks {
-        for (s, x) in sums.iter_mut().zip(c.iter_mut()) {
-            *x = exp(*x - max);
-            *s += *x;
-        }
-    }
-    let mut sum: f32 = sums.iter().sum();
-    for x in chunks.into_remainder() {
-        *x = exp(*x - max);
-        sum += *x;
-    }
-    let inv = _mm512_set1_ps(1.0 / sum);
+    let inv = _mm512_set1_ps(1.0 / exp_sum::<WIDE>(seen, max));
     // Lanes at or past `visible` are zeroed by the masks.
     let mask = |from: usize| -> u16 {
         match visible.saturating_sub(from) {
