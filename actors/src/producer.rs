@@ -304,7 +304,9 @@ fn prefill(
         }
     };
     let mut kv = KvCache::new(model.config());
-    let positions: Vec<u32> = (0..cached as u32).collect();
+    let tables = model
+        .rope()
+        .tables(&(0..cached as u32).collect::<Vec<_>>())?;
     let mut pending: Vec<Vec<LayerRows>> = (run.len()..chain.len())
         .map(|_| Vec::with_capacity(layers))
         .collect();
@@ -326,7 +328,7 @@ fn prefill(
         let computed = match hidden.take() {
             Some(h) => {
                 if let (Some(k), Some(v)) = (&k_cached, &v_cached) {
-                    kv.fill_layer_pre_rope(model.rope(), layer, k, v, &positions)?;
+                    kv.fill_layer_rotating(&tables, layer, k, v)?;
                 }
                 hidden = Some(model.forward_layers_capture(
                     &h,

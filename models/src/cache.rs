@@ -12,7 +12,7 @@ use candle_core::{DType, Tensor};
 
 use crate::config::LlamaConfig;
 use crate::error::ForwardError;
-use crate::rope::Rope;
+use crate::rope::{Rope, RopeTables};
 
 /// Spare rows allocated beyond what is needed when a layer's buffer grows.
 const GROW_ROWS: usize = 256;
@@ -95,8 +95,9 @@ impl KvCache {
             });
         }
         let mut cache = Self::new(cfg);
+        let tables = rope.tables(positions)?;
         for (l, (k, v)) in layers.iter().enumerate() {
-            cache.fill_layer_pre_rope(rope, l, k, v, positions)?;
+            cache.fill_layer_rotating(&tables, l, k, v)?;
         }
         Ok(cache)
     }
@@ -112,6 +113,17 @@ impl KvCache {
         v: &Tensor,
         positions: &[u32],
     ) -> Result<(), ForwardError> {
+        self.fill_layer_rotating(&rope.tables(positions)?, layer, k, v)
+    }
+
+    /// [`KvCache::fill_layer_pre_rope`] with the positions' tables computed once for all layers.
+    pub fn fill_layer_rotating(
+        &mut self,
+        tables: &RopeTables,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), ForwardError> {
         if layer >= self.layers.len() || self.layer_len(layer) > 0 {
             return Err(ForwardError::LayerRange {
                 start: layer,
@@ -119,7 +131,9 @@ impl KvCache {
                 layers: self.layers.len(),
             });
         }
-        let k = self.rows_to_heads(&rope.apply(k, positions)?, &format!("K of layer {layer}"))?;
+        // Checked before rotating: the rotation takes any number of heads.
+        self.check_rows(k, &format!("K of layer {layer}"))?;
+        let k = tables.rotate_to_heads(k)?;
         let v = self.rows_to_heads(v, &format!("V of layer {layer}"))?;
         if k.dim(1)? != v.dim(1)? {
             return Err(ForwardError::Shape {
@@ -129,8 +143,7 @@ impl KvCache {
             });
         }
         self.append(layer, &k, &v)?;
-        let next = positions.iter().max().map_or(0, |&p| p as usize + 1);
-        self.next_position = self.next_position.max(next);
+        self.next_position = self.next_position.max(tables.next_position());
         Ok(())
     }
 
@@ -282,12 +295,17 @@ impl KvCache {
     }
 
     fn rows_to_heads(&self, x: &Tensor, what: &str) -> Result<Tensor, ForwardError> {
+        let t = self.check_rows(x, what)?;
+        Ok(x.reshape((t, self.kv_heads, self.head_dim))?
+            .transpose(0, 1)?
+            .contiguous()?)
+    }
+
+    /// The rows of `x`, which must be `(T, kv_heads * head_dim)`.
+    fn check_rows(&self, x: &Tensor, what: &str) -> Result<usize, ForwardError> {
         let width = self.kv_heads * self.head_dim;
         match x.dims() {
-            &[t, w] if w == width => Ok(x
-                .reshape((t, self.kv_heads, self.head_dim))?
-                .transpose(0, 1)?
-                .contiguous()?),
+            &[t, w] if w == width => Ok(t),
             dims => Err(ForwardError::Shape {
                 what: what.into(),
                 got: dims.to_vec(),

@@ -80,5 +80,5 @@ pub use llama::{
 };
 pub use lora::{AdapterMode, LoraAdapter};
 pub use prefill_matmul::PrefillMatmul;
-pub use rope::Rope;
+pub use rope::{Rope, RopeTables};
 pub use sampling::{Sampler, Sampling};

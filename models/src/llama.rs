@@ -254,7 +254,7 @@ impl Linear {
         let Some((_, part)) = self.part(proj) else {
             candle_core::bail!("{proj:?} is not part of this projection");
         };
-        let y = ops::linear(x, &self.weight_of(proj)?)?;
+        let y = ops::linear_packed(x, &self.weight_of(proj)?, None, self.tiles)?;
         match &part.lora {
             Some(l) => y + l.forward(x)?,
             None => Ok(y),

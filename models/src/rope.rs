@@ -77,10 +77,61 @@ impl Rope {
         inverse: bool,
     ) -> Result<Tensor, ForwardError> {
         let (t, width) = x.dims2()?;
-        if t != positions.len() {
+        let tables = self.tables(positions)?;
+        let tables = if inverse { tables.inverse()? } else { tables };
+        let y = tables.rotate_to_heads(x)?;
+        Ok(y.transpose(0, 1)?.reshape((t, width))?)
+    }
+
+    /// The angles of `positions`, computed once for every layer whose rows go to them (a
+    /// cache rebuilt from codes rotates 30 layers' keys to the same positions; the sines and
+    /// cosines were a quarter of filling it).
+    pub fn tables(&self, positions: &[u32]) -> Result<RopeTables, ForwardError> {
+        let (cos, sin) = self.cos_sin(positions, &Device::Cpu)?;
+        Ok(RopeTables {
+            head_dim: self.head_dim,
+            rows: positions.len(),
+            next: positions.iter().max().map_or(0, |&p| p as usize + 1),
+            cos,
+            sin,
+        })
+    }
+}
+
+/// [`Rope::cos_sin`] of one set of positions, with what rotating rows to them needs.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    head_dim: usize,
+    rows: usize,
+    /// One past the largest position.
+    next: usize,
+    /// `(rows, head_dim / 2)`.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeTables {
+    /// The position after the largest one (0 for none).
+    pub fn next_position(&self) -> usize {
+        self.next
+    }
+
+    /// The tables of the opposite rotation.
+    fn inverse(self) -> candle_core::Result<Self> {
+        Ok(Self {
+            sin: self.sin.neg()?,
+            ..self
+        })
+    }
+
+    /// Rows `x` `(T, n_heads * head_dim)` rotated to the positions, head-major
+    /// `(n_heads, T, head_dim)`: the cache's layout, with no copy back to rows.
+    pub fn rotate_to_heads(&self, x: &Tensor) -> Result<Tensor, ForwardError> {
+        let (t, width) = x.dims2()?;
+        if t != self.rows {
             return Err(ForwardError::Positions {
                 what: "rope input".into(),
-                positions: positions.len(),
+                positions: self.rows,
                 rows: t,
             });
         }
@@ -92,13 +143,10 @@ impl Rope {
             });
         }
         let heads = width / self.head_dim;
-        let (cos, sin) = self.cos_sin(positions, x.device())?;
-        let sin = if inverse { sin.neg()? } else { sin };
         let per_head = x
             .reshape((t, heads, self.head_dim))?
             .transpose(0, 1)?
             .contiguous()?;
-        let y = crate::ops::rope_heads(&per_head, &cos, &sin)?;
-        Ok(y.transpose(0, 1)?.reshape((t, width))?)
+        Ok(crate::ops::rope_heads(&per_head, &self.cos, &self.sin)?)
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{Device, Tensor};
 use common::tiny_model;
 use rand::{Rng, SeedableRng};
-use scd_models::codec::{self, codec_with, CodecError, CodecOptions, Prefix};
+use scd_models::codec::{self, codec_with, Codec, CodecError, CodecOptions, Prefix};
 use scd_models::translator::calibrate::{CalibrationText, ChatWrap};
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::translator::{
@@ -626,4 +626,68 @@ fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
         assert!(held_out_kl(c.as_ref(), &f.experts[0]).is_finite());
     }
     assert!(codec_with(Mode::DroidSpeak, None, &opts).is_err());
+}
+
+/// The codes' products on AMX tiles (bf16 inputs, f32 sums: what a node with AMX runs) against
+/// the same codecs in f32: the codes differ (the tiles ran), and the rebuilt caches agree
+/// within what rounding the products' inputs to bf16 allows.
+#[test]
+#[ignore = "needs a CPU with AMX; `make test` runs it where the CPU has AMX (`make test-amx`)"]
+fn translator_codes_track_the_f32_codes_on_amx_tiles() {
+    use scd_models::PrefillMatmul;
+    assert_eq!(
+        PrefillMatmul::best(),
+        PrefillMatmul::Tiles,
+        "this CPU or kernel cannot run AMX tiles"
+    );
+    let f = fixture();
+    let t = Arc::new(pair_translator().clone());
+    let ranks = t.manifest.default_ranks;
+    // More rows than the few-rows kernels take (so that the products go to the tiles), inside
+    // the tiny model's context of 32.
+    let prefix = &f.tokens[100..130];
+    for mode in [Mode::Reuse, Mode::Scd] {
+        let on = |m| {
+            codec::Translated::new(t.clone(), mode, 0, ranks, CodeDType::F32, None)
+                .unwrap()
+                .with_matmul(m)
+                .unwrap()
+        };
+        let (plain, tiles) = (on(PrefillMatmul::F32), on(PrefillMatmul::Tiles));
+        let out = f
+            .base
+            .forward(
+                Input::new(prefix)
+                    .capture(plain.capture().unwrap())
+                    .logits(LogitsWanted::None),
+            )
+            .unwrap();
+        let codes = codec::encode(&plain, &out.captured).unwrap();
+        let codes_tiles = codec::encode(&tiles, &out.captured).unwrap();
+        assert_eq!(codes.len(), codes_tiles.len());
+        assert!(
+            codes
+                .iter()
+                .zip(&codes_tiles)
+                .any(|(a, b)| a.bytes != b.bytes),
+            "{mode}: the tile products gave the f32 codes bit for bit"
+        );
+        let expert = &f.experts[0];
+        let rebuilt = codec::decode(&plain, expert, &codes, Prefix::new(prefix)).unwrap();
+        let rebuilt_tiles =
+            codec::decode(&tiles, expert, &codes_tiles, Prefix::new(prefix)).unwrap();
+        for l in 0..f.base.config().num_layers {
+            let (k, v) = rebuilt.layer(l).unwrap().unwrap();
+            let (k_t, v_t) = rebuilt_tiles.layer(l).unwrap().unwrap();
+            // Two products with bf16 inputs (8 bits of mantissa) on the way: errors of a few
+            // parts in a thousand of the largest value, far below the codes' own.
+            for (what, a, b) in [("K", &k, &k_t), ("V", &v, &v_t)] {
+                let (diff, scale) = (common::max_abs_diff(a, b), common::max_abs(a));
+                assert!(
+                    diff <= scale / 64.0,
+                    "{mode} layer {l} {what}: max difference {diff} against max {scale}"
+                );
+            }
+        }
+    }
 }

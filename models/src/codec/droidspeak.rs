@@ -11,6 +11,7 @@ use super::tensor_bytes::{from_bytes, to_bytes};
 use super::{check_rows, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama};
+use crate::rope::RopeTables;
 
 /// Raw KV plus recomputed blocks `[start, end)`.
 #[derive(Debug, Clone)]
@@ -118,6 +119,7 @@ impl Codec for DroidSpeak {
             codec: self,
             consumer,
             prefix,
+            rope: consumer.base_rope().tables(&prefix.positions())?,
             positions: prefix.positions(),
             cache,
             pending_k: vec![None; layers],
@@ -131,6 +133,8 @@ struct DroidSpeakDecoder<'a> {
     consumer: &'a Llama,
     prefix: Prefix<'a>,
     positions: Vec<u32>,
+    /// The positions' rotation (the base's, as raw keys are).
+    rope: RopeTables,
     cache: KvCache,
     pending_k: Vec<Option<candle_core::Tensor>>,
     done: Vec<bool>,
@@ -197,13 +201,7 @@ impl LayerDecoder for DroidSpeakDecoder<'_> {
                         layer: l,
                         kind: "raw_k (before raw_v)",
                     })?;
-                    self.cache.fill_layer_pre_rope(
-                        self.consumer.base_rope(),
-                        l,
-                        &k,
-                        &t,
-                        &self.positions,
-                    )?;
+                    self.cache.fill_layer_rotating(&self.rope, l, &k, &t)?;
                     self.done[l] = true;
                 }
             }

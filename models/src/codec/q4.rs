@@ -13,6 +13,7 @@ use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 use super::{dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama};
+use crate::rope::RopeTables;
 
 /// Group size of the quantisation unless told otherwise.
 pub const DEFAULT_GROUP: usize = 32;
@@ -209,6 +210,7 @@ impl Codec for Q4 {
         Ok(Box::new(Q4Decoder {
             codec: *self,
             consumer,
+            rope: consumer.base_rope().tables(&prefix.positions())?,
             positions: prefix.positions(),
             cache,
             parts: vec![[None, None, None, None]; layers],
@@ -221,6 +223,8 @@ struct Q4Decoder<'a> {
     codec: Q4,
     consumer: &'a Llama,
     positions: Vec<u32>,
+    /// The positions' rotation (the base's: raw keys are the base's).
+    rope: RopeTables,
     cache: KvCache,
     /// Per layer: QUANT_K, SCALES_K, QUANT_V, SCALES_V bytes.
     parts: Vec<[Option<Vec<u8>>; 4]>,
@@ -300,13 +304,7 @@ impl LayerDecoder for Q4Decoder<'_> {
             }
             let k = Tensor::from_vec(k, (t, d), &Device::Cpu)?;
             let v = Tensor::from_vec(v, (t, d), &Device::Cpu)?;
-            self.cache.fill_layer_pre_rope(
-                self.consumer.base_rope(),
-                l,
-                &k,
-                &v,
-                &self.positions,
-            )?;
+            self.cache.fill_layer_rotating(&self.rope, l, &k, &v)?;
             self.done[l] = true;
         }
         Ok(())

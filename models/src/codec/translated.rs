@@ -16,6 +16,8 @@ use super::tensor_bytes::{from_bytes, to_bytes};
 use super::{dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama, Proj};
+use crate::prefill_matmul::PrefillMatmul;
+use crate::rope::RopeTables;
 use crate::translator::{Ranks, Translator};
 
 /// Code dtypes these modes send.
@@ -36,6 +38,10 @@ pub struct Translated {
     dtype: CodeDType,
     /// The layers this producer patches (empty for `reuse`).
     patch: Vec<usize>,
+    /// Where the codes' products run: the models' own prefill setting
+    /// ([`PrefillMatmul::from_env`]), so that a node runs its translator on the path it
+    /// prefills on, and `SCD_PREFILL_MATMUL=f32` gives the f32 reference for both.
+    matmul: PrefillMatmul,
 }
 
 impl Translated {
@@ -77,6 +83,8 @@ impl Translated {
                 .map_err(|e| CodecError::Unavailable(e.to_string()))?,
             _ => Vec::new(),
         };
+        let matmul =
+            PrefillMatmul::from_env().map_err(|e| CodecError::Unavailable(e.to_string()))?;
         Ok(Self {
             translator,
             mode,
@@ -84,7 +92,20 @@ impl Translated {
             ranks,
             dtype,
             patch,
+            matmul,
         })
+    }
+
+    /// This codec with its products on `matmul` (tiles where the machine lacks them are
+    /// refused).
+    pub fn with_matmul(mut self, matmul: PrefillMatmul) -> Result<Self, CodecError> {
+        if matmul == PrefillMatmul::Tiles && PrefillMatmul::best() != PrefillMatmul::Tiles {
+            return Err(CodecError::Unavailable(
+                "AMX tiles asked for the codes' products on a machine without them".into(),
+            ));
+        }
+        self.matmul = matmul;
+        Ok(self)
     }
 
     /// The translator.
@@ -122,6 +143,52 @@ impl Translated {
             })
             .fold(0u64, u64::saturating_add)
     }
+
+    /// [`Codec::encode_layer`]'s work, on a thread of the pool.
+    fn encode_on_pool(
+        &self,
+        capture: &LayerCapture,
+        out: &mut Vec<LayerCode>,
+    ) -> Result<(), CodecError> {
+        let l = capture.layer;
+        let t = self
+            .translator
+            .layers
+            .get(l)
+            .ok_or(CodecError::LayerOutOfRange {
+                layer: l as u16,
+                layers: self.translator.layers.len(),
+            })?;
+        let missing = |what| CodecError::MissingCapture { layer: l, what };
+        if self.is_patch(l) {
+            let h = capture.h_in.as_ref().ok_or_else(|| missing("H_in"))?;
+            let patch = t
+                .patch
+                .as_ref()
+                .ok_or_else(|| missing("patch translator"))?;
+            let z = patch.h.encode(h, self.ranks.h, self.matmul)?;
+            out.push(code(l, CodeKind::PATCH_H, self.dtype, &z)?);
+        } else {
+            let k = capture
+                .k_pre_rope
+                .as_ref()
+                .ok_or_else(|| missing("K before RoPE"))?;
+            let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
+            out.push(code(
+                l,
+                CodeKind::REUSE_K,
+                self.dtype,
+                &t.k.encode(k, self.ranks.k, self.matmul)?,
+            )?);
+            out.push(code(
+                l,
+                CodeKind::REUSE_V,
+                self.dtype,
+                &t.v.encode(v, self.ranks.v, self.matmul)?,
+            )?);
+        }
+        Ok(())
+    }
 }
 
 fn code(
@@ -158,44 +225,7 @@ impl Codec for Translated {
         capture: &LayerCapture,
         out: &mut Vec<LayerCode>,
     ) -> Result<(), CodecError> {
-        let l = capture.layer;
-        let t = self
-            .translator
-            .layers
-            .get(l)
-            .ok_or(CodecError::LayerOutOfRange {
-                layer: l as u16,
-                layers: self.translator.layers.len(),
-            })?;
-        let missing = |what| CodecError::MissingCapture { layer: l, what };
-        if self.is_patch(l) {
-            let h = capture.h_in.as_ref().ok_or_else(|| missing("H_in"))?;
-            let patch = t
-                .patch
-                .as_ref()
-                .ok_or_else(|| missing("patch translator"))?;
-            let z = patch.h.encode(h, self.ranks.h)?;
-            out.push(code(l, CodeKind::PATCH_H, self.dtype, &z)?);
-        } else {
-            let k = capture
-                .k_pre_rope
-                .as_ref()
-                .ok_or_else(|| missing("K before RoPE"))?;
-            let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
-            out.push(code(
-                l,
-                CodeKind::REUSE_K,
-                self.dtype,
-                &t.k.encode(k, self.ranks.k)?,
-            )?);
-            out.push(code(
-                l,
-                CodeKind::REUSE_V,
-                self.dtype,
-                &t.v.encode(v, self.ranks.v)?,
-            )?);
-        }
-        Ok(())
+        crate::kernels::on_pool(|| self.encode_on_pool(capture, out))
     }
 
     fn decoder<'a>(
@@ -220,6 +250,7 @@ impl Codec for Translated {
         Ok(Box::new(TranslatedDecoder {
             codec: self,
             consumer,
+            rope: consumer.rope().tables(&prefix.positions())?,
             positions: prefix.positions(),
             cache: {
                 let mut c = consumer.new_cache();
@@ -237,6 +268,8 @@ struct TranslatedDecoder<'a> {
     codec: &'a Translated,
     consumer: &'a Llama,
     positions: Vec<u32>,
+    /// The positions' rotation, the consumer's own.
+    rope: RopeTables,
     cache: KvCache,
     pending_k: Vec<Option<Tensor>>,
     pending_v: Vec<Option<Tensor>>,
@@ -272,15 +305,13 @@ impl TranslatedDecoder<'_> {
     }
 
     fn fill(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(), CodecError> {
-        self.cache
-            .fill_layer_pre_rope(self.consumer.rope(), layer, k, v, &self.positions)?;
+        self.cache.fill_layer_rotating(&self.rope, layer, k, v)?;
         self.done[layer] = true;
         Ok(())
     }
-}
 
-impl LayerDecoder for TranslatedDecoder<'_> {
-    fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
+    /// [`LayerDecoder::push`]'s work, on a thread of the pool.
+    fn push_on_pool(&mut self, code: &LayerCode) -> Result<(), CodecError> {
         let layers = self.done.len();
         let l = usize::from(code.layer);
         if l >= layers {
@@ -309,7 +340,7 @@ impl LayerDecoder for TranslatedDecoder<'_> {
                     kind: "patch translator",
                 })?;
                 let z = self.read(code, p.h.max_rank())?;
-                let h = p.aligners[expert].forward(&z)?;
+                let h = p.aligners[expert].forward(&z, self.codec.matmul)?;
                 let k = self.consumer.project(l, Proj::K, &h)?;
                 let v = self.consumer.project(l, Proj::V, &h)?;
                 self.fill(l, &k, &v)?;
@@ -321,7 +352,7 @@ impl LayerDecoder for TranslatedDecoder<'_> {
                 } else {
                     (&t.v, t.v.max_rank())
                 };
-                let rows = map.decode(&self.read(code, r_max)?, expert)?;
+                let rows = map.decode(&self.read(code, r_max)?, expert, self.codec.matmul)?;
                 let slot = if is_k {
                     &mut self.pending_k[l]
                 } else {
@@ -347,6 +378,12 @@ impl LayerDecoder for TranslatedDecoder<'_> {
             }
         }
         Ok(())
+    }
+}
+
+impl LayerDecoder for TranslatedDecoder<'_> {
+    fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
+        crate::kernels::on_pool(|| self.push_on_pool(code))
     }
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {

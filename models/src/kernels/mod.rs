@@ -71,15 +71,37 @@ pub(crate) use multiversion;
 /// The weight is packed into the tile layout per call, into a buffer the calling thread keeps
 /// (as gemm packs its panels per call): the model holds one f32 copy, not a second in bf16.
 pub(crate) fn linear_tiles(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let (m, k) = x.dims2()?;
     let (n, k_w) = w.dims2()?;
+    tiles_product(x, w, n, k_w, |packed, ws| packed.repack(ws, n, k_w))
+}
+
+/// `x M` on AMX tiles for `x` `(m, k)` and `m` `(k, n)`, both contiguous f32: [`linear_tiles`]
+/// with `W = M^T` packed straight from `M`'s columns (a translator's matrices are stored in
+/// that orientation; transposing them per call cost as much as the product). Callers check
+/// [`amx::available`].
+pub(crate) fn matmul_tiles(x: &Tensor, m: &Tensor) -> candle_core::Result<Tensor> {
+    let (k_m, n) = m.dims2()?;
+    tiles_product(x, m, n, k_m, |packed, ms| {
+        packed.repack_transposed(ms, k_m, n)
+    })
+}
+
+/// `x W^T` for `W` `(n, k_w)` packed from `w` by `pack`.
+fn tiles_product(
+    x: &Tensor,
+    w: &Tensor,
+    n: usize,
+    k_w: usize,
+    pack: impl Fn(&mut amx::TileWeight, &[f32]) + Sync,
+) -> candle_core::Result<Tensor> {
+    let (m, k) = x.dims2()?;
     if k != k_w || m == 0 {
-        candle_core::bail!("linear_tiles: x {:?} and w {:?}", x.dims(), w.dims());
+        candle_core::bail!("tile product: x {:?} and weight {:?}", x.dims(), w.dims());
     }
     let y = with_f32(x, |xs| {
         with_f32(w, |ws| {
             let run = |s: &mut amx::Scratch| {
-                s.weight.repack(ws, n, k);
+                pack(&mut s.weight, ws);
                 amx::linear(xs, m, &s.weight, &mut s.a)
             };
             // The output head of all-position logits (49,152 x 576 for SmolLM2) would leave
@@ -93,6 +115,14 @@ pub(crate) fn linear_tiles(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor
         })
     })?;
     Tensor::from_vec(y, (m, n), &candle_core::Device::Cpu)
+}
+
+/// `f` on a thread of rayon's pool. Called from outside the pool (an actor's thread, the
+/// harness), each parallel product in `f` would hand its tasks to the pool and sleep until
+/// they are done: a wake-up per product, which was a third of a translator's encode on one
+/// thread. On a pool thread the products' tasks start at once.
+pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
 }
 
 /// `y` `(m, n)` from its transpose `yt` `(n, m)`: the few-rows kernels compute `y^T` so that

@@ -20,6 +20,7 @@ use rand::{Rng, SeedableRng};
 use super::low_rank::LowRankCode;
 use super::TranslatorError;
 use crate::optim::{AdamW, AdamWConfig};
+use crate::prefill_matmul::PrefillMatmul;
 
 /// Training settings of an aligner.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,8 +77,9 @@ pub struct AlignerReport {
 }
 
 impl Aligner {
-    /// `H_in` rows `(T, d)` from codes `z` `(T, r)`, any `r <= r_max`.
-    pub fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
+    /// `H_in` rows `(T, d)` from codes `z` `(T, r)`, any `r <= r_max`, the products on
+    /// `matmul` (training, which records gradients, multiplies in f32 whatever it says).
+    pub fn forward(&self, z: &Tensor, matmul: PrefillMatmul) -> candle_core::Result<Tensor> {
         let r_max = self.z_scale.dim(0)?;
         let (t, r) = z.dims2()?;
         let z = if r < r_max {
@@ -88,11 +90,8 @@ impl Aligner {
         } else {
             z.clone()
         };
-        let hidden = self
-            .mlp_in
-            .forward(&z.broadcast_div(&self.z_scale)?)?
-            .silu()?;
-        self.lin.forward(&z)? + self.mlp_out.forward(&hidden)?
+        let hidden = apply(&self.mlp_in, &z.broadcast_div(&self.z_scale)?, matmul)?.silu()?;
+        apply(&self.lin, &z, matmul)? + apply(&self.mlp_out, &hidden, matmul)?
     }
 
     /// The named tensors of this aligner (prefix `name.`), for saving.
@@ -146,6 +145,21 @@ impl Aligner {
     }
 }
 
+/// One of the aligner's layers on `x`: on tiles `x W^T + b` through the tile kernel (which
+/// leaves rows that record gradients, and a few rows, to f32), else candle-nn's layer.
+fn apply(layer: &Linear, x: &Tensor, matmul: PrefillMatmul) -> candle_core::Result<Tensor> {
+    match matmul {
+        PrefillMatmul::Tiles => {
+            let y = crate::ops::linear_packed(x, layer.weight(), None, true)?;
+            match layer.bias() {
+                Some(b) => y.broadcast_add(b),
+                None => Ok(y),
+            }
+        }
+        PrefillMatmul::F32 => layer.forward(x),
+    }
+}
+
 fn mse(pred: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
     Ok(f64::from(
         (pred - target)?.sqr()?.mean_all()?.to_scalar::<f32>()?,
@@ -170,7 +184,7 @@ pub fn train(
             "aligner: {heldout} held-out rows of {n}"
         )));
     }
-    let z = code.encode(h_a, r_max)?;
+    let z = code.encode(h_a, r_max, PrefillMatmul::F32)?;
     let d = h_b.dim(1)?;
     let fit_rows = n - heldout;
     let (z_fit, z_val) = (z.narrow(0, 0, fit_rows)?, z.narrow(0, fit_rows, heldout)?);
@@ -220,7 +234,7 @@ pub fn train(
             .try_into()
             .map_err(|_| candle_core::Error::Msg("aligner MLP has four tensors".into()))
     };
-    let linear_mse = mse(&live.forward(&z_val)?, &b_val)?;
+    let linear_mse = mse(&live.forward(&z_val, PrefillMatmul::F32)?, &b_val)?;
     let mut best = (linear_mse, snapshot(&vars)?);
     let mut opt = AdamW::new(vars.to_vec(), AdamWConfig::default())?;
     let mut order: Vec<u32> = (0..fit_rows as u32).collect();
@@ -238,7 +252,9 @@ pub fn train(
                 zb = zb.broadcast_mul(&Tensor::from_vec(mask, r_max, &dev)?)?;
             }
             let target = b_fit.index_select(&idx, 0)?;
-            let loss = (live.forward(&zb)? - target)?.sqr()?.mean_all()?;
+            let loss = (live.forward(&zb, PrefillMatmul::F32)? - target)?
+                .sqr()?
+                .mean_all()?;
             let grads = loss.backward()?;
             let g: Vec<Option<Tensor>> = opt
                 .params()
@@ -247,7 +263,7 @@ pub fn train(
                 .collect();
             opt.step(&g, cfg.lr)?;
         }
-        let val = mse(&live.forward(&z_val)?, &b_val)?;
+        let val = mse(&live.forward(&z_val, PrefillMatmul::F32)?, &b_val)?;
         if val < best.0 {
             best = (val, snapshot(&vars)?);
             since_best = 0;
@@ -314,9 +330,11 @@ mod tests {
             report.linear_mse
         );
         // The stored aligner is the one reported, and its linear part is the decoder.
-        let z = code.encode(&a.narrow(0, n - 500, 500).unwrap(), 6).unwrap();
+        let z = code
+            .encode(&a.narrow(0, n - 500, 500).unwrap(), 6, PrefillMatmul::F32)
+            .unwrap();
         let got = mse(
-            &aligner.forward(&z).unwrap(),
+            &aligner.forward(&z, PrefillMatmul::F32).unwrap(),
             &b.narrow(0, n - 500, 500).unwrap(),
         )
         .unwrap();

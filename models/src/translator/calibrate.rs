@@ -35,6 +35,10 @@ use super::select::{greedy, knee, HeldOutPrompt};
 use super::TranslatorError;
 use crate::cache::KvCache;
 use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, Proj};
+// Calibration measures its candidates' codes in f32 whatever the machine, so that a
+// translator's choices (centring, ridge, Patch layers) reproduce on machines with and without
+// AMX; serving runs the codes on the machine's prefill path (`codec::translated`).
+use crate::prefill_matmul::PrefillMatmul::F32;
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use scd_types::{CodeDType, Mode};
 
@@ -584,10 +588,10 @@ pub fn calibrate(
                 );
                 raw.push((k.clone(), v.clone()));
                 reuse.push((
-                    k_codes[l].decode(&k_codes[l].encode(k, dr.k)?, e)?,
-                    v_codes[l].decode(&v_codes[l].encode(v, dr.v)?, e)?,
+                    k_codes[l].decode(&k_codes[l].encode(k, dr.k, F32)?, e, F32)?,
+                    v_codes[l].decode(&v_codes[l].encode(v, dr.v, F32)?, e, F32)?,
                 ));
-                let hb = aligners[l][e].forward(&h_codes[l].encode(h, dr.h)?)?;
+                let hb = aligners[l][e].forward(&h_codes[l].encode(h, dr.h, F32)?, F32)?;
                 patch.push((
                     consumer.project(l, Proj::K, &hb)?,
                     consumer.project(l, Proj::V, &hb)?,
@@ -751,8 +755,8 @@ pub fn calibrate(
                         let (kc, vc) = &codes[l];
                         let (k, v) = &h.raw[l];
                         Ok(Some(HeldKv::Own((
-                            kc.decode(&kc.encode(k, dr.k)?, e)?,
-                            vc.decode(&vc.encode(v, dr.v)?, e)?,
+                            kc.decode(&kc.encode(k, dr.k, F32)?, e, F32)?,
+                            vc.decode(&vc.encode(v, dr.v, F32)?, e, F32)?,
                         ))))
                     })?;
                     total += h.prompt.kl(consumer, cache)?;

@@ -12,12 +12,13 @@
 //! regression, so the first `r` columns of the encoder and rows of the decoders are the rank-`r`
 //! code. A translator stores `r_max` once and each request picks its rank.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use faer::linalg::solvers::Solve;
 use faer::{Mat, Side};
 
 use super::moments::Moments;
 use super::TranslatorError;
+use crate::prefill_matmul::PrefillMatmul;
 
 /// How a low-rank code is fitted.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,17 +52,48 @@ impl LowRankCode {
         self.eigenvalues.len()
     }
 
-    /// Codes `(T, rank)` of producer rows `a` `(T, d_a)`.
-    pub fn encode(&self, a: &Tensor, rank: usize) -> candle_core::Result<Tensor> {
-        a.broadcast_sub(&self.mean_a)?
-            .matmul(&self.enc.narrow(1, 0, rank)?.contiguous()?)
+    /// Codes `(T, rank)` of producer rows `a` `(T, d_a)`, the product on `matmul`.
+    pub fn encode(
+        &self,
+        a: &Tensor,
+        rank: usize,
+        matmul: PrefillMatmul,
+    ) -> candle_core::Result<Tensor> {
+        times(
+            &a.broadcast_sub(&self.mean_a)?,
+            &self.enc.narrow(1, 0, rank)?,
+            matmul,
+        )
     }
 
-    /// Consumer `expert`'s rows `(T, d_b)` from codes `z` `(T, r)`, any `r <= r_max`.
-    pub fn decode(&self, z: &Tensor, expert: usize) -> candle_core::Result<Tensor> {
+    /// Consumer `expert`'s rows `(T, d_b)` from codes `z` `(T, r)`, any `r <= r_max`, the
+    /// product on `matmul`.
+    pub fn decode(
+        &self,
+        z: &Tensor,
+        expert: usize,
+        matmul: PrefillMatmul,
+    ) -> candle_core::Result<Tensor> {
         let r = z.dim(1)?;
-        z.matmul(&self.decs[expert].narrow(0, 0, r)?.contiguous()?)?
-            .broadcast_add(&self.means_b[expert])
+        times(z, &self.decs[expert].narrow(0, 0, r)?, matmul)?.broadcast_add(&self.means_b[expert])
+    }
+}
+
+/// `x m` for `m` `(k, n)`: on AMX tiles when `matmul` says so and `x` has a prompt's rows
+/// (more than the few-rows kernels take), without gradients; otherwise candle's f32 matmul,
+/// as calibration fitted the code.
+fn times(x: &Tensor, m: &Tensor, matmul: PrefillMatmul) -> candle_core::Result<Tensor> {
+    let m = m.contiguous()?;
+    let tiles = matmul == PrefillMatmul::Tiles
+        && !x.track_op()
+        && !m.track_op()
+        && x.dtype() == DType::F32
+        && m.dtype() == DType::F32
+        && x.dims2()?.0 > crate::kernels::MAX_ROWS;
+    if tiles {
+        crate::kernels::matmul_tiles(&x.contiguous()?, &m)
+    } else {
+        x.matmul(&m)
     }
 }
 
@@ -176,7 +208,7 @@ pub fn fit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::DType;
+    use crate::prefill_matmul::PrefillMatmul::F32;
 
     fn err(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
@@ -221,7 +253,9 @@ mod tests {
             rank: 4,
         };
         let code = fit(&m, &[6, 3], opts).unwrap();
-        let rebuilt = code.decode(&code.encode(&a, 2).unwrap(), 0).unwrap();
+        let rebuilt = code
+            .decode(&code.encode(&a, 2, F32).unwrap(), 0, F32)
+            .unwrap();
         let e = err(&rebuilt, &b) / err(&b, &b.zeros_like().unwrap());
         assert!(e < 1e-3, "relative squared error {e}");
     }
@@ -252,12 +286,16 @@ mod tests {
         let code = fit(&m, &[8, 6], opts).unwrap();
         assert_eq!(code.max_rank(), 5);
         assert!(code.eigenvalues[3] < 1e-3 * code.eigenvalues[0]);
-        let full = code.decode(&code.encode(&a, 3).unwrap(), 0).unwrap();
+        let full = code
+            .decode(&code.encode(&a, 3, F32).unwrap(), 0, F32)
+            .unwrap();
         assert!(err(&full, &b) < 1e-4, "rank 3: {}", err(&full, &b));
-        let one = code.decode(&code.encode(&a, 1).unwrap(), 0).unwrap();
+        let one = code
+            .decode(&code.encode(&a, 1, F32).unwrap(), 0, F32)
+            .unwrap();
         assert!(err(&one, &b) > 10.0 * err(&full, &b));
-        let z3 = code.encode(&a, 3).unwrap();
-        let z1 = code.encode(&a, 1).unwrap();
+        let z3 = code.encode(&a, 3, F32).unwrap();
+        let z1 = code.encode(&a, 1, F32).unwrap();
         // Equal up to the matmul's summation order, which depends on the output's shape.
         assert!(err(&z3.narrow(1, 0, 1).unwrap(), &z1) < 1e-10);
         // Without centring the offset must be carried by the components.
