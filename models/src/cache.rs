@@ -12,6 +12,7 @@ use candle_core::{DType, Tensor};
 
 use crate::config::LlamaConfig;
 use crate::error::ForwardError;
+use crate::kernels;
 use crate::rope::{Rope, RopeTables};
 
 /// Spare rows allocated beyond what is needed when a layer's buffer grows.
@@ -132,7 +133,27 @@ impl KvCache {
             });
         }
         // Checked before rotating: the rotation takes any number of heads.
-        self.check_rows(k, &format!("K of layer {layer}"))?;
+        let t = self.check_rows(k, &format!("K of layer {layer}"))?;
+        if !k.track_op() && !v.track_op() {
+            // The usual case (no gradients): each of K and V read once and written once, into
+            // the layer's buffers.
+            tables.check_rows(t)?;
+            if self.check_rows(v, &format!("V of layer {layer}"))? != t {
+                return Err(ForwardError::Shape {
+                    what: format!("V of layer {layer}"),
+                    got: v.dims().to_vec(),
+                    expected: k.dims().to_vec(),
+                });
+            }
+            let (heads, d, capacity) = (self.kv_heads, self.head_dim, t + GROW_ROWS);
+            self.layers[layer] = Some(LayerKv {
+                k: kernels::rows_to_heads(k, Some(tables.cos_sin()), heads, d, capacity)?,
+                v: kernels::rows_to_heads(v, None, heads, d, capacity)?,
+                len: t,
+            });
+            self.next_position = self.next_position.max(tables.next_position());
+            return Ok(());
+        }
         let k = tables.rotate_to_heads(k)?;
         let v = self.rows_to_heads(v, &format!("V of layer {layer}"))?;
         if k.dim(1)? != v.dim(1)? {

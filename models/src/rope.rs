@@ -116,6 +116,23 @@ impl RopeTables {
         self.next
     }
 
+    /// `(cos, sin)`, each `(rows, head_dim / 2)`.
+    pub(crate) fn cos_sin(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
+    /// Checks that `t` rows go to these positions.
+    pub(crate) fn check_rows(&self, t: usize) -> Result<(), ForwardError> {
+        if t != self.rows {
+            return Err(ForwardError::Positions {
+                what: "rope input".into(),
+                positions: self.rows,
+                rows: t,
+            });
+        }
+        Ok(())
+    }
+
     /// The tables of the opposite rotation.
     fn inverse(self) -> candle_core::Result<Self> {
         Ok(Self {
@@ -128,13 +145,7 @@ impl RopeTables {
     /// `(n_heads, T, head_dim)`: the cache's layout, with no copy back to rows.
     pub fn rotate_to_heads(&self, x: &Tensor) -> Result<Tensor, ForwardError> {
         let (t, width) = x.dims2()?;
-        if t != self.rows {
-            return Err(ForwardError::Positions {
-                what: "rope input".into(),
-                positions: self.rows,
-                rows: t,
-            });
-        }
+        self.check_rows(t)?;
         if !width.is_multiple_of(self.head_dim) {
             return Err(ForwardError::Shape {
                 what: "rope input (T, n_heads * head_dim)".into(),

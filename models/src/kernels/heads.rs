@@ -72,6 +72,69 @@ pub(crate) fn split_qkv_rope(
     })
 }
 
+/// Rows `x` `(T, heads d)` as a cache buffer `(heads, capacity, d)` (`capacity >= T`): row `r`
+/// of each head is the head's part of row `r` of `x`, rotated by table row `r` of `cos`/`sin`
+/// `(T, d / 2)` when `rope` is given; rows from `T` on are zero. One pass over `x`, where
+/// rotating, moving to heads and copying into a zeroed buffer took four (a rebuilt cache is
+/// filled from rows, 30 layers of keys and values per request).
+pub(crate) fn rows_to_heads(
+    x: &Tensor,
+    rope: Option<(&Tensor, &Tensor)>,
+    heads: usize,
+    d: usize,
+    capacity: usize,
+) -> candle_core::Result<Tensor> {
+    let (t, width) = x.dims2()?;
+    if width != heads * d || !d.is_multiple_of(2) || capacity < t {
+        candle_core::bail!(
+            "rows_to_heads: rows {:?} as {heads} heads of {d} in {capacity} rows",
+            x.dims()
+        );
+    }
+    if let Some((cos, sin)) = rope {
+        if cos.dims() != [t, d / 2] || sin.dims() != [t, d / 2] {
+            candle_core::bail!(
+                "rows_to_heads: RoPE tables {:?}/{:?} do not match ({t}, {})",
+                cos.dims(),
+                sin.dims(),
+                d / 2
+            );
+        }
+    }
+    // Zeroed by the allocator: the spare rows' pages are not touched until a decode step
+    // writes them.
+    let mut out = vec![0f32; heads * capacity * d];
+    with_f32(x, |src| {
+        let mut fill = |cos: &[f32], sin: &[f32]| {
+            out.par_chunks_mut(capacity * d)
+                .enumerate()
+                .for_each(|(h, dst)| {
+                    let dst = &mut dst[..t * d];
+                    if rope.is_some() {
+                        rope_head(dst, src, width, h * d, cos, sin, d, 1.0);
+                    } else {
+                        for (row, o) in dst.chunks_exact_mut(d).enumerate() {
+                            o.copy_from_slice(&src[row * width + h * d..][..d]);
+                        }
+                    }
+                });
+        };
+        match rope {
+            Some((cos, sin)) => with_f32(cos, |cos| {
+                with_f32(sin, |sin| {
+                    fill(cos, sin);
+                    Ok(())
+                })
+            }),
+            None => {
+                fill(&[], &[]);
+                Ok(())
+            }
+        }
+    })?;
+    Tensor::from_vec(out, (heads, capacity, d), &Device::Cpu)
+}
+
 multiversion! {
     /// Row `r` of `dst` `(T, d)` is row `r` of the head at `offset` in `src` (rows of `width`),
     /// rotated by table row `r` of `cos`/`sin` `(T, d / 2)` and multiplied by `scale`.
@@ -159,6 +222,38 @@ mod tests {
             let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-6, "max difference {diff}");
         }
+        Ok(())
+    }
+
+    /// A cache buffer from rows equals RoPE by candle on the transposed rows (bit for bit:
+    /// the same products in the same order), then zero rows up to the capacity; without RoPE
+    /// the transpose alone.
+    #[test]
+    fn rows_to_cache_heads_rotate_like_candle_and_leave_the_spare_rows_zero(
+    ) -> candle_core::Result<()> {
+        let (heads, d, t, capacity) = (3, 8, 13, 20);
+        let x = Tensor::randn(0f32, 1.0, (t, heads * d), &Device::Cpu)?;
+        let rope = Rope::with_params(d, 100_000.0);
+        let positions: Vec<u32> = (0..t as u32).map(|p| 3 * p + 1).collect();
+        let (cos, sin) = rope.cos_sin(&positions, &Device::Cpu)?;
+        let per_head = x.reshape((t, heads, d))?.transpose(0, 1)?.contiguous()?;
+        let spare = Tensor::zeros(
+            (heads, capacity - t, d),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )?;
+        for (rotate, filled) in [
+            (Some((&cos, &sin)), rope_heads(&per_head, &cos, &sin)?),
+            (None, per_head.clone()),
+        ] {
+            let got = rows_to_heads(&x, rotate, heads, d, capacity)?;
+            let want = Tensor::cat(&[&filled, &spare], 1)?;
+            assert_eq!(got.dims(), want.dims());
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0);
+        }
+        assert!(rows_to_heads(&x, None, heads, d, t - 1).is_err());
+        assert!(rows_to_heads(&x, None, heads + 1, d, capacity).is_err());
         Ok(())
     }
 
