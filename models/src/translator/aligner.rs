@@ -82,15 +82,17 @@ impl Aligner {
     pub fn forward(&self, z: &Tensor, matmul: PrefillMatmul) -> candle_core::Result<Tensor> {
         let r_max = self.z_scale.dim(0)?;
         let (t, r) = z.dims2()?;
-        let z = if r < r_max {
-            Tensor::cat(
-                &[z, &Tensor::zeros((t, r_max - r), DType::F32, z.device())?],
-                1,
-            )?
+        // A code's missing components are zeros, which add nothing to a product: on tiles the
+        // layers take their weights' first `r` columns instead (half the products at the
+        // default ranks); in f32 the code is padded, the products calibration measured.
+        let (z, cols) = if r == r_max || matmul == PrefillMatmul::Tiles {
+            (z.clone(), r)
         } else {
-            z.clone()
+            let pad = Tensor::zeros((t, r_max - r), DType::F32, z.device())?;
+            (Tensor::cat(&[z, &pad], 1)?, r_max)
         };
-        let hidden = apply(&self.mlp_in, &z.broadcast_div(&self.z_scale)?, matmul)?.silu()?;
+        let scaled = z.broadcast_div(&self.z_scale.narrow(0, 0, cols)?)?;
+        let hidden = apply(&self.mlp_in, &scaled, matmul)?.silu()?;
         apply(&self.lin, &z, matmul)? + apply(&self.mlp_out, &hidden, matmul)?
     }
 
@@ -145,12 +147,19 @@ impl Aligner {
     }
 }
 
-/// One of the aligner's layers on `x`: on tiles `x W^T + b` through the tile kernel (which
-/// leaves rows that record gradients, and a few rows, to f32), else candle-nn's layer.
+/// One of the aligner's layers on `x`, whose width may be less than the layer's input (the
+/// first columns of its weight then apply): on tiles `x W^T + b` through the tile kernel
+/// (which leaves rows that record gradients, and a few rows, to f32), else candle-nn's layer.
 fn apply(layer: &Linear, x: &Tensor, matmul: PrefillMatmul) -> candle_core::Result<Tensor> {
     match matmul {
         PrefillMatmul::Tiles => {
-            let y = crate::ops::linear_packed(x, layer.weight(), None, true)?;
+            let (w, cols) = (layer.weight(), x.dim(1)?);
+            let w = if cols < w.dim(1)? {
+                w.narrow(1, 0, cols)?.contiguous()?
+            } else {
+                w.clone()
+            };
+            let y = crate::ops::linear_packed(x, &w, None, true)?;
             match layer.bias() {
                 Some(b) => y.broadcast_add(b),
                 None => Ok(y),
