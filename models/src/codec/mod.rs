@@ -198,27 +198,32 @@ pub trait LayerDecoder {
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError>;
 }
 
-/// Encodes every captured layer, in order.
+/// Encodes every captured layer, in order, on a thread of the pool (one hand-off for the
+/// payload rather than one per layer).
 pub fn encode(codec: &dyn Codec, captures: &[LayerCapture]) -> Result<Vec<LayerCode>, CodecError> {
-    let mut out = Vec::new();
-    for c in captures {
-        codec.encode_layer(c, &mut out)?;
-    }
-    Ok(out)
+    crate::kernels::on_pool(|| {
+        let mut out = Vec::new();
+        for c in captures {
+            codec.encode_layer(c, &mut out)?;
+        }
+        Ok(out)
+    })
 }
 
-/// Rebuilds the consumer's cache from a whole payload.
+/// Rebuilds the consumer's cache from a whole payload, on a thread of the pool.
 pub fn decode(
     codec: &dyn Codec,
     consumer: &Llama,
     codes: &[LayerCode],
     prefix: Prefix<'_>,
 ) -> Result<KvCache, CodecError> {
-    let mut d = codec.decoder(consumer, prefix)?;
-    for c in codes {
-        d.push(c)?;
-    }
-    d.finish()
+    crate::kernels::on_pool(|| {
+        let mut d = codec.decoder(consumer, prefix)?;
+        for c in codes {
+            d.push(c)?;
+        }
+        d.finish()
+    })
 }
 
 /// The bytes a payload puts on the wire (the codes' bytes; frame headers not included).
