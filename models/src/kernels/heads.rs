@@ -37,14 +37,7 @@ pub(crate) fn split_qkv_rope(
     if width != heads * d || d % 2 != 0 {
         candle_core::bail!("split_qkv_rope: row width {width} is not {heads} heads of {d}");
     }
-    if cos.dims() != [t, d / 2] || sin.dims() != [t, d / 2] {
-        candle_core::bail!(
-            "split_qkv_rope: RoPE tables {:?}/{:?} do not match ({t}, {})",
-            cos.dims(),
-            sin.dims(),
-            d / 2
-        );
-    }
+    check_tables("split_qkv_rope", cos, sin, t, d)?;
     let mut out = vec![0f32; heads * t * d];
     with_f32(qkv, |src| {
         with_f32(cos, |cos| {
@@ -92,14 +85,7 @@ pub(crate) fn rows_to_heads(
         );
     }
     if let Some((cos, sin)) = rope {
-        if cos.dims() != [t, d / 2] || sin.dims() != [t, d / 2] {
-            candle_core::bail!(
-                "rows_to_heads: RoPE tables {:?}/{:?} do not match ({t}, {})",
-                cos.dims(),
-                sin.dims(),
-                d / 2
-            );
-        }
+        check_tables("rows_to_heads", cos, sin, t, d)?;
     }
     // Zeroed by the allocator: the spare rows' pages are not touched until a decode step
     // writes them.
@@ -133,6 +119,25 @@ pub(crate) fn rows_to_heads(
         }
     })?;
     Tensor::from_vec(out, (heads, capacity, d), &Device::Cpu)
+}
+
+/// Checks RoPE tables `cos`/`sin` against `t` rows of heads of `d`; `kernel` names the caller.
+fn check_tables(
+    kernel: &str,
+    cos: &Tensor,
+    sin: &Tensor,
+    t: usize,
+    d: usize,
+) -> candle_core::Result<()> {
+    if cos.dims() != [t, d / 2] || sin.dims() != [t, d / 2] {
+        candle_core::bail!(
+            "{kernel}: RoPE tables {:?}/{:?} do not match ({t}, {})",
+            cos.dims(),
+            sin.dims(),
+            d / 2
+        );
+    }
+    Ok(())
 }
 
 multiversion! {
