@@ -1035,7 +1035,8 @@ impl Llama {
 
     /// One projection of `layer` applied to `x` `(T, in)`, with the model's adapter if any:
     /// how a consumer regenerates K or V from an attention input it did not compute itself
-    /// (K comes out before RoPE, rows in the internal layout).
+    /// (K comes out before RoPE, rows in the internal layout). The base product runs where the
+    /// model's prefill products do (AMX tiles or f32).
     pub fn project(&self, layer: usize, proj: Proj, x: &Tensor) -> Result<Tensor, ForwardError> {
         let block = self.blocks.get(layer).ok_or(ForwardError::LayerRange {
             start: layer,

@@ -87,8 +87,8 @@ pub(crate) fn rows_to_heads(
     if let Some((cos, sin)) = rope {
         check_tables("rows_to_heads", cos, sin, t, d)?;
     }
-    // Zeroed by the allocator: the spare rows' pages are not touched until a decode step
-    // writes them.
+    // `vec![0; n]` is `calloc`: a buffer this large usually comes as fresh zero pages, and the
+    // spare rows' pages are then not touched until a decode step writes them.
     let mut out = vec![0f32; heads * capacity * d];
     with_f32(x, |src| {
         let mut fill = |cos: &[f32], sin: &[f32]| {

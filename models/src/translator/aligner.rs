@@ -85,7 +85,7 @@ impl Aligner {
         // A code's missing components are zeros, which add nothing to a product: on tiles the
         // layers take their weights' first `r` columns instead (half the products at the
         // default ranks); in f32 the code is padded, the products calibration measured.
-        let (z, cols) = if r == r_max || matmul == PrefillMatmul::Tiles {
+        let (z, cols) = if r >= r_max || matmul == PrefillMatmul::Tiles {
             (z.clone(), r)
         } else {
             let pad = Tensor::zeros((t, r_max - r), DType::F32, z.device())?;
@@ -358,5 +358,10 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert_eq!(diff, 0.0);
+        // A code wider than r_max is an error on either path, not a panic.
+        let wide = Tensor::zeros((3, 7), DType::F32, &Device::Cpu).unwrap();
+        for matmul in [PrefillMatmul::F32, PrefillMatmul::Tiles] {
+            assert!(aligner.forward(&wide, matmul).is_err());
+        }
     }
 }
