@@ -147,8 +147,8 @@ impl KvCache {
             }
             let (heads, d, capacity) = (self.kv_heads, self.head_dim, t + GROW_ROWS);
             self.layers[layer] = Some(LayerKv {
-                k: kernels::rows_to_heads(k, Some(tables.cos_sin()), heads, d, capacity)?,
-                v: kernels::rows_to_heads(v, None, heads, d, capacity)?,
+                k: kernels::rows_to_cache_heads(k, Some(tables.cos_sin()), heads, d, capacity)?,
+                v: kernels::rows_to_cache_heads(v, None, heads, d, capacity)?,
                 len: t,
             });
             self.next_position = self.next_position.max(tables.next_position());

@@ -65,6 +65,16 @@ impl PrefillMatmul {
     }
 }
 
+impl PrefillMatmul {
+    /// `self`, or the error that says why this machine cannot run it (tiles without AMX).
+    pub fn check_available(self) -> Result<Self, LoadError> {
+        if self == Self::Tiles && !amx::available() {
+            return Err(unavailable());
+        }
+        Ok(self)
+    }
+}
+
 fn unavailable() -> LoadError {
     LoadError::Config(format!(
         "AMX tiles asked for ({}=amx or Tiles), but this machine cannot run them (the CPU lacks \
@@ -87,10 +97,7 @@ impl Llama {
     /// This model with its prefill products on `matmul`. [`PrefillMatmul::Tiles`] on a machine
     /// without AMX is refused.
     pub fn with_prefill_matmul(mut self, matmul: PrefillMatmul) -> Result<Self, LoadError> {
-        if matmul == PrefillMatmul::Tiles && !amx::available() {
-            return Err(unavailable());
-        }
-        self.set_prefill_matmul(matmul);
+        self.set_prefill_matmul(matmul.check_available()?);
         Ok(self)
     }
 

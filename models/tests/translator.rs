@@ -10,14 +10,14 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{Device, Tensor};
 use common::tiny_model;
 use rand::{Rng, SeedableRng};
-use scd_models::codec::{self, codec_with, Codec, CodecError, CodecOptions, Prefix};
+use scd_models::codec::{self, codec_with, CodecError, CodecOptions, Prefix};
 use scd_models::translator::calibrate::{CalibrationText, ChatWrap};
 use scd_models::translator::select::HeldOutPrompt;
 use scd_models::translator::{
     calibrate, rank_curve, AlignerConfig, CalibrationConfig, LinkEstimate, PatchChoice, RankPolicy,
     Ranks, Translator, TranslatorError, WeightsDtype,
 };
-use scd_models::{AdapterMode, Input, Llama, LogitsWanted, LoraAdapter, Proj};
+use scd_models::{AdapterMode, Input, LayerCapture, Llama, LogitsWanted, LoraAdapter, Proj};
 use scd_types::{CodeDType, CodeKind, Mode};
 
 struct Fixture {
@@ -127,24 +127,21 @@ fn pair_translator() -> &'static Translator {
     T.get_or_init(|| calibrated(&[0]))
 }
 
+/// The base's captures of `prefix`: what `codec`'s producer encodes.
+fn captured(codec: &dyn codec::Codec, prefix: &[u32]) -> Vec<LayerCapture> {
+    let capture = codec.capture().expect("a codec that sends codes");
+    let input = Input::new(prefix).capture(capture);
+    let out = fixture().base.forward(input.logits(LogitsWanted::None));
+    out.unwrap().captured
+}
+
 fn held_out_kl(codec: &dyn codec::Codec, consumer: &Llama) -> f64 {
     let f = fixture();
     let mut total = 0.0;
     for start in [3000usize, 3200, 3400, 3600] {
         let prompt = HeldOutPrompt::new(consumer, &f.tokens[start..start + 27], 6).unwrap();
-        let capture = codec.capture();
-        let codes = match capture {
-            Some(c) => {
-                let out = f
-                    .base
-                    .forward(
-                        Input::new(&prompt.prefix)
-                            .capture(c)
-                            .logits(LogitsWanted::None),
-                    )
-                    .unwrap();
-                codec::encode(codec, &out.captured).unwrap()
-            }
+        let codes = match codec.capture() {
+            Some(_) => codec::encode(codec, &captured(codec, &prompt.prefix)).unwrap(),
             None => Vec::new(),
         };
         let cache = codec::decode(codec, consumer, &codes, Prefix::new(&prompt.prefix)).unwrap();
@@ -206,15 +203,8 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
             ..CodecOptions::default()
         };
         let scd = codec_with(Mode::Scd, Some((&t, 0)), &opts).unwrap();
-        let out = f
-            .base
-            .forward(
-                Input::new(prefix)
-                    .capture(scd.capture().unwrap())
-                    .logits(LogitsWanted::None),
-            )
-            .unwrap();
-        let codes = codec::encode(scd.as_ref(), &out.captured).unwrap();
+        let caps = captured(scd.as_ref(), prefix);
+        let codes = codec::encode(scd.as_ref(), &caps).unwrap();
         let mut expected = 0;
         for l in 0..cfg.num_layers {
             let kinds: Vec<(CodeKind, u32)> = codes
@@ -251,7 +241,7 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
             },
         )
         .unwrap();
-        let reuse_codes = codec::encode(none.as_ref(), &out.captured).unwrap();
+        let reuse_codes = codec::encode(none.as_ref(), &caps).unwrap();
         assert!(reuse_codes.iter().all(|c| c.kind != CodeKind::PATCH_H));
         codec::decode(
             scd.as_ref(),
@@ -393,31 +383,14 @@ fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
     let prefix = &f.tokens[10..30];
     let opts = CodecOptions::default();
     let (a, b) = (Arc::new(t), Arc::new(back));
-    let out = f
-        .base
-        .forward(
-            Input::new(prefix)
-                .capture(
-                    codec_with(Mode::Scd, Some((&a, 0)), &opts)
-                        .unwrap()
-                        .capture()
-                        .unwrap(),
-                )
-                .logits(LogitsWanted::None),
-        )
-        .unwrap();
-    let ca = codec::encode(
-        codec_with(Mode::Scd, Some((&a, 0)), &opts)
-            .unwrap()
-            .as_ref(),
-        &out.captured,
-    )
-    .unwrap();
+    let scd_a = codec_with(Mode::Scd, Some((&a, 0)), &opts).unwrap();
+    let caps = captured(scd_a.as_ref(), prefix);
+    let ca = codec::encode(scd_a.as_ref(), &caps).unwrap();
     let cb = codec::encode(
         codec_with(Mode::Scd, Some((&b, 0)), &opts)
             .unwrap()
             .as_ref(),
-        &out.captured,
+        &caps,
     )
     .unwrap();
     assert_eq!(ca, cb);
@@ -499,20 +472,10 @@ fn a_joint_translator_serves_two_experts_from_one_code_stream() {
     let opts = CodecOptions::default();
     let prefix = &f.tokens[300..320];
     let for_expert = |e: usize| codec_with(Mode::Scd, Some((&joint, e)), &opts).unwrap();
-    let out = f
-        .base
-        .forward(
-            Input::new(prefix)
-                .capture(for_expert(0).capture().unwrap())
-                .logits(LogitsWanted::None),
-        )
-        .unwrap();
-    let codes = codec::encode(for_expert(0).as_ref(), &out.captured).unwrap();
+    let caps = captured(for_expert(0).as_ref(), prefix);
+    let codes = codec::encode(for_expert(0).as_ref(), &caps).unwrap();
     // The producer's codes do not depend on the expert: one payload for both.
-    assert_eq!(
-        codes,
-        codec::encode(for_expert(1).as_ref(), &out.captured).unwrap()
-    );
+    assert_eq!(codes, codec::encode(for_expert(1).as_ref(), &caps).unwrap());
     for e in 0..2 {
         let cache = codec::decode(
             for_expert(e).as_ref(),
@@ -599,15 +562,7 @@ fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
     let cfg = f.base.config();
     for mode in [Mode::DroidSpeak, Mode::Q4] {
         let c = codec_with(mode, Some((&t, 0)), &opts).unwrap();
-        let out = f
-            .base
-            .forward(
-                Input::new(prefix)
-                    .capture(c.capture().unwrap())
-                    .logits(LogitsWanted::None),
-            )
-            .unwrap();
-        let codes = codec::encode(c.as_ref(), &out.captured).unwrap();
+        let codes = codec::encode(c.as_ref(), &captured(c.as_ref(), prefix)).unwrap();
         let raw_bytes = 20 * cfg.kv_dim() * 2 * 2 * cfg.num_layers;
         let bytes = codec::payload_bytes(&codes);
         match mode {
@@ -654,16 +609,9 @@ fn translator_codes_track_the_f32_codes_on_amx_tiles() {
                 .unwrap()
         };
         let (plain, tiles) = (on(PrefillMatmul::F32), on(PrefillMatmul::Tiles));
-        let out = f
-            .base
-            .forward(
-                Input::new(prefix)
-                    .capture(plain.capture().unwrap())
-                    .logits(LogitsWanted::None),
-            )
-            .unwrap();
-        let codes = codec::encode(&plain, &out.captured).unwrap();
-        let codes_tiles = codec::encode(&tiles, &out.captured).unwrap();
+        let caps = captured(&plain, prefix);
+        let codes = codec::encode(&plain, &caps).unwrap();
+        let codes_tiles = codec::encode(&tiles, &caps).unwrap();
         assert_eq!(codes.len(), codes_tiles.len());
         assert!(
             codes

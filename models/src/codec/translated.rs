@@ -99,12 +99,9 @@ impl Translated {
     /// This codec with its products on `matmul` (tiles where the machine lacks them are
     /// refused).
     pub fn with_matmul(mut self, matmul: PrefillMatmul) -> Result<Self, CodecError> {
-        if matmul == PrefillMatmul::Tiles && PrefillMatmul::best() != PrefillMatmul::Tiles {
-            return Err(CodecError::Unavailable(
-                "AMX tiles asked for the codes' products on a machine without them".into(),
-            ));
-        }
-        self.matmul = matmul;
+        self.matmul = matmul
+            .check_available()
+            .map_err(|e| CodecError::Unavailable(e.to_string()))?;
         Ok(self)
     }
 

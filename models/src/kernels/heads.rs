@@ -48,9 +48,7 @@ pub(crate) fn split_qkv_rope(
                         let scale = if j < n_h { q_scale } else { 1.0 };
                         rope_head(dst, src, width, offset, cos, sin, d, scale);
                     } else {
-                        for (row, o) in dst.chunks_exact_mut(d).enumerate() {
-                            o.copy_from_slice(&src[row * width + offset..][..d]);
-                        }
+                        copy_head(dst, src, width, offset, d);
                     }
                 });
                 Ok(())
@@ -70,7 +68,7 @@ pub(crate) fn split_qkv_rope(
 /// `(T, d / 2)` when `rope` is given; rows from `T` on are zero. One pass over `x`, where
 /// rotating, moving to heads and copying into a zeroed buffer took four (a rebuilt cache is
 /// filled from rows, 30 layers of keys and values per request).
-pub(crate) fn rows_to_heads(
+pub(crate) fn rows_to_cache_heads(
     x: &Tensor,
     rope: Option<(&Tensor, &Tensor)>,
     heads: usize,
@@ -80,12 +78,12 @@ pub(crate) fn rows_to_heads(
     let (t, width) = x.dims2()?;
     if width != heads * d || !d.is_multiple_of(2) || capacity < t {
         candle_core::bail!(
-            "rows_to_heads: rows {:?} as {heads} heads of {d} in {capacity} rows",
+            "rows_to_cache_heads: rows {:?} as {heads} heads of {d} in {capacity} rows",
             x.dims()
         );
     }
     if let Some((cos, sin)) = rope {
-        check_tables("rows_to_heads", cos, sin, t, d)?;
+        check_tables("rows_to_cache_heads", cos, sin, t, d)?;
     }
     // `vec![0; n]` is `calloc`: a buffer this large usually comes as fresh zero pages, and the
     // spare rows' pages are then not touched until a decode step writes them.
@@ -99,9 +97,7 @@ pub(crate) fn rows_to_heads(
                     if rope.is_some() {
                         rope_head(dst, src, width, h * d, cos, sin, d, 1.0);
                     } else {
-                        for (row, o) in dst.chunks_exact_mut(d).enumerate() {
-                            o.copy_from_slice(&src[row * width + h * d..][..d]);
-                        }
+                        copy_head(dst, src, width, h * d, d);
                     }
                 });
         };
@@ -119,6 +115,13 @@ pub(crate) fn rows_to_heads(
         }
     })?;
     Tensor::from_vec(out, (heads, capacity, d), &Device::Cpu)
+}
+
+/// Row `r` of `dst` `(T, d)` is row `r` of the head at `offset` in `src` (rows of `width`).
+fn copy_head(dst: &mut [f32], src: &[f32], width: usize, offset: usize, d: usize) {
+    for (row, o) in dst.chunks_exact_mut(d).enumerate() {
+        o.copy_from_slice(&src[row * width + offset..][..d]);
+    }
 }
 
 /// Checks RoPE tables `cos`/`sin` against `t` rows of heads of `d`; `kernel` names the caller.
@@ -251,14 +254,14 @@ mod tests {
             (Some((&cos, &sin)), rope_heads(&per_head, &cos, &sin)?),
             (None, per_head.clone()),
         ] {
-            let got = rows_to_heads(&x, rotate, heads, d, capacity)?;
+            let got = rows_to_cache_heads(&x, rotate, heads, d, capacity)?;
             let want = Tensor::cat(&[&filled, &spare], 1)?;
             assert_eq!(got.dims(), want.dims());
             let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert_eq!(diff, 0.0);
         }
-        assert!(rows_to_heads(&x, None, heads, d, t - 1).is_err());
-        assert!(rows_to_heads(&x, None, heads + 1, d, capacity).is_err());
+        assert!(rows_to_cache_heads(&x, None, heads, d, t - 1).is_err());
+        assert!(rows_to_cache_heads(&x, None, heads + 1, d, capacity).is_err());
         Ok(())
     }
 

@@ -344,14 +344,16 @@ impl HeldOutLayers {
         pick: impl Fn(usize) -> Result<Option<HeldKv>, TranslatorError>,
     ) -> Result<KvCache, TranslatorError> {
         let positions: Vec<u32> = (0..self.prompt.prefix.len() as u32).collect();
+        let served = consumer.base_rope().tables(&positions)?;
+        let own = consumer.rope().tables(&positions)?;
         let mut cache = consumer.new_cache();
         for l in 0..consumer.config().num_layers {
-            let (rope, (k, v)) = match pick(l)? {
-                Some(HeldKv::Served(kv)) => (consumer.base_rope(), kv),
-                Some(HeldKv::Own(kv)) => (consumer.rope(), kv),
-                None => (consumer.rope(), self.reuse[l].clone()),
+            let (tables, (k, v)) = match pick(l)? {
+                Some(HeldKv::Served(kv)) => (&served, kv),
+                Some(HeldKv::Own(kv)) => (&own, kv),
+                None => (&own, self.reuse[l].clone()),
             };
-            cache.fill_layer_pre_rope(rope, l, &k, &v, &positions)?;
+            cache.fill_layer_rotating(tables, l, &k, &v)?;
         }
         Ok(cache)
     }
