@@ -730,9 +730,9 @@ async fn job_in_flight(
 /// Kill -9 under load, against real processes and a real etcd: two producers that are both
 /// scheduler replicas and two consumers of the mail expert run 20 jobs; the producer that
 /// leads the schedulers is killed with a job of its own in flight, etcd is restarted while
-/// jobs are running, and a consumer is killed while decoding. Every job ends done, exactly once,
-/// its record shows the abandoned attempts and whom they blamed, the jobs re-run elsewhere
-/// answer what one process answers, and exactly one scheduler leads at the end.
+/// jobs are running, and a consumer is killed with jobs in flight. Every job ends done,
+/// exactly once, its record shows the abandoned attempts and whom they blamed, the jobs re-run
+/// elsewhere answer what one process answers, and exactly one scheduler leads at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
     let mut etcd = EtcdServer::start()
@@ -839,18 +839,41 @@ async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // A consumer dies while decoding one of the remaining jobs.
-    let consumer_victim = job_in_flight(
+    // A consumer dies with jobs of its own in flight.
+    let running_on_c2 =
+        |j: &scd_scheduler::JobRecord| j.state.is_running() && j.consumer.as_deref() == Some("c2");
+    job_in_flight(
         &client,
         &ids,
-        &[JobState::Transferring, JobState::Decoding],
-        |j| j.consumer.as_deref() == Some("c2"),
+        &[
+            JobState::Assigned,
+            JobState::Prefilling,
+            JobState::Transferring,
+            JobState::Decoding,
+        ],
+        running_on_c2,
     )
     .await;
     let at = nodes.iter().position(|n| n.id == "c2").unwrap();
     let mut dead_consumer = nodes.remove(at);
     dead_consumer.child.kill().unwrap();
     dead_consumer.child.wait().unwrap();
+    // The jobs it lost are those still running on it once it is dead: a job found running there
+    // a moment before the kill may have finished in between (8 tokens decode in well under a
+    // second), so the job found above is not necessarily one of them. The pause lets a write
+    // the dead process had already sent reach the store before the records are read.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut lost_on_c2 = Vec::new();
+    for &id in &ids {
+        let job = client.get(id).await.unwrap();
+        if running_on_c2(&job) {
+            lost_on_c2.push(id);
+        }
+    }
+    assert!(
+        !lost_on_c2.is_empty(),
+        "c2 held no job when it died: each one found running there finished before the kill"
+    );
 
     let mut finished = Vec::new();
     for &id in &ids {
@@ -888,15 +911,17 @@ async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
         "{:?}",
         caught_job.failed_producers
     );
-    let lost_consumer = record(consumer_victim);
-    assert!(lost_consumer.attempts >= 2);
-    assert!(
-        lost_consumer.failed_consumers.contains(&"c2".to_string()),
-        "{:?}",
-        lost_consumer.failed_consumers
-    );
+    for &id in &lost_on_c2 {
+        let lost = record(id);
+        assert!(lost.attempts >= 2, "{lost:?}");
+        assert!(
+            lost.failed_consumers.contains(&"c2".to_string()),
+            "{id}: {:?}",
+            lost.failed_consumers
+        );
+    }
     // Re-run jobs answer what one process answers for their prompts.
-    for (job, i) in [caught, consumer_victim]
+    for (job, i) in [caught, lost_on_c2[0]]
         .into_iter()
         .map(|id| (record(id), ids.iter().position(|x| *x == id).unwrap()))
     {
