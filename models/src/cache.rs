@@ -7,8 +7,16 @@
 //!
 //! A cache can be injected: from post-RoPE K (what another model's cache holds) or from pre-RoPE
 //! K plus the positions to rotate it to (what SCD rebuilds and what SemPIC re-positions).
+//!
+//! Buffers are f32, or f16 from the first decode step of a model on narrow decode weights
+//! ([`crate::DecodeWeights::Narrow`], the default): a decode step reads every key and value of
+//! every job it runs, and with several jobs those reads are more bytes than the weights.
+//! llama.cpp keeps its cache in f16 by default for the same reason. A prefill keeps f32 (its
+//! rows are the keys of everything after them, and its logits stay those of the f32 path);
+//! a layer turns f16 once, at the first decode step that appends to it.
 
 use candle_core::{DType, Tensor};
+use half::slice::HalfFloatSliceExt;
 
 use crate::config::LlamaConfig;
 use crate::error::ForwardError;
@@ -20,7 +28,7 @@ const GROW_ROWS: usize = 256;
 
 #[derive(Debug, Clone)]
 struct LayerKv {
-    /// `(kv_heads, capacity, head_dim)`.
+    /// `(kv_heads, capacity, head_dim)`, f32 or f16 (both of one dtype).
     k: Tensor,
     v: Tensor,
     len: usize,
@@ -74,7 +82,7 @@ impl KvCache {
                     expected: k.dims().to_vec(),
                 });
             }
-            cache.append(l, &k, &v)?;
+            cache.append(l, &k, &v, false)?;
         }
         cache.next_position = next_position;
         Ok(cache)
@@ -163,7 +171,7 @@ impl KvCache {
                 expected: k.dims().to_vec(),
             });
         }
-        self.append(layer, &k, &v)?;
+        self.append(layer, &k, &v, false)?;
         self.next_position = self.next_position.max(tables.next_position());
         Ok(())
     }
@@ -230,7 +238,8 @@ impl KvCache {
         self.next_position = self.next_position.min(len);
     }
 
-    /// `(K after RoPE, V)` of `layer` in the capture layout `(T, kv_heads * head_dim)`.
+    /// `(K after RoPE, V)` of `layer` in the capture layout `(T, kv_heads * head_dim)`, f32
+    /// whichever dtype the layer keeps.
     pub fn layer(&self, layer: usize) -> Result<Option<(Tensor, Tensor)>, ForwardError> {
         let Some(Some(l)) = self.layers.get(layer) else {
             return Ok(None);
@@ -238,13 +247,19 @@ impl KvCache {
         let to_rows = |x: &Tensor| -> candle_core::Result<Tensor> {
             x.narrow(1, 0, l.len)?
                 .transpose(0, 1)?
+                .to_dtype(DType::F32)?
                 .contiguous()?
                 .reshape((l.len, self.kv_heads * self.head_dim))
         };
         Ok(Some((to_rows(&l.k)?, to_rows(&l.v)?)))
     }
 
-    /// Views of `layer`'s filled K and V, `(kv_heads, len, head_dim)`.
+    /// The dtype `layer` keeps its keys and values in (`None` while it is empty).
+    pub fn layer_dtype(&self, layer: usize) -> Option<DType> {
+        self.layers.get(layer)?.as_ref().map(|l| l.k.dtype())
+    }
+
+    /// Views of `layer`'s filled K and V, `(kv_heads, len, head_dim)`, in the layer's dtype.
     pub(crate) fn views(&self, layer: usize) -> candle_core::Result<Option<(Tensor, Tensor)>> {
         match self.layers.get(layer) {
             Some(Some(l)) => Ok(Some((l.k.narrow(1, 0, l.len)?, l.v.narrow(1, 0, l.len)?))),
@@ -252,16 +267,19 @@ impl KvCache {
         }
     }
 
-    /// Appends `(kv_heads, T, head_dim)` keys (after RoPE) and values to `layer`.
+    /// Appends `(kv_heads, T, head_dim)` f32 keys (after RoPE) and values to `layer`, stored in
+    /// f16 if `f16` (the layer's rows so far too, once) or in the layer's dtype (f32 for a new
+    /// layer).
     ///
     /// Rows are written in place into spare capacity; when the new rows or the layer's rows
     /// carry gradients the buffers are rebuilt by concatenation instead, so that gradients flow
-    /// through the cache (a SemPIC writer's compiled documents).
+    /// through the cache (a SemPIC writer's compiled documents), in f32.
     pub(crate) fn append(
         &mut self,
         layer: usize,
         k: &Tensor,
         v: &Tensor,
+        f16: bool,
     ) -> candle_core::Result<()> {
         let t = k.dim(1)?;
         let differentiable = k.track_op()
@@ -272,8 +290,9 @@ impl KvCache {
         let slot = &mut self.layers[layer];
         match slot {
             Some(l) if differentiable => {
-                let k_all = Tensor::cat(&[&l.k.narrow(1, 0, l.len)?, k], 1)?;
-                let v_all = Tensor::cat(&[&l.v.narrow(1, 0, l.len)?, v], 1)?;
+                let filled = |x: &Tensor| x.narrow(1, 0, l.len)?.to_dtype(DType::F32);
+                let k_all = Tensor::cat(&[&filled(&l.k)?, k], 1)?;
+                let v_all = Tensor::cat(&[&filled(&l.v)?, v], 1)?;
                 l.len += t;
                 l.k = k_all;
                 l.v = v_all;
@@ -286,25 +305,36 @@ impl KvCache {
                 });
             }
             Some(l) => {
+                let dtype = if f16 { DType::F16 } else { l.k.dtype() };
                 let cap = l.k.dim(1)?;
                 let needed = l.len + t;
-                if needed > cap || !l.k.is_contiguous() || !l.v.is_contiguous() {
-                    let k_new = grow(&l.k, l.len, needed + GROW_ROWS)?;
-                    let v_new = grow(&l.v, l.len, needed + GROW_ROWS)?;
+                if needed > cap
+                    || !l.k.is_contiguous()
+                    || !l.v.is_contiguous()
+                    || l.k.dtype() != dtype
+                {
+                    let capacity = if needed > cap {
+                        needed + GROW_ROWS
+                    } else {
+                        cap
+                    };
+                    let k_new = grow(&l.k, l.len, capacity, dtype)?;
+                    let v_new = grow(&l.v, l.len, capacity, dtype)?;
                     l.k = k_new;
                     l.v = v_new;
                 }
-                l.k.slice_set(&k.contiguous()?, 1, l.len)?;
-                l.v.slice_set(&v.contiguous()?, 1, l.len)?;
+                l.k.slice_set(&k.to_dtype(dtype)?.contiguous()?, 1, l.len)?;
+                l.v.slice_set(&v.to_dtype(dtype)?.contiguous()?, 1, l.len)?;
                 l.len = needed;
             }
             None => {
                 let (h, _, d) = k.dims3()?;
                 let cap = t + GROW_ROWS;
-                let kb = Tensor::zeros((h, cap, d), DType::F32, k.device())?;
-                let vb = Tensor::zeros((h, cap, d), DType::F32, v.device())?;
-                kb.slice_set(&k.contiguous()?, 1, 0)?;
-                vb.slice_set(&v.contiguous()?, 1, 0)?;
+                let dtype = if f16 { DType::F16 } else { DType::F32 };
+                let kb = Tensor::zeros((h, cap, d), dtype, k.device())?;
+                let vb = Tensor::zeros((h, cap, d), dtype, v.device())?;
+                kb.slice_set(&k.to_dtype(dtype)?.contiguous()?, 1, 0)?;
+                vb.slice_set(&v.to_dtype(dtype)?.contiguous()?, 1, 0)?;
                 *slot = Some(LayerKv {
                     k: kb,
                     v: vb,
@@ -336,12 +366,27 @@ impl KvCache {
     }
 }
 
-/// A buffer of `capacity` rows holding the first `len` rows of `old`.
-fn grow(old: &Tensor, len: usize, capacity: usize) -> candle_core::Result<Tensor> {
-    let (h, _, d) = old.dims3()?;
-    let new = Tensor::zeros((h, capacity, d), DType::F32, old.device())?;
+/// A `dtype` buffer of `capacity` rows holding the first `len` rows of `old`.
+fn grow(old: &Tensor, len: usize, capacity: usize, dtype: DType) -> candle_core::Result<Tensor> {
+    let (h, cap, d) = old.dims3()?;
+    if dtype == DType::F16 && old.dtype() == DType::F32 && old.is_contiguous() {
+        // A layer's one conversion, of every row it holds: candle converts an element at a
+        // time, `half` eight at a time with F16C.
+        let mut new = vec![half::f16::ZERO; h * capacity * d];
+        kernels::with_f32(old, |src| {
+            for (dst, src) in new
+                .chunks_exact_mut(capacity * d)
+                .zip(src.chunks_exact(cap * d))
+            {
+                dst[..len * d].convert_from_f32_slice(&src[..len * d]);
+            }
+            Ok(())
+        })?;
+        return Tensor::from_vec(new, (h, capacity, d), old.device());
+    }
+    let new = Tensor::zeros((h, capacity, d), dtype, old.device())?;
     if len > 0 {
-        new.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+        new.slice_set(&old.narrow(1, 0, len)?.to_dtype(dtype)?.contiguous()?, 1, 0)?;
     }
     Ok(new)
 }

@@ -1290,7 +1290,13 @@ impl Llama {
         let (keys, values, past) = match cache {
             Some(cache) => {
                 let past = cache.layer_len(layer);
-                cache.append(layer, &heads.k_rot, &heads.v)?;
+                // A decode step on narrow weights keeps the layer in f16 from here on
+                // (crate::cache says why).
+                let plain = !heads.k_rot.track_op() && !heads.v.track_op();
+                let f16 = self.head_narrow.is_some()
+                    && plain
+                    && heads.q.dim(1)? <= kernels::MAX_QUERY_ROWS;
+                cache.append(layer, &heads.k_rot, &heads.v, f16)?;
                 let (k_all, v_all) = cache
                     .views(layer)?
                     .ok_or_else(|| candle_core::Error::Msg("cache layer vanished".into()))?;
@@ -1328,6 +1334,9 @@ impl Llama {
             outs.push(kernels::attend_few(&q, &keys, &values, past)?);
             return Ok(());
         }
+        // A prefill on top of a cache that decode steps turned f16 (a conversation's next
+        // turn): its products are f32.
+        let (keys, values) = (keys.to_dtype(DType::F32)?, values.to_dtype(DType::F32)?);
         let plain = |x: &Tensor| !x.track_op();
         if plain(&q) && plain(&keys) && plain(&values) && self.prefill == PrefillMatmul::Tiles {
             outs.push(kernels::attend_tiles(&q, &keys, &values, past)?);

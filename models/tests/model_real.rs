@@ -3,7 +3,7 @@
 
 mod common;
 
-use candle_core::{IndexOp, Tensor};
+use candle_core::{DType, IndexOp, Tensor};
 use common::{max_abs, max_abs_diff, real, wikitext_tokens};
 use scd_models::baseline::QuantizedLlama;
 use scd_models::metrics::kl_divergence;
@@ -572,6 +572,8 @@ fn narrow_decode_weights_track_the_f32_path() {
         for (m, c) in [a, b].into_iter().zip(&mut caches) {
             m.forward(Input::new(prompt).with_cache(c).logits(LogitsWanted::None))
                 .unwrap();
+            // A prefill keeps its keys and values in f32 on either path.
+            assert_eq!(c.layer_dtype(0), Some(DType::F32));
         }
         let (mut agree, mut kl, mut worst) = (0, 0.0, 0f64);
         for &t in rest {
@@ -590,6 +592,16 @@ fn narrow_decode_weights_track_the_f32_path() {
             kl += d;
             worst = worst.max(d);
         }
+        // The narrow path's decode steps turned its cache f16 (every layer); the f32 path's
+        // stayed f32.
+        let layers = 0..a.config().num_layers;
+        assert!(layers
+            .clone()
+            .all(|l| caches[0].layer_dtype(l) == Some(DType::F32)));
+        assert!(layers
+            .clone()
+            .all(|l| caches[1].layer_dtype(l) == Some(DType::F16)));
+        assert_eq!(caches[1].len(), tokens.len());
         let n = rest.len() as f64;
         (agree as f64 / n, kl / n, worst)
     };
@@ -635,6 +647,50 @@ fn narrow_decode_weights_track_the_f32_path() {
             assert!(kl < kl_max, "{name}, {products}: mean KL {kl}");
         }
     }
+}
+
+/// A conversation's next turn: a prefill on top of a cache that decode steps turned f16 reads
+/// it back as f32 and appends in f16; its logits stay those of the f32 path's same turn.
+#[test]
+fn a_prefill_after_decode_steps_continues_the_f16_cache() {
+    use scd_models::DecodeWeights;
+    let (model, tok) = real();
+    let f32_model = model
+        .clone()
+        .with_decode_weights(DecodeWeights::F32)
+        .unwrap();
+    let tokens = wikitext_tokens(tok, 64 + 3 + 40);
+    let (first, rest) = tokens.split_at(64);
+    let (steps, turn) = rest.split_at(3);
+    let mut last = Vec::new();
+    for m in [&f32_model, model] {
+        let mut cache = m.new_cache();
+        m.forward(
+            Input::new(first)
+                .with_cache(&mut cache)
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+        for &t in steps {
+            m.forward(Input::new(&[t]).with_cache(&mut cache)).unwrap();
+        }
+        let logits = m
+            .forward(Input::new(turn).with_cache(&mut cache))
+            .unwrap()
+            .logits
+            .unwrap();
+        assert_eq!(cache.len(), tokens.len());
+        last.push(logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let want = if std::ptr::eq(m, model) {
+            DType::F16
+        } else {
+            DType::F32
+        };
+        assert_eq!(cache.layer_dtype(0), Some(want));
+    }
+    assert_eq!(argmax(&last[0]), argmax(&last[1]));
+    let kl = kl_divergence(&last[0], &last[1]);
+    assert!(kl < 1e-3, "KL of the turn's last logits {kl}");
 }
 
 /// Relative Frobenius distance `|a - b| / |b|`.

@@ -7,6 +7,10 @@
 //! one dot product per visible key, the softmax of [`super::softmax`], then the weighted sum
 //! of the values. Head size 64 has kernels for AVX-512 and AVX2, picked at run time.
 //!
+//! The cache's keys and values are f32, or f16 where a model decodes on narrow weights
+//! ([`crate::cache::KvCache`]): the kernels widen each row as they load it (`vcvtph2ps`), so a
+//! step reads half the bytes. With several jobs in a step the caches are most of what it reads.
+//!
 //! Each output row is the same computation whatever the other rows, so a job's tokens are the
 //! same alone and in a batch.
 
@@ -82,24 +86,77 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
                 .map(|(c, o)| (i, c * heads, heads, o)),
         );
     }
-    let (qs, ks, vs) = (
-        HeadsView::slices(&qv)?,
-        HeadsView::slices(&kv)?,
-        HeadsView::slices(&vv)?,
-    );
-    tasks.into_par_iter().for_each(|(i, h0, heads, out)| {
-        let Shapes {
-            n_h,
+    let (ks, vs) = (HeadsView::slices(&kv)?, HeadsView::slices(&vv)?);
+    let qs = HeadsView::slices(&qv)?
+        .into_iter()
+        .map(|(q, head)| Ok((q.f32()?, head)))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    for (k, v) in ks.iter().zip(&vs) {
+        if std::mem::discriminant(&k.0) != std::mem::discriminant(&v.0) {
+            candle_core::bail!("attend_few: keys and values in different dtypes");
+        }
+    }
+    tasks
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(|(i, h0, heads, out)| {
+            let Shapes {
+                n_h,
+                t,
+                d,
+                n_kv,
+                n_keys,
+            } = shapes[i];
+            let g = h0 / (n_h / n_kv);
+            let queries = &qs[i].0[h0 * t * d..][..heads * t * d];
+            let (keys, values) = (
+                ks[i].0.window(g * ks[i].1, n_keys * d),
+                vs[i].0.window(g * vs[i].1, n_keys * d),
+            );
+            let rows = Rows {
+                queries,
+                heads,
+                t,
+                d,
+                past: seqs[i].past,
+                n_keys,
+            };
+            match (keys, values) {
+                (Stored::F32(k), Stored::F32(v)) => rows.attend(k, v, out),
+                (Stored::F16(k), Stored::F16(v)) => rows.attend(k, v, out),
+                // `Shapes::of` checked both against the cache's one dtype.
+                _ => unreachable!("keys and values of one cache in two dtypes"),
+            }
+        });
+    outs.into_iter()
+        .zip(&shapes)
+        .map(|(out, s)| Tensor::from_vec(out, (s.n_h, s.t, s.d), &Device::Cpu))
+        .collect()
+}
+
+/// One task's query rows: `heads` query heads of `t` rows of `d` (head after head) that share
+/// one KV head, query `r` seeing keys `0..=past + r`.
+struct Rows<'a> {
+    queries: &'a [f32],
+    heads: usize,
+    t: usize,
+    d: usize,
+    past: usize,
+    n_keys: usize,
+}
+
+impl Rows<'_> {
+    /// Their outputs into `out` (head after head, `t * d` each) over `keys` and `values`
+    /// (`n_keys` rows of `d`).
+    fn attend<T: Element>(&self, keys: &[T], values: &[T], out: &mut [f32]) {
+        let Rows {
+            queries,
+            heads,
             t,
             d,
-            n_kv,
+            past,
             n_keys,
-        } = shapes[i];
-        let g = h0 / (n_h / n_kv);
-        let past = seqs[i].past;
-        let keys = &ks[i].0[g * ks[i].1..][..n_keys * d];
-        let values = &vs[i].0[g * vs[i].1..][..n_keys * d];
-        let queries = &qs[i].0[h0 * t * d..][..heads * t * d];
+        } = *self;
         let mut probs = vec![0f32; heads * n_keys];
         let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(t * d).collect();
         for r in 0..t {
@@ -116,11 +173,56 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
                 &mut o,
             );
         }
-    });
-    outs.into_iter()
-        .zip(&shapes)
-        .map(|(out, s)| Tensor::from_vec(out, (s.n_h, s.t, s.d), &Device::Cpu))
-        .collect()
+    }
+}
+
+/// An element of the cache's keys and values, widened to f32 as the kernels load it.
+pub(crate) trait Element: Copy + Send + Sync + 'static {
+    /// Whether it is f16 (the SIMD kernels choose their load by this constant).
+    const F16: bool;
+    /// Its value.
+    fn f32(self) -> f32;
+}
+
+impl Element for f32 {
+    const F16: bool = false;
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for half::f16 {
+    const F16: bool = true;
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// A view's elements in either dtype the cache keeps.
+#[derive(Clone, Copy)]
+enum Stored<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+impl<'a> Stored<'a> {
+    /// Elements `at..at + len`.
+    fn window(self, at: usize, len: usize) -> Self {
+        match self {
+            Self::F32(x) => Self::F32(&x[at..][..len]),
+            Self::F16(x) => Self::F16(&x[at..][..len]),
+        }
+    }
+
+    /// The elements, which must be f32 (queries; a prefill's keys and values).
+    fn f32(self) -> candle_core::Result<&'a [f32]> {
+        match self {
+            Self::F32(x) => Ok(x),
+            Self::F16(_) => candle_core::bail!("attention: f32 tensor expected, got f16"),
+        }
+    }
 }
 
 /// The sizes of an attention call: `n_h` query heads of `t` rows of `d` over `n_kv` KV heads
@@ -174,7 +276,7 @@ pub(super) fn heads_view<R>(
     f: impl FnOnce(&[f32], usize) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let view = HeadsView::of(t)?;
-    f(view.slice()?, view.head)
+    f(view.slice()?.f32()?, view.head)
 }
 
 /// A `(heads, rows, d)` tensor's storage held for reading, with where its heads lie: what
@@ -216,18 +318,21 @@ impl<'a> HeadsView<'a> {
     }
 
     /// Each view's elements and distance between heads.
-    fn slices(views: &[Self]) -> candle_core::Result<Vec<(&[f32], usize)>> {
+    fn slices(views: &[Self]) -> candle_core::Result<Vec<(Stored<'_>, usize)>> {
         views.iter().map(|v| Ok((v.slice()?, v.head))).collect()
     }
 
-    fn slice(&self) -> candle_core::Result<&[f32]> {
+    fn slice(&self) -> candle_core::Result<Stored<'_>> {
+        let range = self.start..self.start + self.len;
+        let outside = || candle_core::Error::Msg("attend_few: view outside its storage".into());
         match &*self.storage {
             Storage::Cpu(CpuStorage::F32(data)) => {
-                data.get(self.start..self.start + self.len).ok_or_else(|| {
-                    candle_core::Error::Msg("attend_few: view outside its storage".into())
-                })
+                data.get(range).map(Stored::F32).ok_or_else(outside)
             }
-            _ => candle_core::bail!("attend_few: f32 CPU tensors expected"),
+            Storage::Cpu(CpuStorage::F16(data)) => {
+                data.get(range).map(Stored::F16).ok_or_else(outside)
+            }
+            _ => candle_core::bail!("attend_few: f32 or f16 CPU tensors expected"),
         }
     }
 }
@@ -236,10 +341,10 @@ impl<'a> HeadsView<'a> {
 /// `probs` has room for each head's scores. Each head's result is exactly [`query_row`]'s:
 /// the AVX-512 kernels take the heads in turn over each block of keys (still in L1 for the
 /// next head) and values, in the same order of sums as for one head.
-fn query_rows(
+fn query_rows<T: Element>(
     qs: &[&[f32]],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[T],
+    values: &[T],
     probs: &mut [f32],
     outs: &mut [&mut [f32]],
 ) {
@@ -271,7 +376,7 @@ fn query_rows(
 
 /// One query row over the keys and values it sees: `out = softmax(K q) V`, with `probs` as
 /// room for the scores.
-fn query_row(q: &[f32], keys: &[f32], values: &[f32], probs: &mut [f32], out: &mut [f32]) {
+fn query_row<T: Element>(q: &[f32], keys: &[T], values: &[T], probs: &mut [f32], out: &mut [f32]) {
     let seen = keys.len() / q.len();
     let probs = &mut probs[..seen];
     #[cfg(target_arch = "x86_64")]
@@ -289,8 +394,9 @@ fn query_row(q: &[f32], keys: &[f32], values: &[f32], probs: &mut [f32], out: &m
     if q.len() == avx2::D
         && std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
     {
-        // SAFETY: the two features `avx2` needs were just detected; `q` and `out` are `D` long
+        // SAFETY: the three features `avx2` needs were just detected; `q` and `out` are `D` long
         // and `keys`, `values` hold `seen` rows of `D`.
         unsafe {
             avx2::scores(q, keys, probs);
@@ -300,13 +406,13 @@ fn query_row(q: &[f32], keys: &[f32], values: &[f32], probs: &mut [f32], out: &m
         return;
     }
     for (s, key) in probs.iter_mut().zip(keys.chunks_exact(q.len())) {
-        *s = q.iter().zip(key).map(|(a, b)| a * b).sum();
+        *s = q.iter().zip(key).map(|(a, b)| a * b.f32()).sum();
     }
     softmax_prefix(probs, seen);
     out.fill(0.0);
     for (&p, value) in probs.iter().zip(values.chunks_exact(out.len())) {
         for (o, &v) in out.iter_mut().zip(value) {
-            *o += p * v;
+            *o += p * v.f32();
         }
     }
 }
@@ -317,25 +423,43 @@ fn query_row(q: &[f32], keys: &[f32], values: &[f32], probs: &mut [f32], out: &m
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::Element;
+
     pub(super) const D: usize = 64;
+
+    /// Eight elements from `p`, widened.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; eight elements at `p`.
+    #[inline(always)]
+    unsafe fn load<T: Element>(p: *const T) -> __m256 {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            if T::F16 {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+            } else {
+                _mm256_loadu_ps(p.cast())
+            }
+        }
+    }
 
     /// `scores[j] = q . k_j` for the `scores.len()` rows of `keys`.
     ///
     /// # Safety
-    /// AVX2 and FMA; `q` is `D` long, `keys` at least `scores.len() * D`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scores: &mut [f32]) {
+    /// AVX2, FMA and F16C; `q` is `D` long, `keys` at least `scores.len() * D`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores<T: Element>(q: &[f32], keys: &[T], scores: &mut [f32]) {
         debug_assert!(q.len() == D && keys.len() >= scores.len() * D);
         // SAFETY: as the caller guarantees, every load is inside `q` or key row `j`.
         unsafe {
             let qv: [__m256; 8] = std::array::from_fn(|c| _mm256_loadu_ps(q.as_ptr().add(8 * c)));
             for (j, s) in scores.iter_mut().enumerate() {
                 let k = keys.as_ptr().add(j * D);
-                let mut a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-                let mut b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k.add(8)));
+                let mut a = _mm256_mul_ps(qv[0], load(k));
+                let mut b = _mm256_mul_ps(qv[1], load(k.add(8)));
                 for c in (2..8).step_by(2) {
-                    a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k.add(8 * c)), a);
-                    b = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k.add(8 * c + 8)), b);
+                    a = _mm256_fmadd_ps(qv[c], load(k.add(8 * c)), a);
+                    b = _mm256_fmadd_ps(qv[c + 1], load(k.add(8 * c + 8)), b);
                 }
                 let v = _mm256_add_ps(a, b);
                 let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -349,9 +473,9 @@ mod avx2 {
     /// `out = sum_j p_j v_j` over the `probs.len()` rows of `values`.
     ///
     /// # Safety
-    /// AVX2 and FMA; `out` is `D` long, `values` at least `probs.len() * D`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weighted_values(probs: &[f32], values: &[f32], out: &mut [f32]) {
+    /// AVX2, FMA and F16C; `out` is `D` long, `values` at least `probs.len() * D`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_values<T: Element>(probs: &[f32], values: &[T], out: &mut [f32]) {
         debug_assert!(out.len() == D && values.len() >= probs.len() * D);
         // SAFETY: as the caller guarantees, every access is inside value row `j` or `out`.
         unsafe {
@@ -360,7 +484,7 @@ mod avx2 {
                 let v = values.as_ptr().add(j * D);
                 let pv = _mm256_set1_ps(p);
                 for (c, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * c)), *a);
+                    *a = _mm256_fmadd_ps(pv, load(v.add(8 * c)), *a);
                 }
             }
             for (c, a) in acc.iter().enumerate() {
@@ -377,20 +501,38 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::Element;
+
     pub(super) const D: usize = 64;
+
+    /// Sixteen elements from `p`, widened.
+    ///
+    /// # Safety
+    /// AVX-512F; sixteen elements at `p`.
+    #[inline(always)]
+    unsafe fn load<T: Element>(p: *const T) -> __m512 {
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            if T::F16 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+            } else {
+                _mm512_loadu_ps(p.cast())
+            }
+        }
+    }
 
     /// Key `j`'s products with `q`, summed down to one register of 16 partial sums.
     ///
     /// # Safety
     /// AVX-512F; `k` points at `D` values.
     #[inline(always)]
-    unsafe fn partial(q: &[__m512; 4], k: *const f32) -> __m512 {
+    unsafe fn partial<T: Element>(q: &[__m512; 4], k: *const T) -> __m512 {
         // SAFETY: as the caller guarantees.
         unsafe {
-            let a = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-            let a = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(k.add(16)), a);
-            let a = _mm512_fmadd_ps(q[2], _mm512_loadu_ps(k.add(32)), a);
-            _mm512_fmadd_ps(q[3], _mm512_loadu_ps(k.add(48)), a)
+            let a = _mm512_mul_ps(q[0], load(k));
+            let a = _mm512_fmadd_ps(q[1], load(k.add(16)), a);
+            let a = _mm512_fmadd_ps(q[2], load(k.add(32)), a);
+            _mm512_fmadd_ps(q[3], load(k.add(48)), a)
         }
     }
 
@@ -399,7 +541,7 @@ mod avx512 {
     /// # Safety
     /// AVX-512F; `q` is `D` long, `keys` at least `scores.len() * D`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores(q: &[f32], keys: &[f32], scores: &mut [f32]) {
+    pub(super) unsafe fn scores<T: Element>(q: &[f32], keys: &[T], scores: &mut [f32]) {
         // SAFETY: as the caller guarantees.
         unsafe { scores_heads(&[q], keys, &mut [scores]) }
     }
@@ -411,7 +553,11 @@ mod avx512 {
     /// AVX-512F; each query is `D` long, each row of `scores` at least `n` long and `keys`
     /// at least `n * D`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores_heads(qs: &[&[f32]], keys: &[f32], scores: &mut [&mut [f32]]) {
+    pub(super) unsafe fn scores_heads<T: Element>(
+        qs: &[&[f32]],
+        keys: &[T],
+        scores: &mut [&mut [f32]],
+    ) {
         let n = scores.first().map_or(0, |s| s.len());
         debug_assert!(qs.len() == scores.len() && keys.len() >= n * D);
         debug_assert!(qs.iter().all(|q| q.len() == D) && scores.iter().all(|s| s.len() >= n));
@@ -459,7 +605,7 @@ mod avx512 {
     /// # Safety
     /// AVX-512F; `out` is `D` long, `values` at least `probs.len() * D`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn weighted_values(probs: &[f32], values: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn weighted_values<T: Element>(probs: &[f32], values: &[T], out: &mut [f32]) {
         // SAFETY: as the caller guarantees.
         unsafe { weighted_values_heads(&[probs], values, &mut [out]) }
     }
@@ -471,9 +617,9 @@ mod avx512 {
     /// # Safety
     /// AVX-512F; each row of `outs` is `D` long, `values` at least `n * D`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn weighted_values_heads<P: AsRef<[f32]>>(
+    pub(super) unsafe fn weighted_values_heads<T: Element, P: AsRef<[f32]>>(
         probs: &[P],
-        values: &[f32],
+        values: &[T],
         outs: &mut [&mut [f32]],
     ) {
         let n = probs.first().map_or(0, |p| p.as_ref().len());
@@ -485,10 +631,10 @@ mod avx512 {
             // SAFETY: as the caller guarantees.
             unsafe {
                 match os.len() {
-                    1 => weighted_values_of::<1>(&ps, n, values, os),
-                    2 => weighted_values_of::<2>(&ps, n, values, os),
-                    3 => weighted_values_of::<3>(&ps, n, values, os),
-                    _ => weighted_values_of::<4>(&ps, n, values, os),
+                    1 => weighted_values_of::<T, 1>(&ps, n, values, os),
+                    2 => weighted_values_of::<T, 2>(&ps, n, values, os),
+                    3 => weighted_values_of::<T, 3>(&ps, n, values, os),
+                    _ => weighted_values_of::<T, 4>(&ps, n, values, os),
                 }
             }
         }
@@ -500,10 +646,10 @@ mod avx512 {
     /// AVX-512F; `probs[..H]` at least `n` long, `outs` `H` rows of `D`, `values` `n * D`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn weighted_values_of<const H: usize>(
+    unsafe fn weighted_values_of<T: Element, const H: usize>(
         probs: &[&[f32]; 4],
         n: usize,
-        values: &[f32],
+        values: &[T],
         outs: &mut [&mut [f32]],
     ) {
         debug_assert!(outs.len() == H && probs[..H].iter().all(|p| p.len() >= n));
@@ -513,7 +659,7 @@ mod avx512 {
             let mut acc = [[_mm512_setzero_ps(); 4]; H];
             for j in 0..n {
                 let v = values.as_ptr().add(j * D);
-                let row: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(16 * c)));
+                let row: [__m512; 4] = std::array::from_fn(|c| load(v.add(16 * c)));
                 for (h, a) in acc.iter_mut().enumerate() {
                     let pv = _mm512_set1_ps(*probs[h].get_unchecked(j));
                     for (c, a) in a.iter_mut().enumerate() {
@@ -574,14 +720,45 @@ mod tests {
                 close(&scores, &plain_scores, "avx512 scores");
                 close(&out, &plain_out, "avx512 values");
             }
-            if has!("avx2") && has!("fma") {
-                // SAFETY: AVX2 and FMA detected; the lengths are as the kernels require.
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                // SAFETY: AVX2, FMA and F16C detected; the lengths are as the kernels require.
                 unsafe {
                     avx2::scores(&q, &keys, &mut scores);
                     avx2::weighted_values(&probs, &keys, &mut out);
                 }
                 close(&scores, &plain_scores, "avx2 scores");
                 close(&out, &plain_out, "avx2 values");
+            }
+            // Keys held in f16: the same sums over the values f16 holds.
+            let keys16: Vec<half::f16> = keys.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let widened: Vec<f32> = keys16.iter().map(|x| x.to_f32()).collect();
+            let plain_scores: Vec<f32> = widened
+                .chunks_exact(d)
+                .map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum())
+                .collect();
+            let mut plain_out = vec![0f32; d];
+            for (p, v) in probs.iter().zip(widened.chunks_exact(d)) {
+                for (o, x) in plain_out.iter_mut().zip(v) {
+                    *o += p * x;
+                }
+            }
+            if has!("avx512f") {
+                // SAFETY: AVX-512F detected; the lengths are as the kernels require.
+                unsafe {
+                    avx512::scores(&q, &keys16, &mut scores);
+                    avx512::weighted_values(&probs, &keys16, &mut out);
+                }
+                close(&scores, &plain_scores, "avx512 f16 scores");
+                close(&out, &plain_out, "avx512 f16 values");
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                // SAFETY: AVX2, FMA and F16C detected; the lengths are as the kernels require.
+                unsafe {
+                    avx2::scores(&q, &keys16, &mut scores);
+                    avx2::weighted_values(&probs, &keys16, &mut out);
+                }
+                close(&scores, &plain_scores, "avx2 f16 scores");
+                close(&out, &plain_out, "avx2 f16 values");
             }
         }
     }
@@ -716,6 +893,65 @@ mod tests {
             past: 0,
         };
         assert!(attend_few_many(&[seqs[0], bad]).is_err());
+        Ok(())
+    }
+
+    /// Keys and values held in f16 (a narrow decode's cache) give, bit for bit, what f32
+    /// tensors holding the same values give: the kernels widen each element exactly and sum
+    /// in the same order. One sequence alone (a task per query head) and eight together (a
+    /// task per KV head), over key counts around the blocks of sixteen.
+    #[test]
+    fn f16_caches_attend_as_f32_caches_of_the_same_values() -> candle_core::Result<()> {
+        use candle_core::DType;
+        for seqs in [1, 8] {
+            let mut f16s = Vec::new();
+            let mut f32s = Vec::new();
+            for i in 0..seqs {
+                let (n_h, n_kv, d, past) = (9, 3, 64, [15, 16, 17, 40, 0, 3, 33, 64][i]);
+                let t = 1 + i % 2;
+                // A buffer with spare rows, as the cache keeps it, viewed up to its length.
+                let buf = Tensor::randn(0f32, 2.0, (n_kv, past + t + 5, d), &Device::Cpu)?
+                    .to_dtype(DType::F16)?;
+                let vbuf = Tensor::randn(0f32, 1.0, (n_kv, past + t + 5, d), &Device::Cpu)?
+                    .to_dtype(DType::F16)?;
+                let (k, v) = (buf.narrow(1, 0, past + t)?, vbuf.narrow(1, 0, past + t)?);
+                let q = Tensor::randn(0f32, 0.3, (n_h, t, d), &Device::Cpu)?;
+                f32s.push((
+                    q.clone(),
+                    k.to_dtype(DType::F32)?,
+                    v.to_dtype(DType::F32)?,
+                    past,
+                ));
+                f16s.push((q, k, v, past));
+            }
+            let run = |all: &[(Tensor, Tensor, Tensor, usize)]| {
+                let few: Vec<_> = all
+                    .iter()
+                    .map(|(q, k, v, past)| FewQueries {
+                        q,
+                        k,
+                        v,
+                        past: *past,
+                    })
+                    .collect();
+                attend_few_many(&few)
+            };
+            for (half, full) in run(&f16s)?.iter().zip(&run(&f32s)?) {
+                assert_eq!(
+                    half.flatten_all()?.to_vec1::<f32>()?,
+                    full.flatten_all()?.to_vec1::<f32>()?,
+                    "{seqs} sequences"
+                );
+            }
+        }
+        // Keys in f16 and values in f32 are not one cache.
+        let (q, k, v, past) = (
+            Tensor::zeros((2, 1, 64), DType::F32, &Device::Cpu)?,
+            Tensor::zeros((1, 4, 64), DType::F16, &Device::Cpu)?,
+            Tensor::zeros((1, 4, 64), DType::F32, &Device::Cpu)?,
+            3,
+        );
+        assert!(attend_few(&q, &k, &v, past).is_err());
         Ok(())
     }
 
