@@ -12,8 +12,9 @@
 //! ([`crate::DecodeWeights::Narrow`], the default): a decode step reads every key and value of
 //! every job it runs, and with several jobs those reads are more bytes than the weights.
 //! llama.cpp keeps its cache in f16 by default for the same reason. A prefill keeps f32 (its
-//! rows are the keys of everything after them, and its logits stay those of the f32 path);
-//! a layer turns f16 once, at the first decode step that appends to it.
+//! logits stay those of the f32 path); a layer turns f16 once, at the first step of at most 16
+//! rows (the decode attention kernel's) that appends to it: a decode step, or a prompt that
+//! short, which runs on the decode kernels anyway.
 
 use candle_core::{DType, Tensor};
 use half::slice::HalfFloatSliceExt;

@@ -225,7 +225,7 @@ impl Linear {
         for (i, view) in views {
             self.parts[i].lora = Some(view);
         }
-        self.low_rank = Some(Arc::new(LowRank { a, terms }));
+        self.low_rank = Some(Arc::new(LowRank::new(a, terms)));
         Ok(())
     }
 
@@ -1228,7 +1228,9 @@ impl Llama {
             let mut row = 0;
             let mut inputs = Vec::with_capacity(seqs.len());
             for s in seqs.iter_mut() {
-                let rows = |x: &Tensor| x.narrow(1, row, s.rows)?.contiguous();
+                // Views, not copies: the cache copies the keys and values it appends, and the
+                // attention reads the queries in place.
+                let rows = |x: &Tensor| x.narrow(1, row, s.rows);
                 let own = ops::Heads {
                     q: rows(&heads.q)?,
                     k_rot: rows(&heads.k_rot)?,

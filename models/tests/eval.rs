@@ -13,7 +13,7 @@ use common::{max_abs_diff, real as base};
 use rand::{Rng, SeedableRng};
 use scd_models::codec::{codec_for, Oracle, Raw};
 use scd_models::eval::{self, harness::transfer, EvalConfig, EvalData, EvalRecord, Pair, QaItem};
-use scd_models::{AdapterMode, Input, Llama, LogitsWanted, LoraAdapter, Proj};
+use scd_models::{AdapterMode, DecodeWeights, Input, Llama, LogitsWanted, LoraAdapter, Proj};
 use scd_types::Mode;
 
 fn data() -> &'static EvalData {
@@ -207,19 +207,24 @@ fn methods_build_the_prefix_cache_the_consumer_continues_from() {
         .encode("The whale is a large animal that", false)
         .unwrap();
     let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
+    // On the f32 path: steps of a few rows on narrow weights round, and keep the cache in f16.
+    let consumer = perturbed()
+        .clone()
+        .with_decode_weights(DecodeWeights::F32)
+        .unwrap();
     let pair = Pair {
         producer: model,
-        consumer: perturbed(),
+        consumer: &consumer,
     };
     // The oracle's cache is the consumer's own prefill: continuing from it equals a full pass.
     let mut cache = transfer(&Oracle, pair, prefix).unwrap().cache;
     assert_eq!(cache.len(), prefix.len());
-    let step = perturbed()
+    let step = consumer
         .forward(Input::new(&[last]).with_cache(&mut cache))
         .unwrap()
         .logits
         .unwrap();
-    let full = perturbed()
+    let full = consumer
         .forward(Input::new(&prompt).logits(LogitsWanted::Last))
         .unwrap()
         .logits

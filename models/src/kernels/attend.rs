@@ -61,7 +61,13 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
             candle_core::bail!("attend_few: {} queries, at most {MAX_QUERY_ROWS}", shape.t);
         }
         shapes.push(shape);
-        queries.push(s.q.contiguous()?);
+        // A batch's queries are views of one tensor of all its rows, each head's rows `d`
+        // apart: read in place.
+        queries.push(if HeadsView::of(s.q).is_ok() {
+            s.q.clone()
+        } else {
+            s.q.contiguous()?
+        });
     }
     let (qv, kv, vv) = (
         HeadsView::all(queries.iter())?,
