@@ -114,13 +114,16 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
                 n_keys,
             } = shapes[i];
             let g = h0 / (n_h / n_kv);
-            let queries = &qs[i].0[h0 * t * d..][..heads * t * d];
+            // The queries may be a view of a whole batch's rows: heads `q_head` apart.
+            let q_head = qs[i].1;
+            let queries = &qs[i].0[h0 * q_head..][..(heads - 1) * q_head + t * d];
             let (keys, values) = (
                 ks[i].0.window(g * ks[i].1, n_keys * d),
                 vs[i].0.window(g * vs[i].1, n_keys * d),
             );
             let rows = Rows {
                 queries,
+                q_head,
                 heads,
                 t,
                 d,
@@ -140,10 +143,11 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
         .collect()
 }
 
-/// One task's query rows: `heads` query heads of `t` rows of `d` (head after head) that share
+/// One task's query rows: `heads` query heads of `t` rows of `d` (`q_head` apart) that share
 /// one KV head, query `r` seeing keys `0..=past + r`.
 struct Rows<'a> {
     queries: &'a [f32],
+    q_head: usize,
     heads: usize,
     t: usize,
     d: usize,
@@ -157,6 +161,7 @@ impl Rows<'_> {
     fn attend<T: Element>(&self, keys: &[T], values: &[T], out: &mut [f32]) {
         let Rows {
             queries,
+            q_head,
             heads,
             t,
             d,
@@ -168,7 +173,7 @@ impl Rows<'_> {
         for r in 0..t {
             let seen = past + r + 1;
             let q: Vec<&[f32]> = (0..heads)
-                .map(|h| &queries[(h * t + r) * d..][..d])
+                .map(|h| &queries[h * q_head + r * d..][..d])
                 .collect();
             let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[r * d..][..d]).collect();
             query_rows(
@@ -899,6 +904,46 @@ mod tests {
             past: 0,
         };
         assert!(attend_few_many(&[seqs[0], bad]).is_err());
+        Ok(())
+    }
+
+    /// A batched step's queries are views of one tensor of all its rows (a sequence's rows of
+    /// each head, the heads the whole batch's rows apart): they give what copies of them give.
+    #[test]
+    fn queries_viewed_in_the_batch_tensor_give_what_copies_give() -> candle_core::Result<()> {
+        let (n_h, n_kv, d) = (9, 3, 64);
+        let rows = [1, 2, 1, 1, 3];
+        let total: usize = rows.iter().sum();
+        let q_all = Tensor::randn(0f32, 0.3, (n_h, total, d), &Device::Cpu)?;
+        let mut caches = Vec::new();
+        for (i, &t) in rows.iter().enumerate() {
+            let past = 5 * i + 3;
+            let k = Tensor::randn(0f32, 1.0, (n_kv, past + t, d), &Device::Cpu)?;
+            let v = Tensor::randn(0f32, 1.0, (n_kv, past + t, d), &Device::Cpu)?;
+            caches.push((k, v, past));
+        }
+        let mut at = 0;
+        let (mut views, mut copies) = (Vec::new(), Vec::new());
+        for &t in &rows {
+            let view = q_all.narrow(1, at, t)?;
+            copies.push(view.contiguous()?);
+            views.push(view);
+            at += t;
+        }
+        let run = |qs: &[Tensor]| {
+            let few: Vec<_> = qs
+                .iter()
+                .zip(&caches)
+                .map(|(q, (k, v, past))| FewQueries { q, k, v, past: *past })
+                .collect();
+            attend_few_many(&few)
+        };
+        for (a, b) in run(&views)?.iter().zip(&run(&copies)?) {
+            assert_eq!(
+                a.flatten_all()?.to_vec1::<f32>()?,
+                b.flatten_all()?.to_vec1::<f32>()?
+            );
+        }
         Ok(())
     }
 
