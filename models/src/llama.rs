@@ -225,7 +225,7 @@ impl Linear {
         for (i, view) in views {
             self.parts[i].lora = Some(view);
         }
-        self.low_rank = Some(Arc::new(LowRank::new(a, terms)));
+        self.low_rank = Some(Arc::new(LowRank { a, terms }));
         Ok(())
     }
 

@@ -934,7 +934,12 @@ mod tests {
             let few: Vec<_> = qs
                 .iter()
                 .zip(&caches)
-                .map(|(q, (k, v, past))| FewQueries { q, k, v, past: *past })
+                .map(|(q, (k, v, past))| FewQueries {
+                    q,
+                    k,
+                    v,
+                    past: *past,
+                })
                 .collect();
             attend_few_many(&few)
         };

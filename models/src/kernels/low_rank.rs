@@ -13,17 +13,10 @@
 //!
 //! Each output's term is one sum over the rank in a fixed order whatever the other rows, so a
 //! job's outputs are the same alone and in a batch.
-//!
-//! On AMX tiles (the tile decode products), `x A^T` is a tile product too
-//! ([`LowRank::xat_on_tiles`]): `x` rounded to bf16 as the base product rounds it, `A` exact
-//! (an adapter's values are bf16), sums in f32. `A` is packed for the tiles at the first such
-//! step, so a node on other products never holds the packed copy.
-
-use std::sync::OnceLock;
 
 use candle_core::Tensor;
 
-use super::{amx, Elements, Widen};
+use super::{Elements, Widen};
 
 /// Output columns per vector of partial sums (the AVX-512 width; AVX2 takes two registers).
 const LANES: usize = 16;
@@ -35,63 +28,12 @@ const ROWS: usize = 4;
 /// value exactly (an adapter saved in bf16 with a power-of-two scale, as ours are), else in f32.
 /// The kernels widen bf16 as they load it, so both give the same sums; bf16 halves the bytes
 /// a decode step streams for the adapter.
+#[derive(Debug)]
 pub(crate) struct LowRank {
     /// `(sum of ranks, in)`: the adapted parts' `A`, one after another.
     pub a: Tensor,
     /// The adapted parts, in the order of their rows in `a`.
     pub terms: Vec<LowRankTerm>,
-    /// `a` packed for AMX tiles, from the first step that asks for it.
-    a_tiles: OnceLock<amx::TileWeight>,
-}
-
-impl std::fmt::Debug for LowRank {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LowRank")
-            .field("a", &self.a)
-            .field("terms", &self.terms)
-            .field("packed for tiles", &self.a_tiles.get().is_some())
-            .finish()
-    }
-}
-
-impl LowRank {
-    pub(crate) fn new(a: Tensor, terms: Vec<LowRankTerm>) -> Self {
-        Self {
-            a,
-            terms,
-            a_tiles: OnceLock::new(),
-        }
-    }
-
-    /// `(x A^T)^T`, `(sum of ranks, m)`, for `x` `(m, in)` on AMX tiles: `x` rounded to bf16,
-    /// `A`'s values rounded to bf16 (exact for an adapter saved in bf16), f32 sums. Each
-    /// output is one row of `x` with one row of `A`, summed in the same order whatever the
-    /// other rows. Callers check [`amx::available`].
-    pub(crate) fn xat_on_tiles(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
-        let (n, k) = self.a.dims2()?;
-        if x.len() != m * k {
-            candle_core::bail!("low_rank: x of {} values is not {m} rows of {k}", x.len());
-        }
-        let packed = match self.a_tiles.get() {
-            Some(p) => p,
-            None => {
-                let values = self.a.to_dtype(candle_core::DType::F32)?.flatten_all()?;
-                let values = values.to_vec1::<f32>()?;
-                let mut p = amx::TileWeight::empty();
-                p.repack(&values, n, k);
-                // Another thread may have packed it meanwhile: the same values either way.
-                self.a_tiles.get_or_init(|| p)
-            }
-        };
-        let y = amx::with_scratch(|s| amx::linear(x, m, packed, &mut s.a));
-        let mut yt = vec![0f32; n * m];
-        for (r, row) in y.chunks_exact(n).enumerate() {
-            for (j, &v) in row.iter().enumerate() {
-                yt[j * m + r] = v;
-            }
-        }
-        Ok(yt)
-    }
 }
 
 /// One adapted part of a projection.

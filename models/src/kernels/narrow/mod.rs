@@ -381,14 +381,10 @@ pub(crate) fn linear_narrow_on(
                 });
             }
             at += 1 + l.terms.len();
-            let x = &xs[r0 * k..(r0 + rows) * k];
             groups.push(Group {
                 r0,
                 m: rows,
-                xat: match isa {
-                    Isa::AmxBf16 => l.xat_on_tiles(x, rows)?,
-                    _ => few_rows_t_of(x, rows, k, a),
-                },
+                xat: few_rows_t_of(&xs[r0 * k..(r0 + rows) * k], rows, k, a),
                 terms,
             });
         }
@@ -632,11 +628,7 @@ mod tests {
         let mut at = 0;
         let mut reference = Vec::new();
         for &(col, rank, cols) in terms {
-            // Values bf16 holds, as a trained adapter's are: the tile kernel multiplies `A`
-            // in bf16.
-            let a = (Tensor::randn(0f32, 1.0, (rank, k), &Device::Cpu)? * seed)?
-                .to_dtype(candle_core::DType::BF16)?
-                .to_dtype(candle_core::DType::F32)?;
+            let a = (Tensor::randn(0f32, 1.0, (rank, k), &Device::Cpu)? * seed)?;
             let bt = Tensor::randn(0f32, 0.1, (rank, cols), &Device::Cpu)?;
             a_parts.push(a.clone());
             reference.push((col, a, bt.clone()));
@@ -670,7 +662,13 @@ mod tests {
             }
             Ok(d)
         };
-        Ok((LowRank::new(stacked, out), delta))
+        Ok((
+            LowRank {
+                a: stacked,
+                terms: out,
+            },
+            delta,
+        ))
     }
 
     #[test]
@@ -688,13 +686,8 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
         for isa in Isa::available() {
             let got = linear_narrow_low_rank(&x, &w, isa, &runs)?;
-            // The weight's product takes x as the kernel rounds it; the terms take x as it is,
-            // or rounded to bf16 on tiles (their `x A^T` is a tile product there).
+            // The terms take x as it is; the weight's product x as the kernel rounds it.
             let base = input_of(isa, &x)?.matmul(&wf.t()?)?;
-            let x_terms = match isa {
-                Isa::AmxBf16 => input_of(isa, &x)?,
-                _ => x.clone(),
-            };
             for (r0, rows, delta) in [
                 (0, 2, Some(&one_delta as &dyn Fn(&Tensor) -> _)),
                 (2, 1, None),
@@ -702,7 +695,7 @@ mod tests {
                 (5, 5, None),
                 (10, m - 10, Some(&one_delta)),
             ] {
-                let xs = x_terms.narrow(0, r0, rows)?;
+                let xs = x.narrow(0, r0, rows)?;
                 let mut want = base.narrow(0, r0, rows)?;
                 if let Some(d) = delta {
                     want = (want + d(&xs)?)?;
@@ -743,9 +736,10 @@ mod tests {
     /// `l`'s values rounded to bf16, held in `dtype`.
     fn in_bf16(l: &LowRank, dtype: candle_core::DType) -> candle_core::Result<LowRank> {
         let round = |t: &Tensor| t.to_dtype(candle_core::DType::BF16)?.to_dtype(dtype);
-        Ok(LowRank::new(
-            round(&l.a)?,
-            l.terms
+        Ok(LowRank {
+            a: round(&l.a)?,
+            terms: l
+                .terms
                 .iter()
                 .map(|t| {
                     Ok(crate::kernels::LowRankTerm {
@@ -755,7 +749,7 @@ mod tests {
                     })
                 })
                 .collect::<candle_core::Result<_>>()?,
-        ))
+        })
     }
 
     #[test]
