@@ -316,7 +316,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "peak RSS of scd's runs (load + every prefill above, largest T = {}): {}",
+        "peak RSS of scd's runs (load, every prefill and decode above, largest T = {}): {}",
         args.lengths.iter().max().copied().unwrap_or(0),
         mb(peak_ours)
     );
