@@ -187,7 +187,9 @@ impl Rows<'_> {
     }
 }
 
-/// An element of the cache's keys and values, widened to f32 as the kernels load it.
+/// An element of the cache's keys and values, widened to f32 as the kernels load it. The
+/// weights' kernels have their own ([`super::Widen`], f32 or bf16): each kernel's loads know
+/// every type its trait admits, so neither can be handed a type it would misread.
 pub(crate) trait Element: Copy + Send + Sync + 'static {
     /// Whether it is f16 (the SIMD kernels choose their load by this constant).
     const F16: bool;
@@ -692,85 +694,66 @@ mod tests {
     use super::*;
 
     /// Both x86 kernels, where the CPU has them, against plain sums: scores over key counts
-    /// around whole blocks of sixteen, and the weighted values.
+    /// around whole blocks of sixteen, and the weighted values, with keys in f32 and in f16.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_and_avx512_kernels_match_plain_sums() {
-        use std::arch::is_x86_feature_detected as has;
         let d = avx512::D;
         let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 300.0;
         let q: Vec<f32> = (0..d).map(|i| value(i + 5)).collect();
         for n in [1, 15, 16, 17, 40, 64] {
             let keys: Vec<f32> = (0..n * d).map(|i| value(3 * i + 1)).collect();
             let probs: Vec<f32> = (0..n).map(|j| value(j + 11).abs() / 2.0).collect();
-            let plain_scores: Vec<f32> = keys
-                .chunks_exact(d)
-                .map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum())
-                .collect();
-            let mut plain_out = vec![0f32; d];
-            for (p, v) in probs.iter().zip(keys.chunks_exact(d)) {
-                for (o, x) in plain_out.iter_mut().zip(v) {
-                    *o += p * x;
-                }
-            }
-            let close = |a: &[f32], b: &[f32], what: &str| {
-                for (x, y) in a.iter().zip(b) {
-                    assert!(
-                        (x - y).abs() <= 1e-4 * y.abs().max(1.0),
-                        "{what}, {n} keys: {x} {y}"
-                    );
-                }
-            };
-            let (mut scores, mut out) = (vec![0f32; n], vec![0f32; d]);
-            if has!("avx512f") {
-                // SAFETY: AVX-512F detected; the lengths are as the kernels require.
-                unsafe {
-                    avx512::scores(&q, &keys, &mut scores);
-                    avx512::weighted_values(&probs, &keys, &mut out);
-                }
-                close(&scores, &plain_scores, "avx512 scores");
-                close(&out, &plain_out, "avx512 values");
-            }
-            if has!("avx2") && has!("fma") && has!("f16c") {
-                // SAFETY: AVX2, FMA and F16C detected; the lengths are as the kernels require.
-                unsafe {
-                    avx2::scores(&q, &keys, &mut scores);
-                    avx2::weighted_values(&probs, &keys, &mut out);
-                }
-                close(&scores, &plain_scores, "avx2 scores");
-                close(&out, &plain_out, "avx2 values");
-            }
-            // Keys held in f16: the same sums over the values f16 holds.
             let keys16: Vec<half::f16> = keys.iter().map(|&x| half::f16::from_f32(x)).collect();
-            let widened: Vec<f32> = keys16.iter().map(|x| x.to_f32()).collect();
-            let plain_scores: Vec<f32> = widened
-                .chunks_exact(d)
-                .map(|k| k.iter().zip(&q).map(|(a, b)| a * b).sum())
-                .collect();
-            let mut plain_out = vec![0f32; d];
-            for (p, v) in probs.iter().zip(widened.chunks_exact(d)) {
-                for (o, x) in plain_out.iter_mut().zip(v) {
-                    *o += p * x;
-                }
+            check(&q, &keys, &probs, "f32");
+            // Keys held in f16: the same sums over the values f16 holds.
+            check(&q, &keys16, &probs, "f16");
+        }
+    }
+
+    /// Both x86 kernels, where the CPU has them, on `keys` (also the values) against plain sums
+    /// over their values widened to f32.
+    #[cfg(target_arch = "x86_64")]
+    fn check<T: Element>(q: &[f32], keys: &[T], probs: &[f32], dtype: &str) {
+        use std::arch::is_x86_feature_detected as has;
+        let (d, n) = (q.len(), probs.len());
+        let widened: Vec<f32> = keys.iter().map(|k| k.f32()).collect();
+        let plain_scores: Vec<f32> = widened
+            .chunks_exact(d)
+            .map(|k| k.iter().zip(q).map(|(a, b)| a * b).sum())
+            .collect();
+        let mut plain_out = vec![0f32; d];
+        for (p, v) in probs.iter().zip(widened.chunks_exact(d)) {
+            for (o, x) in plain_out.iter_mut().zip(v) {
+                *o += p * x;
             }
-            if has!("avx512f") {
-                // SAFETY: AVX-512F detected; the lengths are as the kernels require.
-                unsafe {
-                    avx512::scores(&q, &keys16, &mut scores);
-                    avx512::weighted_values(&probs, &keys16, &mut out);
-                }
-                close(&scores, &plain_scores, "avx512 f16 scores");
-                close(&out, &plain_out, "avx512 f16 values");
+        }
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                    "{what} ({dtype}), {n} keys: {x} {y}"
+                );
             }
-            if has!("avx2") && has!("fma") && has!("f16c") {
-                // SAFETY: AVX2, FMA and F16C detected; the lengths are as the kernels require.
-                unsafe {
-                    avx2::scores(&q, &keys16, &mut scores);
-                    avx2::weighted_values(&probs, &keys16, &mut out);
-                }
-                close(&scores, &plain_scores, "avx2 f16 scores");
-                close(&out, &plain_out, "avx2 f16 values");
+        };
+        let (mut scores, mut out) = (vec![0f32; n], vec![0f32; d]);
+        if has!("avx512f") {
+            // SAFETY: AVX-512F detected; the lengths are as the kernels require.
+            unsafe {
+                avx512::scores(q, keys, &mut scores);
+                avx512::weighted_values(probs, keys, &mut out);
             }
+            close(&scores, &plain_scores, "avx512 scores");
+            close(&out, &plain_out, "avx512 values");
+        }
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            // SAFETY: AVX2, FMA and F16C detected; the lengths are as the kernels require.
+            unsafe {
+                avx2::scores(q, keys, &mut scores);
+                avx2::weighted_values(probs, keys, &mut out);
+            }
+            close(&scores, &plain_scores, "avx2 scores");
+            close(&out, &plain_out, "avx2 values");
         }
     }
 
