@@ -97,11 +97,8 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
         .into_iter()
         .map(|(q, head)| Ok((q.f32()?, head)))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    for (k, v) in ks.iter().zip(&vs) {
-        if std::mem::discriminant(&k.0) != std::mem::discriminant(&v.0) {
-            candle_core::bail!("attend_few: keys and values in different dtypes");
-        }
-    }
+    // Tasks differ in length (each sequence its own cache): split to single tasks, so that a
+    // thread out of work can take any that is left.
     tasks
         .into_par_iter()
         .with_max_len(1)
@@ -133,7 +130,7 @@ pub(crate) fn attend_few_many(seqs: &[FewQueries<'_>]) -> candle_core::Result<Ve
             match (keys, values) {
                 (Stored::F32(k), Stored::F32(v)) => rows.attend(k, v, out),
                 (Stored::F16(k), Stored::F16(v)) => rows.attend(k, v, out),
-                // `Shapes::of` checked both against the cache's one dtype.
+                // `Shapes::of` checked that keys and values share a dtype.
                 _ => unreachable!("keys and values of one cache in two dtypes"),
             }
         });
@@ -260,12 +257,19 @@ impl Shapes {
     ) -> candle_core::Result<Self> {
         let (n_h, t, d) = q.dims3()?;
         let (n_kv, n_keys, d_k) = k.dims3()?;
-        if v.dims3()? != (n_kv, n_keys, d_k) || d_k != d || n_kv == 0 || n_h % n_kv != 0 {
+        if v.dims3()? != (n_kv, n_keys, d_k)
+            || v.dtype() != k.dtype()
+            || d_k != d
+            || n_kv == 0
+            || n_h % n_kv != 0
+        {
             candle_core::bail!(
-                "{kernel}: q {:?}, k {:?}, v {:?}",
+                "{kernel}: q {:?}, k {:?} {:?}, v {:?} {:?}",
                 q.dims(),
                 k.dims(),
-                v.dims()
+                k.dtype(),
+                v.dims(),
+                v.dtype()
             );
         }
         if past + t > n_keys {
