@@ -151,7 +151,7 @@ impl EvalRecord {
         );
         let text = &self.data.text_name;
         s.push_str(&format!(
-            "{text}: {} windows of {} prompt + {} continuation tokens (greedy agreement over {} tokens); SQuAD: {} answerable questions, greedy answers of up to {} tokens, first line; seed {}. Brackets: bootstrap 95% intervals over windows / questions.\n\n",
+            "{text}: {} windows of {} prompt + {} continuation tokens (greedy agreement over {} tokens); SQuAD: {} answerable questions, greedy answers of up to {} tokens, first line; seed {}. Brackets: bootstrap 95% intervals over windows / questions. Stage times: means per request after one unmeasured warm-up request per method.\n\n",
             c.wikitext_windows, c.prefix_tokens, c.continuation_tokens, c.greedy_tokens,
             self.data.squad_ids.len(), c.answer_tokens, c.seed
         ));
