@@ -250,11 +250,12 @@ impl Linear {
     }
 
     /// One part's output `(T, rows)`: its base rows and its adapter term.
-    fn forward_part(&self, proj: Proj, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// In f32 when not `tiles`, whatever the model's prefill setting.
+    fn forward_part(&self, proj: Proj, x: &Tensor, tiles: bool) -> candle_core::Result<Tensor> {
         let Some((_, part)) = self.part(proj) else {
             candle_core::bail!("{proj:?} is not part of this projection");
         };
-        let y = ops::linear_packed(x, &self.weight_of(proj)?, None, self.tiles)?;
+        let y = ops::linear_packed(x, &self.weight_of(proj)?, None, tiles)?;
         match &part.lora {
             Some(l) => y + l.forward(x)?,
             None => Ok(y),
@@ -1038,6 +1039,28 @@ impl Llama {
     /// (K comes out before RoPE, rows in the internal layout). The base product runs where the
     /// model's prefill products do (AMX tiles or f32).
     pub fn project(&self, layer: usize, proj: Proj, x: &Tensor) -> Result<Tensor, ForwardError> {
+        self.project_on(layer, proj, x, false)
+    }
+
+    /// [`Llama::project`] in f32 whatever the prefill setting: for maps composed with the
+    /// projection once and then kept (a translator's fused Patch layers), whose rounding would
+    /// otherwise stay in every request's products.
+    pub fn project_f32(
+        &self,
+        layer: usize,
+        proj: Proj,
+        x: &Tensor,
+    ) -> Result<Tensor, ForwardError> {
+        self.project_on(layer, proj, x, true)
+    }
+
+    fn project_on(
+        &self,
+        layer: usize,
+        proj: Proj,
+        x: &Tensor,
+        f32_only: bool,
+    ) -> Result<Tensor, ForwardError> {
         let block = self.blocks.get(layer).ok_or(ForwardError::LayerRange {
             start: layer,
             end: layer + 1,
@@ -1045,7 +1068,10 @@ impl Llama {
         })?;
         let (_, inp) = proj.shape(&self.cfg);
         match x.dims() {
-            &[_, w] if w == inp => Ok(block.linear(proj).forward_part(proj, x)?),
+            &[_, w] if w == inp => {
+                let lin = block.linear(proj);
+                Ok(lin.forward_part(proj, x, lin.tiles && !f32_only)?)
+            }
             dims => Err(ForwardError::Shape {
                 what: format!("input of {proj:?}"),
                 got: dims.to_vec(),

@@ -609,6 +609,8 @@ fn translator_codes_track_the_f32_codes_on_amx_tiles() {
                 .unwrap()
         };
         let (plain, tiles) = (on(PrefillMatmul::F32), on(PrefillMatmul::Tiles));
+        // Patch layers rebuild through the aligner fused with the expert's projections.
+        assert_eq!(mode == Mode::Scd, !tiles.patch_layers().is_empty());
         let caps = captured(&plain, prefix);
         let codes = codec::encode(&plain, &caps).unwrap();
         let codes_tiles = codec::encode(&tiles, &caps).unwrap();

@@ -159,6 +159,11 @@ impl TileWeight {
         self.k_pad
     }
 
+    /// The weight's inputs (its depth before padding) and outputs.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        (self.k, self.n)
+    }
+
     /// Packs `W = V^T` for `v` `(k, n)` row-major f32: outputs are `v`'s columns, the depth
     /// its rows (attention's values, multiplied by the probabilities over the keys).
     pub(crate) fn repack_transposed(&mut self, v: &[f32], k: usize, n: usize) {
@@ -395,6 +400,8 @@ pub(crate) struct Scratch {
     pub(crate) y: Vec<f32>,
     /// Inputs gathered for a product (attention's stacked queries).
     pub(crate) x: Vec<f32>,
+    /// A second product's bf16 input (the hidden layer of a chain of two).
+    pub(crate) a2: Vec<u16>,
 }
 
 /// The largest weight (elements) whose packed copy a thread keeps between calls: every
@@ -408,6 +415,7 @@ impl Scratch {
             a: Vec::new(),
             y: Vec::new(),
             x: Vec::new(),
+            a2: Vec::new(),
         }
     }
 }
@@ -451,6 +459,34 @@ fn bf16_bits(v: f32) -> u16 {
     } else {
         rounded
     }
+}
+
+/// `dst[i] = bf16(src[i])` (round to nearest even). Callers check [`available`].
+pub(crate) fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
+    // SAFETY: `available()` (the callers' contract) checked AVX512_BF16.
+    unsafe { row_to_bf16(src, dst) }
+}
+
+/// Writes `x` `(rows, width)` (contiguous) in bf16 into columns `col..col + width` of the
+/// rows of `a`, `k_pad` apart: one block of a product's inputs laid side by side.
+pub(crate) fn block_to_bf16(
+    (x, width): (&[f32], usize),
+    rows: usize,
+    (a, k_pad): (&mut [u16], usize),
+    col: usize,
+) {
+    assert!(x.len() >= rows * width && col + width <= k_pad && a.len() >= rows * k_pad);
+    a[..rows * k_pad]
+        .par_chunks_mut(STEP * k_pad)
+        .enumerate()
+        .for_each(|(c, dst)| {
+            for (i, d) in dst.chunks_exact_mut(k_pad).enumerate() {
+                let src = &x[(c * STEP + i) * width..][..width];
+                // SAFETY: `available()` (which the tile path requires) checked AVX512_BF16.
+                unsafe { row_to_bf16(src, &mut d[col..col + width]) };
+            }
+        });
 }
 
 /// `x`'s `rows` rows of `k` (each `stride` apart) in bf16, zero-padded to `(rows_pad, k_pad)`.

@@ -20,6 +20,7 @@ mod narrow;
 mod rows;
 mod softmax;
 mod swiglu;
+mod tile_linear;
 
 pub(crate) use attend::{attend_few, attend_few_many, FewQueries, MAX_QUERY_ROWS};
 pub(crate) use attend_tiles::attend_tiles;
@@ -31,7 +32,8 @@ pub(crate) use narrow::{
 };
 pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
-pub(crate) use swiglu::swiglu;
+pub(crate) use swiglu::{silu_, swiglu};
+pub(crate) use tile_linear::{skip_mlp_tiles, TileLinear};
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 

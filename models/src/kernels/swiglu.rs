@@ -1,4 +1,5 @@
-//! The MLP's gated activation, `silu(gate) * up`, from the fused gate/up projection.
+//! The MLP's gated activation, `silu(gate) * up`, from the fused gate/up projection, and
+//! `silu` alone (a translator's aligner).
 //!
 //! Unfused it is two passes over `(T, intermediate)` and a scalar `expf` per element; here one
 //! pass reads both halves of each row of the fused output and writes the product.
@@ -30,6 +31,16 @@ pub(crate) fn swiglu(gate_up: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 multiversion! {
+    /// `x = silu(x)` in place (candle's `silu` is a scalar `expf` per element and a new
+    /// tensor: a tenth of a translator's Patch layer).
+    pub(crate) fn silu_(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v /= 1.0 + exp(-*v);
+        }
+    }
+}
+
+multiversion! {
     fn silu_mul(out: &mut [f32], g: &[f32], u: &[f32]) {
         for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + exp(-g)) * u;
@@ -50,6 +61,18 @@ mod tests {
         let got = swiglu(&gate_up)?;
         let diff = (got - expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "max difference {diff}");
+        Ok(())
+    }
+
+    #[test]
+    fn silu_in_place_matches_candle_silu() -> candle_core::Result<()> {
+        let x = Tensor::randn(0f32, 4.0, (3, 37), &Device::Cpu)?;
+        let mut got = x.flatten_all()?.to_vec1::<f32>()?;
+        silu_(&mut got);
+        let expected = x.silu()?.flatten_all()?.to_vec1::<f32>()?;
+        for (g, e) in got.iter().zip(&expected) {
+            assert!((g - e).abs() <= 1e-5 * e.abs().max(1.0), "{g} against {e}");
+        }
         Ok(())
     }
 }

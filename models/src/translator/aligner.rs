@@ -11,6 +11,8 @@
 //! and drops trailing code components at random ("nested dropout") so that any rank up to
 //! `r_max` decodes well: ranks stay a per-request choice.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Linear, Module};
 use rand::rngs::StdRng;
@@ -63,6 +65,45 @@ pub struct Aligner {
     pub mlp_in: Linear,
     /// `(d, hidden)`.
     pub mlp_out: Linear,
+    /// Its fused forms on tiles ([`Aligner::then_on_tiles`]), made on first use.
+    fused: FusedCache,
+}
+
+/// An aligner followed by a linear map (a consumer's K and V projections) as two products on
+/// AMX tiles, for codes of one rank: `silu(z W_1'^T + b_1)`, the code's whitening `1 / s`
+/// folded into `W_1'`, then `[z | hidden]` times the composite of the aligner's output layers
+/// and the map. The composite is made once in f32; per request this is two products where
+/// the aligner and the projections took five and seven element-wise passes, and the
+/// aligner's `d`-wide output is never written (the map's `n` outputs are fewer).
+struct FusedPatch {
+    first: crate::kernels::TileLinear,
+    second: crate::kernels::TileLinear,
+}
+
+/// The fused forms an aligner keeps: a few (code rank, map) pairs, the latest first. A
+/// request picks its ranks, so the cache is bounded rather than one entry per rank asked for.
+#[derive(Default)]
+struct FusedCache(Mutex<Vec<(FusedKey, Arc<FusedPatch>)>>);
+
+/// A fused form's code rank and the name of its map.
+type FusedKey = (usize, String);
+
+/// The fused forms kept per aligner: the ranks a node's links use, not every rank a request
+/// may ask for (each form is `(r + hidden) x n` bf16, 0.5 MB for SmolLM2's K and V).
+const FUSED_KEPT: usize = 4;
+
+impl Clone for FusedCache {
+    /// A copy starts empty: its aligner's weights may be trained apart from the original's.
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for FusedCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |v| v.len());
+        write!(f, "FusedCache({n} forms)")
+    }
 }
 
 /// How training went.
@@ -94,6 +135,87 @@ impl Aligner {
         let scaled = z.broadcast_div(&self.z_scale.narrow(0, 0, cols)?)?;
         let hidden = apply(&self.mlp_in, &scaled, matmul)?.silu()?;
         apply(&self.lin, &z, matmul)? + apply(&self.mlp_out, &hidden, matmul)?
+    }
+
+    /// `map(g(z))` on AMX tiles for codes `z` `(T, r)`, where `map` is linear without a
+    /// constant term (`map(x) = x M`, such as a consumer's K and V projections with its
+    /// adapter) and `key` names it: the fused form of this aligner and `map` for rank `r`,
+    /// made on the first call with that rank and key (`map` is then called on the aligner's
+    /// weights, in f32) and kept. The same function as [`Aligner::forward`] then `map`, with
+    /// bf16 products. Callers check that the machine has tiles.
+    pub(crate) fn then_on_tiles<E: From<candle_core::Error>>(
+        &self,
+        z: &Tensor,
+        key: &str,
+        map: impl Fn(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<Tensor, E> {
+        let r = z.dim(1)?;
+        let id = (r, key.to_string());
+        let cached = {
+            let kept = self.fused.0.lock().map_err(poisoned)?;
+            kept.iter().find(|(k, _)| *k == id).map(|(_, f)| f.clone())
+        };
+        let fused = match cached {
+            Some(f) => f,
+            None => {
+                let f = Arc::new(self.fuse(r, map)?);
+                let mut kept = self.fused.0.lock().map_err(poisoned)?;
+                // Another request may have made the same form meanwhile.
+                if !kept.iter().any(|(k, _)| *k == id) {
+                    kept.insert(0, (id, f.clone()));
+                    kept.truncate(FUSED_KEPT);
+                }
+                f
+            }
+        };
+        Ok(crate::kernels::skip_mlp_tiles(
+            z,
+            &fused.first,
+            &fused.second,
+        )?)
+    }
+
+    fn fuse<E: From<candle_core::Error>>(
+        &self,
+        r: usize,
+        map: impl Fn(&Tensor) -> Result<Tensor, E>,
+    ) -> Result<FusedPatch, E> {
+        use crate::kernels::TileLinear;
+        let r_max = self.z_scale.dim(0)?;
+        if r == 0 || r > r_max {
+            return Err(
+                candle_core::Error::Msg(format!("aligner: code rank {r} of {r_max}")).into(),
+            );
+        }
+        let bias = |l: &Linear| -> candle_core::Result<Tensor> {
+            match l.bias() {
+                Some(b) => Ok(b.clone()),
+                None => Tensor::zeros(l.weight().dim(0)?, DType::F32, l.weight().device()),
+            }
+        };
+        // (z / s) W_1^T = z (W_1 diag(1 / s))^T, on the first r columns (a code's missing
+        // components are zeros).
+        let scale = self.z_scale.narrow(0, 0, r)?.unsqueeze(0)?;
+        let w1 = self
+            .mlp_in
+            .weight()
+            .narrow(1, 0, r)?
+            .broadcast_div(&scale)?;
+        let first = TileLinear::from_rows(&w1, &bias(&self.mlp_in)?)?;
+        // g(z) = [z | hidden] [W_lin | W_2]^T + b_lin + b_2, so map(g(z)) = [z | hidden] M'
+        // + map(b) with M' = map([W_lin | W_2]^T): the rows of that transpose are inputs of
+        // the map.
+        let stacked = Tensor::cat(
+            &[
+                self.lin.weight().narrow(1, 0, r)?.t()?,
+                self.mlp_out.weight().t()?,
+            ],
+            0,
+        )?
+        .contiguous()?;
+        let b = (bias(&self.lin)? + bias(&self.mlp_out)?)?.unsqueeze(0)?;
+        let second = TileLinear::from_columns(&map(&stacked)?, &map(&b)?.squeeze(0)?)?;
+        Ok(FusedPatch { first, second })
     }
 
     /// The named tensors of this aligner (prefix `name.`), for saving.
@@ -143,6 +265,7 @@ impl Aligner {
             lin,
             mlp_in,
             mlp_out,
+            fused: FusedCache::default(),
         })
     }
 }
@@ -167,6 +290,10 @@ fn apply(layer: &Linear, x: &Tensor, matmul: PrefillMatmul) -> candle_core::Resu
         }
         PrefillMatmul::F32 => layer.forward(x),
     }
+}
+
+fn poisoned<T>(_: std::sync::PoisonError<T>) -> candle_core::Error {
+    candle_core::Error::Msg("aligner: a thread panicked while fusing this aligner".into())
 }
 
 fn mse(pred: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
@@ -232,6 +359,7 @@ pub fn train(
         lin: lin.clone(),
         mlp_in: Linear::new(v[0].clone(), Some(v[1].clone())),
         mlp_out: Linear::new(v[2].clone(), Some(v[3].clone())),
+        fused: FusedCache::default(),
     };
     let live = build(&vars.clone().map(|v| v.as_tensor().clone()));
     let snapshot = |vars: &[Var; 4]| -> candle_core::Result<[Tensor; 4]> {
@@ -363,5 +491,71 @@ mod tests {
         for matmul in [PrefillMatmul::F32, PrefillMatmul::Tiles] {
             assert!(aligner.forward(&wide, matmul).is_err());
         }
+    }
+
+    /// The aligner fused with a linear map on tiles is the aligner then the map, at every
+    /// code rank (fewer components than `r_max` included), for each map it is given; the
+    /// forms kept stay bounded however many ranks requests ask for.
+    #[test]
+    #[ignore = "needs a CPU with AMX; `make test` runs it where the CPU has AMX (`make test-amx`)"]
+    fn fused_with_a_map_it_is_the_aligner_then_the_map_on_amx_tiles() -> candle_core::Result<()> {
+        assert_eq!(
+            PrefillMatmul::best(),
+            PrefillMatmul::Tiles,
+            "this CPU or kernel cannot run AMX tiles"
+        );
+        let dev = Device::Cpu;
+        let (r_max, hidden, d, n, rows) = (40, 96, 64, 48, 70);
+        let rand = |shape: &[usize], std: f32| Tensor::randn(0f32, std, shape, &dev);
+        let parts = [
+            ("a.z_scale", (rand(&[r_max], 1.0)?.abs()? + 0.5)?),
+            ("a.lin.weight", rand(&[d, r_max], 0.2)?),
+            ("a.lin.bias", rand(&[d], 0.2)?),
+            ("a.mlp_in.weight", rand(&[hidden, r_max], 0.3)?),
+            ("a.mlp_in.bias", rand(&[hidden], 0.3)?),
+            ("a.mlp_out.weight", rand(&[d, hidden], 0.2)?),
+            ("a.mlp_out.bias", rand(&[d], 0.2)?),
+        ];
+        let aligner = Aligner::from_tensors("a", |name| {
+            let found = parts.iter().find(|(p, _)| *p == name);
+            found
+                .map(|(_, t)| t.clone())
+                .ok_or_else(|| TranslatorError::Corrupt(name.into()))
+        })
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let maps = [rand(&[d, n], 0.3)?, rand(&[d, n], 0.3)?];
+        let z = rand(&[rows, r_max], 1.0)?;
+        for r in [r_max, 17, 32, 5, 9, 11] {
+            let z = z.narrow(1, 0, r)?.contiguous()?;
+            let h = aligner.forward(&z, PrefillMatmul::F32)?;
+            for (i, m) in maps.iter().enumerate() {
+                let expected = h.matmul(m)?;
+                let got = aligner.then_on_tiles(&z, &format!("map {i}"), |x| x.matmul(m))?;
+                let diff = (got - &expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?;
+                // bf16 inputs to two products (8 bits of mantissa): a few parts in a
+                // thousand of the largest output, far from a wrong map or rank (order one).
+                assert!(
+                    diff <= scale / 64.0,
+                    "rank {r}, map {i}: {diff} against {scale}"
+                );
+            }
+        }
+        let kept = aligner
+            .fused
+            .0
+            .lock()
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
+        assert_eq!(kept, FUSED_KEPT, "12 forms asked for");
+        assert!(aligner
+            .then_on_tiles(&z, "map 0", |x| x.matmul(&maps[0]))
+            .is_ok());
+        // A rank above r_max cannot be fused.
+        let wide = rand(&[rows, r_max + 1], 1.0)?;
+        assert!(aligner
+            .then_on_tiles(&wide, "map 0", |x| x.matmul(&maps[0]))
+            .is_err());
+        Ok(())
     }
 }
