@@ -468,21 +468,23 @@ pub(crate) fn to_bf16(src: &[f32], dst: &mut [u16]) {
     unsafe { row_to_bf16(src, dst) }
 }
 
-/// Writes `x` `(rows, width)` (contiguous) in bf16 into columns `col..col + width` of the
-/// rows of `a`, `k_pad` apart: one block of a product's inputs laid side by side.
+/// Writes `rows` rows of `width` from `x` (each `stride` apart) in bf16 into columns
+/// `col..col + width` of the rows of `a`, `k_pad` apart: a product's input, or one block of
+/// inputs laid side by side.
 pub(crate) fn block_to_bf16(
-    (x, width): (&[f32], usize),
-    rows: usize,
+    (x, stride): (&[f32], usize),
+    (rows, width): (usize, usize),
     (a, k_pad): (&mut [u16], usize),
     col: usize,
 ) {
-    assert!(x.len() >= rows * width && col + width <= k_pad && a.len() >= rows * k_pad);
+    assert!(stride >= width && col + width <= k_pad && a.len() >= rows * k_pad);
+    assert!(rows == 0 || x.len() >= (rows - 1) * stride + width);
     a[..rows * k_pad]
         .par_chunks_mut(STEP * k_pad)
         .enumerate()
         .for_each(|(c, dst)| {
             for (i, d) in dst.chunks_exact_mut(k_pad).enumerate() {
-                let src = &x[(c * STEP + i) * width..][..width];
+                let src = &x[(c * STEP + i) * stride..][..width];
                 // SAFETY: `available()` (which the tile path requires) checked AVX512_BF16.
                 unsafe { row_to_bf16(src, &mut d[col..col + width]) };
             }
@@ -491,7 +493,7 @@ pub(crate) fn block_to_bf16(
 
 /// `x`'s `rows` rows of `k` (each `stride` apart) in bf16, zero-padded to `(rows_pad, k_pad)`.
 fn to_bf16_rows(
-    (x, stride): (&[f32], usize),
+    x: (&[f32], usize),
     rows: usize,
     k: usize,
     (rows_pad, k_pad): (usize, usize),
@@ -504,16 +506,7 @@ fn to_bf16_rows(
     a.resize(rows_pad * k_pad, 0);
     // Padding rows (after a longer call) must be zero too.
     a[rows * k_pad..].fill(0);
-    a[..rows * k_pad]
-        .par_chunks_mut(STEP * k_pad)
-        .enumerate()
-        .for_each(|(c, dst)| {
-            for (i, d) in dst.chunks_exact_mut(k_pad).enumerate() {
-                let src = &x[(c * STEP + i) * stride..][..k];
-                // SAFETY: `available()` (which the tile path requires) checked AVX512_BF16.
-                unsafe { row_to_bf16(src, &mut d[..k]) };
-            }
-        });
+    block_to_bf16(x, (rows, k), (a, k_pad), 0);
 }
 
 /// `dst[i] = bf16(src[i])`, 32 at a time.

@@ -19,27 +19,26 @@ impl TileLinear {
     /// `W = M^T` for `m` `(k, n)` (the orientation a chain of products `x M_1 M_2` gives),
     /// `bias` `(n)`. Callers check [`amx::available`].
     pub(crate) fn from_columns(m: &Tensor, bias: &Tensor) -> candle_core::Result<Self> {
-        let (k, n) = m.dims2()?;
-        let mut w = amx::TileWeight::empty();
-        with_f32(&m.contiguous()?, |ms| {
-            w.repack_transposed(ms, k, n);
-            Ok(())
-        })?;
-        Self::with_bias(w, bias)
+        Self::packed(m, bias, |w, ms, (k, n)| w.repack_transposed(ms, k, n))
     }
 
     /// `W` `(n, k)` as a layer stores it, `bias` `(n)`. Callers check [`amx::available`].
     pub(crate) fn from_rows(w: &Tensor, bias: &Tensor) -> candle_core::Result<Self> {
-        let (n, k) = w.dims2()?;
-        let mut packed = amx::TileWeight::empty();
-        with_f32(&w.contiguous()?, |ws| {
-            packed.repack(ws, n, k);
-            Ok(())
-        })?;
-        Self::with_bias(packed, bias)
+        Self::packed(w, bias, |p, ws, (n, k)| p.repack(ws, n, k))
     }
 
-    fn with_bias(w: amx::TileWeight, bias: &Tensor) -> candle_core::Result<Self> {
+    /// `t` packed by `pack` (given its elements and dimensions), with `bias`.
+    fn packed(
+        t: &Tensor,
+        bias: &Tensor,
+        pack: impl FnOnce(&mut amx::TileWeight, &[f32], (usize, usize)),
+    ) -> candle_core::Result<Self> {
+        let dims = t.dims2()?;
+        let mut w = amx::TileWeight::empty();
+        with_f32(&t.contiguous()?, |ts| {
+            pack(&mut w, ts, dims);
+            Ok(())
+        })?;
         let n = w.shape().1;
         if bias.dims() != [n] {
             candle_core::bail!("tile linear: bias {:?} for {n} outputs", bias.dims());
@@ -75,7 +74,7 @@ pub(crate) fn skip_mlp_tiles(
             for (a, k_pad) in [(&mut s.a, k1_pad), (&mut s.a2, k2_pad)] {
                 a.clear();
                 a.resize(rows_pad * k_pad, 0);
-                amx::block_to_bf16((xs, k), rows, (a, k_pad), 0);
+                amx::block_to_bf16((xs, k), (rows, k), (a, k_pad), 0);
             }
             let h_pad = amx::linear_padded_bf16(&s.a, rows_pad, &first.w, &mut s.y);
             s.a2.par_chunks_mut(k2_pad)
