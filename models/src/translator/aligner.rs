@@ -73,7 +73,7 @@ pub struct Aligner {
 /// AMX tiles, for codes of one rank: `silu(z W_1'^T + b_1)`, the code's whitening `1 / s`
 /// folded into `W_1'`, then `[z | hidden]` times the composite of the aligner's output layers
 /// and the map. The composite is made once in f32; per request this is two products where
-/// the aligner and the projections took five and seven element-wise passes, and the
+/// the aligner and the projections took five products and seven element-wise passes, and the
 /// aligner's `d`-wide output is never written (the map's `n` outputs are fewer).
 struct FusedPatch {
     first: crate::kernels::TileLinear,
