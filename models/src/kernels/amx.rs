@@ -299,7 +299,11 @@ fn pack_full_column_avx512(_: &[f32], _: usize, _: usize, _: &mut [u16]) {
 pub(crate) fn linear(x: &[f32], rows: usize, w: &TileWeight, a: &mut Vec<u16>) -> Vec<f32> {
     let mut y = Vec::new();
     let n_pad = linear_padded((x, w.k), rows, w, a, &mut y);
-    let n = w.n;
+    unpadded(y, rows, n_pad, w.n)
+}
+
+/// The first `rows` rows of `n` of `y`, whose rows are `n_pad` long (a padded product).
+pub(crate) fn unpadded(mut y: Vec<f32>, rows: usize, n_pad: usize, n: usize) -> Vec<f32> {
     if n_pad == n {
         y.truncate(rows * n);
         return y;

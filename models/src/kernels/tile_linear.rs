@@ -100,17 +100,7 @@ pub(crate) fn skip_mlp_tiles(
                 *o += b;
             }
         });
-    if n_pad == n {
-        y.truncate(rows * n);
-    } else {
-        y = y
-            .chunks_exact(n_pad)
-            .take(rows)
-            .flat_map(|r| &r[..n])
-            .copied()
-            .collect();
-    }
-    Tensor::from_vec(y, (rows, n), &Device::Cpu)
+    Tensor::from_vec(amx::unpadded(y, rows, n_pad, n), (rows, n), &Device::Cpu)
 }
 
 #[cfg(test)]
