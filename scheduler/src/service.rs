@@ -17,7 +17,7 @@ use crate::codec::{self, CodecError};
 use crate::jobs::{now_ms, Blame, JobError, JobStore, ModeFallback};
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, LeaderGuard, Leadership};
-use crate::membership::{LiveNodes, MembershipError, NodeMap};
+use crate::membership::{LiveNodes, MembershipError, NodeInfo, NodeMap};
 use crate::models::{ModelError, ModelRegistry};
 use crate::store::{MetaStore, StoreError, Txn, TxnOp};
 use crate::translators::TranslatorRegistry;
@@ -268,6 +268,19 @@ pub async fn reconcile(
             }
             continue;
         }
+        // The view follows a watch of the nodes and can lag the job listing: a consumer that
+        // drained (advertising nothing to serve) and then handed this job back may still look
+        // like a host here. Handing a job back to the consumer that lost it is where that lag
+        // spends an attempt, so that choice is checked against the store's record first.
+        while let Some(again) = choose_consumer(&job.experts(), &view, &job.failed_consumers)
+            .filter(|c| job.failed_consumers.contains(c))
+        {
+            if still_hosts(store.as_ref(), keys, &again, &job.experts()).await? {
+                break;
+            }
+            tracing::info!(job = %job.id, node = again, "the watch lagged: the node no longer hosts the job's experts");
+            view.remove(&again);
+        }
         let fallback = match job.mode {
             Mode::Reuse | Mode::Scd => {
                 degraded_pair(&registry, experts, &job.expert, &mut degraded).await?
@@ -323,6 +336,24 @@ pub async fn reconcile(
 
     report.jobs_swept = jobs.sweep_finished(now_ms(), config.retention).await?;
     Ok(report)
+}
+
+/// Whether the store's own record of `node` (not a watch's copy) has it decoding every one of
+/// `experts`.
+async fn still_hosts(
+    store: &dyn MetaStore,
+    keys: &Keys,
+    node: &str,
+    experts: &[&str],
+) -> Result<bool, SchedulerError> {
+    let key = keys.node(node)?;
+    let Some(kv) = store.get(&key).await? else {
+        return Ok(false);
+    };
+    let info: NodeInfo = codec::decode(&key, &kv.value)?;
+    Ok(experts
+        .iter()
+        .all(|e| info.consumer_models.iter().any(|m| m == e)))
 }
 
 /// Why `expert`'s jobs should not use its translator now (its live version is marked

@@ -8,10 +8,12 @@ use std::time::Duration;
 use common::{eventually, within, Backend, TTL};
 use scd_scheduler::admission;
 use scd_scheduler::jobs::now_ms;
-use scd_scheduler::service::read_pools;
+use scd_scheduler::jobs::Blame;
+use scd_scheduler::service::{read_pools, reconcile};
 use scd_scheduler::{
-    ElectionConfig, ExpertSpec, JobError, JobId, JobRecord, JobState, JobStore, Mode, ModelRecord,
-    ModelRegistry, NodeInfo, Registration, RegistrationConfig, Scheduler, SchedulerConfig,
+    Candidate, ElectionConfig, ExpertSpec, JobError, JobId, JobRecord, JobState, JobStore, Mode,
+    ModelRecord, ModelRegistry, NodeInfo, NodeMap, Registration, RegistrationConfig, Scheduler,
+    SchedulerConfig,
 };
 
 /// Waits (bounded) until the job is in `state`.
@@ -809,6 +811,7 @@ async fn a_degraded_translator_sends_its_jobs_to_a_safer_mode(b: Backend) {
 }
 
 on_both_stores!(
+    a_drained_consumer_does_not_get_its_job_back_from_a_stale_view,
     a_degraded_translator_sends_its_jobs_to_a_safer_mode,
     admission_bounds_unfinished_jobs_exactly,
     a_job_nobody_can_decode_fails_after_the_grace,
@@ -888,6 +891,82 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
     assert!(job.failed_producers.is_empty());
     assert_eq!(job.failed_consumers, vec!["c1".to_string()]);
     assert!(job.error.unwrap().contains("consumer c1"));
+}
+
+/// A consumer drains (it advertises nothing to serve) and hands its job back; a scheduler
+/// whose watch of the nodes has not seen the drain yet must not place the job there again.
+async fn a_drained_consumer_does_not_get_its_job_back_from_a_stale_view(b: Backend) {
+    let id = JobId::random();
+    let _p = register(&b, producer("p1")).await;
+    let c1 = register(&b, consumer("c1")).await;
+    let candidate = Candidate::start(
+        b.client().await,
+        &b.keys,
+        "scheduler",
+        "s1",
+        ElectionConfig { ttl: TTL },
+    )
+    .unwrap();
+    let guard = candidate.wait_until_leader().await;
+    let config = scheduler_config(Duration::from_secs(3600));
+    let mut before_drain = NodeMap::new();
+    for n in [producer("p1"), consumer("c1")] {
+        before_drain.insert(n.id.clone(), n);
+    }
+    let pass = |view: NodeMap| {
+        let (store, keys, guard, config) = (
+            b.store.clone(),
+            b.keys.clone(),
+            guard.clone(),
+            config.clone(),
+        );
+        async move {
+            reconcile(&store, &keys, &guard, &view, &config.experts, &config)
+                .await
+                .unwrap()
+        }
+    };
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    jobs.create(&sotu_job(id, 3)).await.unwrap();
+    assert_eq!(pass(before_drain.clone()).await.jobs_assigned, 1);
+    for s in [
+        JobState::Prefilling,
+        JobState::Transferring,
+        JobState::Decoding,
+    ] {
+        jobs.transition(id, s).await.unwrap();
+    }
+    // The drain as `Node::shutdown` does it: advertise nothing, then hand the job back.
+    c1.update(|n| {
+        n.consumer_models.clear();
+        n.capacity = 0;
+    })
+    .await
+    .unwrap();
+    jobs.update(id, |j| {
+        j.retry("node c1 shut down", Blame::Consumer, now_ms())
+    })
+    .await
+    .unwrap();
+    let report = pass(before_drain.clone()).await;
+    let job = jobs.get(id).await.unwrap().unwrap();
+    assert_eq!((report.jobs_assigned, job.state), (0, JobState::Queued));
+    assert_eq!((job.attempts, job.consumer), (1, None));
+
+    // Back in service (say, restarted under the same id), the one consumer it has gets the job
+    // again, even from the same stale view.
+    c1.update(|n| {
+        n.consumer_models = vec!["sotu".into()];
+        n.capacity = 4;
+    })
+    .await
+    .unwrap();
+    assert_eq!(pass(before_drain).await.jobs_assigned, 1);
+    let job = jobs.get(id).await.unwrap().unwrap();
+    assert_eq!(
+        (job.state, job.attempts, job.consumer.as_deref()),
+        (JobState::Assigned, 2, Some("c1"))
+    );
 }
 
 /// A job whose only consumer dies is queued again; when no node hosts its expert for the
