@@ -3,7 +3,7 @@
 //! of jobs whose producer or consumer vanished, assignment of queued jobs, and removal of
 //! finished records past their retention. Every write it makes carries the leader's fence.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -185,6 +185,8 @@ pub async fn reconcile(
     // Assignments made in this pass count as load at once, so a burst of queued jobs spreads
     // over the pool instead of piling onto whoever advertised the lowest load last.
     let mut view = nodes.clone();
+    // Nodes whose entry in `view` was read again from the store in this pass (below).
+    let mut refreshed = BTreeSet::new();
     let jobs = JobStore::new(store.clone(), keys.clone());
     let leader_only = |e: JobError| match e {
         JobError::NotLeader(_) => SchedulerError::NotLeader,
@@ -271,15 +273,24 @@ pub async fn reconcile(
         // The view follows a watch of the nodes and can lag the job listing: a consumer that
         // drained (advertising nothing to serve) and then handed this job back may still look
         // like a host here. Handing a job back to the consumer that lost it is where that lag
-        // spends an attempt, so that choice is checked against the store's record first.
+        // spends an attempt, so before that choice the node's entry is read again from the
+        // store (once per node and pass, however many such jobs there are).
         while let Some(again) = choose_consumer(&job.experts(), &view, &job.failed_consumers)
-            .filter(|c| job.failed_consumers.contains(c))
+            .filter(|c| job.failed_consumers.contains(c) && !refreshed.contains(c))
         {
-            if still_hosts(store.as_ref(), keys, &again, &job.experts()).await? {
-                break;
+            refreshed.insert(again.clone());
+            match stored_node(store.as_ref(), keys, &again).await? {
+                Some(mut info) => {
+                    // Keep the assignments this pass has already counted against it.
+                    if let Some(seen) = view.get(&again) {
+                        info.load = info.load.max(seen.load);
+                    }
+                    view.insert(again, info);
+                }
+                None => {
+                    view.remove(&again);
+                }
             }
-            tracing::info!(job = %job.id, node = again, "the watch lagged: the node no longer hosts the job's experts");
-            view.remove(&again);
         }
         let fallback = match job.mode {
             Mode::Reuse | Mode::Scd => {
@@ -338,22 +349,17 @@ pub async fn reconcile(
     Ok(report)
 }
 
-/// Whether the store's own record of `node` (not a watch's copy) has it decoding every one of
-/// `experts`.
-async fn still_hosts(
+/// The store's own record of `node` (not a watch's copy), if it is registered.
+async fn stored_node(
     store: &dyn MetaStore,
     keys: &Keys,
     node: &str,
-    experts: &[&str],
-) -> Result<bool, SchedulerError> {
+) -> Result<Option<NodeInfo>, SchedulerError> {
     let key = keys.node(node)?;
-    let Some(kv) = store.get(&key).await? else {
-        return Ok(false);
-    };
-    let info: NodeInfo = codec::decode(&key, &kv.value)?;
-    Ok(experts
-        .iter()
-        .all(|e| info.consumer_models.iter().any(|m| m == e)))
+    match store.get(&key).await? {
+        Some(kv) => Ok(Some(codec::decode(&key, &kv.value)?)),
+        None => Ok(None),
+    }
 }
 
 /// Why `expert`'s jobs should not use its translator now (its live version is marked
