@@ -954,7 +954,7 @@ async fn a_drained_consumer_does_not_get_its_job_back_from_a_stale_view(b: Backe
     assert_eq!((job.attempts, job.consumer), (1, None));
 
     // Back in service (say, restarted under the same id), the one consumer it has gets the job
-    // again, even from the same stale view.
+    // again, placed from the same view (now right about c1).
     c1.update(|n| {
         n.consumer_models = vec!["sotu".into()];
         n.capacity = 4;
