@@ -338,29 +338,21 @@ impl TranslatedDecoder<'_> {
                 })?;
                 let z = self.read(code, p.h.max_rank())?;
                 let aligner = &p.aligners[expert];
-                let (k, v) = if self.codec.matmul == PrefillMatmul::Tiles
-                    && z.dim(0)? > crate::kernels::MAX_ROWS
-                {
-                    // The aligner fused with this consumer's K and V projections of the layer
-                    // (made on the translator's first request at this rank, then kept).
-                    let id = self.consumer.identity();
-                    let key = format!("{l} {} {:?}", id.sha256, id.adapter_sha256);
-                    let kv = aligner.then_on_tiles(&z, &key, |x| -> Result<_, CodecError> {
+                // The aligner fused with this consumer's K and V projections of the layer
+                // (made on the translator's first request at this rank, then kept).
+                let id = self.consumer.identity();
+                let key = format!("{l} {} {:?}", id.sha256, id.adapter_sha256);
+                let kv =
+                    aligner.then(&z, &key, self.codec.matmul, |x| -> Result<_, CodecError> {
                         let k = self.consumer.project_f32(l, Proj::K, x)?;
                         let v = self.consumer.project_f32(l, Proj::V, x)?;
                         Ok(Tensor::cat(&[k, v], 1)?)
                     })?;
-                    let n = kv.dim(1)? / 2;
-                    (
-                        kv.narrow(1, 0, n)?.contiguous()?,
-                        kv.narrow(1, n, n)?.contiguous()?,
-                    )
-                } else {
-                    let h = aligner.forward(&z, self.codec.matmul)?;
-                    let k = self.consumer.project(l, Proj::K, &h)?;
-                    let v = self.consumer.project(l, Proj::V, &h)?;
-                    (k, v)
-                };
+                let n = kv.dim(1)? / 2;
+                let (k, v) = (
+                    kv.narrow(1, 0, n)?.contiguous()?,
+                    kv.narrow(1, n, n)?.contiguous()?,
+                );
                 self.fill(l, &k, &v)?;
             }
             CodeKind::REUSE_K | CodeKind::REUSE_V => {

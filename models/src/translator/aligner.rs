@@ -65,19 +65,44 @@ pub struct Aligner {
     pub mlp_in: Linear,
     /// `(d, hidden)`.
     pub mlp_out: Linear,
-    /// Its fused forms on tiles ([`Aligner::then_on_tiles`]), made on first use.
+    /// Its fused forms ([`Aligner::then`]), made on first use.
     fused: FusedCache,
 }
 
-/// An aligner followed by a linear map (a consumer's K and V projections) as two products on
-/// AMX tiles, for codes of one rank: `silu(z W_1'^T + b_1)`, the code's whitening `1 / s`
-/// folded into `W_1'`, then `[z | hidden]` times the composite of the aligner's output layers
-/// and the map. The composite is made once in f32; per request this is two products where
-/// the aligner and the projections took five products and seven element-wise passes, and the
-/// aligner's `d`-wide output is never written (the map's `n` outputs are fewer).
-struct FusedPatch {
-    first: crate::kernels::TileLinear,
-    second: crate::kernels::TileLinear,
+/// An aligner followed by a linear map (a consumer's K and V projections) as two products, for
+/// codes of one rank: `silu(z W_1'^T + b_1)`, the code's whitening `1 / s` folded into `W_1'`,
+/// then `[z | hidden]` times the composite of the aligner's output layers and the map. The
+/// composite is made once in f32; per request this is two products where the aligner and the
+/// projections took five products and seven element-wise passes, and the aligner's `d`-wide
+/// output is never written (the map's `n` outputs are fewer). On SmolLM2 at rank 128 the two
+/// products have 43% of the five's multiply-adds (the f32 path also padded the code to
+/// `r_max`).
+enum FusedPatch {
+    /// bf16 products on AMX tiles.
+    Tiles {
+        first: crate::kernels::TileLinear,
+        second: crate::kernels::TileLinear,
+    },
+    /// f32 products: weights `(out, in)` and their biases.
+    F32 {
+        w1: Tensor,
+        b1: Tensor,
+        w2: Tensor,
+        b2: Tensor,
+    },
+}
+
+impl FusedPatch {
+    fn forward(&self, z: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Tiles { first, second } => crate::kernels::skip_mlp_tiles(z, first, second),
+            Self::F32 { w1, b1, w2, b2 } => {
+                let hidden = crate::ops::linear(z, w1)?.broadcast_add(b1)?.silu()?;
+                let zh = Tensor::cat(&[z, &hidden], 1)?;
+                crate::ops::linear(&zh, w2)?.broadcast_add(b2)
+            }
+        }
+    }
 }
 
 /// The fused forms an aligner keeps: a few (code rank, map) pairs, the latest first. A
@@ -85,11 +110,12 @@ struct FusedPatch {
 #[derive(Default)]
 struct FusedCache(Mutex<Vec<(FusedKey, Arc<FusedPatch>)>>);
 
-/// A fused form's code rank and the name of its map.
-type FusedKey = (usize, String);
+/// A fused form's code rank, the name of its map and where its products run.
+type FusedKey = (usize, String, PrefillMatmul);
 
 /// The fused forms kept per aligner: the ranks a node's links use, not every rank a request
-/// may ask for (each form is `(r + hidden) x n` bf16, 0.5 MB for SmolLM2's K and V).
+/// may ask for (each form is `(r + hidden) x n` weights: for SmolLM2's K and V at rank 128,
+/// 0.5 MB in bf16 on tiles, 1.2 MB in f32 with the first layer).
 const FUSED_KEPT: usize = 4;
 
 impl Clone for FusedCache {
@@ -137,20 +163,27 @@ impl Aligner {
         apply(&self.lin, &z, matmul)? + apply(&self.mlp_out, &hidden, matmul)?
     }
 
-    /// `map(g(z))` on AMX tiles for codes `z` `(T, r)`, where `map` is linear without a
-    /// constant term (`map(x) = x M`, such as a consumer's K and V projections with its
-    /// adapter) and `key` names it: the fused form of this aligner and `map` for rank `r`,
-    /// made on the first call with that rank and key (`map` is then called on the aligner's
-    /// weights, in f32) and kept. The same function as [`Aligner::forward`] then `map`, with
-    /// bf16 products. Callers check that the machine has tiles.
-    pub(crate) fn then_on_tiles<E: From<candle_core::Error>>(
+    /// `map(g(z))` for codes `z` `(T, r)`, where `map` is linear without a constant term
+    /// (`map(x) = x M`, such as a consumer's K and V projections with its adapter) and `key`
+    /// names it: the fused form of this aligner and `map` for rank `r` with its products on
+    /// `matmul`, made on the first call with that rank, key and setting (`map` is then called
+    /// on the aligner's weights, in f32) and kept. The same function as [`Aligner::forward`]
+    /// then `map`; on tiles the products are bf16 and callers check that the machine has them.
+    pub(crate) fn then<E: From<candle_core::Error>>(
         &self,
         z: &Tensor,
         key: &str,
+        matmul: PrefillMatmul,
         map: impl Fn(&Tensor) -> Result<Tensor, E>,
     ) -> Result<Tensor, E> {
-        let r = z.dim(1)?;
-        let id = (r, key.to_string());
+        let (rows, r) = z.dims2()?;
+        // As in the projections: tiles pay off for many rows, a few stream the f32 weights.
+        let matmul = if rows <= crate::kernels::MAX_ROWS {
+            PrefillMatmul::F32
+        } else {
+            matmul
+        };
+        let id = (r, key.to_string(), matmul);
         let cached = {
             let kept = self.fused.0.lock().map_err(poisoned)?;
             kept.iter().find(|(k, _)| *k == id).map(|(_, f)| f.clone())
@@ -158,7 +191,7 @@ impl Aligner {
         let fused = match cached {
             Some(f) => f,
             None => {
-                let f = Arc::new(self.fuse(r, map)?);
+                let f = Arc::new(self.fuse(r, matmul, map)?);
                 let mut kept = self.fused.0.lock().map_err(poisoned)?;
                 // Another request may have made the same form meanwhile.
                 if !kept.iter().any(|(k, _)| *k == id) {
@@ -168,16 +201,13 @@ impl Aligner {
                 f
             }
         };
-        Ok(crate::kernels::skip_mlp_tiles(
-            z,
-            &fused.first,
-            &fused.second,
-        )?)
+        Ok(fused.forward(z)?)
     }
 
     fn fuse<E: From<candle_core::Error>>(
         &self,
         r: usize,
+        matmul: PrefillMatmul,
         map: impl Fn(&Tensor) -> Result<Tensor, E>,
     ) -> Result<FusedPatch, E> {
         use crate::kernels::TileLinear;
@@ -201,7 +231,7 @@ impl Aligner {
             .weight()
             .narrow(1, 0, r)?
             .broadcast_div(&scale)?;
-        let first = TileLinear::from_rows(&w1, &bias(&self.mlp_in)?)?;
+        let b1 = bias(&self.mlp_in)?;
         // g(z) = [z | hidden] [W_lin | W_2]^T + b_lin + b_2, so map(g(z)) = [z | hidden] M'
         // + map(b) with M' = map([W_lin | W_2]^T): the rows of that transpose are inputs of
         // the map.
@@ -214,8 +244,19 @@ impl Aligner {
         )?
         .contiguous()?;
         let b = (bias(&self.lin)? + bias(&self.mlp_out)?)?.unsqueeze(0)?;
-        let second = TileLinear::from_columns(&map(&stacked)?, &map(&b)?.squeeze(0)?)?;
-        Ok(FusedPatch { first, second })
+        let (m, b2) = (map(&stacked)?, map(&b)?.squeeze(0)?);
+        Ok(match matmul {
+            PrefillMatmul::Tiles => FusedPatch::Tiles {
+                first: TileLinear::from_rows(&w1, &b1)?,
+                second: TileLinear::from_columns(&m, &b2)?,
+            },
+            PrefillMatmul::F32 => FusedPatch::F32 {
+                w1: w1.contiguous()?,
+                b1,
+                w2: m.t()?.contiguous()?,
+                b2,
+            },
+        })
     }
 
     /// The named tensors of this aligner (prefix `name.`), for saving.
@@ -493,19 +534,16 @@ mod tests {
         }
     }
 
-    /// The aligner fused with a linear map on tiles is the aligner then the map, at every
-    /// code rank (fewer components than `r_max` included), for each map it is given; the
-    /// forms kept stay bounded however many ranks requests ask for.
-    #[test]
-    #[ignore = "needs a CPU with AMX; `make test` runs it where the CPU has AMX (`make test-amx`)"]
-    fn fused_with_a_map_it_is_the_aligner_then_the_map_on_amx_tiles() -> candle_core::Result<()> {
-        assert_eq!(
-            PrefillMatmul::best(),
-            PrefillMatmul::Tiles,
-            "this CPU or kernel cannot run AMX tiles"
-        );
+    /// The aligner fused with a linear map is the aligner then the map, at every code rank
+    /// (fewer components than `r_max` included), for each map it is given, with products on
+    /// `matmul` (`tolerance` of the largest output); the forms kept stay bounded however many
+    /// ranks requests ask for, and a rank above `r_max` is an error.
+    fn fused_is_the_aligner_then_the_map(
+        matmul: PrefillMatmul,
+        tolerance: f32,
+    ) -> candle_core::Result<()> {
         let dev = Device::Cpu;
-        let (r_max, hidden, d, n, rows) = (40, 96, 64, 48, 70);
+        let (r_max, hidden, d, n) = (40, 96, 64, 48);
         let rand = |shape: &[usize], std: f32| Tensor::randn(0f32, std, shape, &dev);
         let parts = [
             ("a.z_scale", (rand(&[r_max], 1.0)?.abs()? + 0.5)?),
@@ -524,21 +562,22 @@ mod tests {
         })
         .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let maps = [rand(&[d, n], 0.3)?, rand(&[d, n], 0.3)?];
-        let z = rand(&[rows, r_max], 1.0)?;
-        for r in [r_max, 17, 32, 5, 9, 11] {
-            let z = z.narrow(1, 0, r)?.contiguous()?;
-            let h = aligner.forward(&z, PrefillMatmul::F32)?;
-            for (i, m) in maps.iter().enumerate() {
-                let expected = h.matmul(m)?;
-                let got = aligner.then_on_tiles(&z, &format!("map {i}"), |x| x.matmul(m))?;
-                let diff = (got - &expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?;
-                // bf16 inputs to two products (8 bits of mantissa): a few parts in a
-                // thousand of the largest output, far from a wrong map or rank (order one).
-                assert!(
-                    diff <= scale / 64.0,
-                    "rank {r}, map {i}: {diff} against {scale}"
-                );
+        // Many rows (the products' blocked path) and a decode's few (the streaming one).
+        for rows in [70, 3] {
+            let z = rand(&[rows, r_max], 1.0)?;
+            for r in [r_max, 17, 32, 5, 9, 11] {
+                let z = z.narrow(1, 0, r)?.contiguous()?;
+                let h = aligner.forward(&z, PrefillMatmul::F32)?;
+                for (i, m) in maps.iter().enumerate() {
+                    let expected = h.matmul(m)?;
+                    let got = aligner.then(&z, &format!("map {i}"), matmul, |x| x.matmul(m))?;
+                    let diff = (got - &expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    let scale = expected.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(
+                        diff <= scale * tolerance,
+                        "{rows} rows, rank {r}, map {i}: {diff} against {scale}"
+                    );
+                }
             }
         }
         let kept = aligner
@@ -548,14 +587,34 @@ mod tests {
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
         assert_eq!(kept, FUSED_KEPT, "12 forms asked for");
+        let z = rand(&[5, r_max], 1.0)?;
         assert!(aligner
-            .then_on_tiles(&z, "map 0", |x| x.matmul(&maps[0]))
+            .then(&z, "map 0", matmul, |x| x.matmul(&maps[0]))
             .is_ok());
-        // A rank above r_max cannot be fused.
-        let wide = rand(&[rows, r_max + 1], 1.0)?;
+        let wide = rand(&[5, r_max + 1], 1.0)?;
         assert!(aligner
-            .then_on_tiles(&wide, "map 0", |x| x.matmul(&maps[0]))
+            .then(&wide, "map 0", matmul, |x| x.matmul(&maps[0]))
             .is_err());
         Ok(())
+    }
+
+    #[test]
+    fn fused_with_a_map_it_is_the_aligner_then_the_map_in_f32() -> candle_core::Result<()> {
+        // f32 throughout, summed in another order: rounding, far from a wrong map or rank
+        // (order one).
+        fused_is_the_aligner_then_the_map(PrefillMatmul::F32, 1e-5)
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AMX; `make test` runs it where the CPU has AMX (`make test-amx`)"]
+    fn fused_with_a_map_it_is_the_aligner_then_the_map_on_amx_tiles() -> candle_core::Result<()> {
+        assert_eq!(
+            PrefillMatmul::best(),
+            PrefillMatmul::Tiles,
+            "this CPU or kernel cannot run AMX tiles"
+        );
+        // bf16 inputs to two products (8 bits of mantissa): a few parts in a thousand of the
+        // largest output.
+        fused_is_the_aligner_then_the_map(PrefillMatmul::Tiles, 1.0 / 64.0)
     }
 }
