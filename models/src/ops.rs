@@ -220,6 +220,27 @@ pub(crate) fn merge_heads(chunks: &[Tensor]) -> candle_core::Result<Tensor> {
     }
 }
 
+/// `op` of every row of `x` `(T, n)` and the row vector `b` `(n)` (a bias, a code's mean):
+/// [`kernels::with_row_vector`] without gradients, candle's broadcast ops with them.
+pub(crate) fn row_vector(
+    x: &Tensor,
+    b: &Tensor,
+    op: kernels::RowOp,
+) -> candle_core::Result<Tensor> {
+    use candle_core::DType;
+    let plain = !x.track_op()
+        && !b.track_op()
+        && x.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && x.rank() == 2;
+    match op {
+        _ if plain => kernels::with_row_vector(x, b, op),
+        kernels::RowOp::Add => x.broadcast_add(b),
+        kernels::RowOp::Sub => x.broadcast_sub(b),
+        kernels::RowOp::AddSilu => x.broadcast_add(b)?.silu(),
+    }
+}
+
 /// `silu(g) * u` for the fused gate/up output `(T, 2 n)` whose rows are `[g | u]`.
 pub(crate) fn swiglu(gate_up: &Tensor) -> candle_core::Result<Tensor> {
     if gate_up.track_op() {

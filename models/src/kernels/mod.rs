@@ -17,6 +17,7 @@ mod exp;
 mod heads;
 mod low_rank;
 mod narrow;
+mod row_vector;
 mod rows;
 mod softmax;
 mod swiglu;
@@ -30,6 +31,7 @@ pub(crate) use low_rank::{LowRank, LowRankTerm};
 pub(crate) use narrow::{
     linear_narrow, linear_narrow_low_rank, Format, Isa as NarrowIsa, PackedWeight,
 };
+pub(crate) use row_vector::{with_row_vector, RowOp};
 pub(crate) use rows::{linear_few_rows, MAX_ROWS, MIN_DEPTH};
 pub(crate) use softmax::causal_softmax_;
 pub(crate) use swiglu::{silu_, swiglu};

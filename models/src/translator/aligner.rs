@@ -21,6 +21,8 @@ use rand::{Rng, SeedableRng};
 
 use super::low_rank::LowRankCode;
 use super::TranslatorError;
+use crate::kernels::RowOp;
+use crate::ops;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::prefill_matmul::PrefillMatmul;
 
@@ -97,9 +99,9 @@ impl FusedPatch {
         match self {
             Self::Tiles { first, second } => crate::kernels::skip_mlp_tiles(z, first, second),
             Self::F32 { w1, b1, w2, b2 } => {
-                let hidden = crate::ops::linear(z, w1)?.broadcast_add(b1)?.silu()?;
+                let hidden = ops::row_vector(&ops::linear(z, w1)?, b1, RowOp::AddSilu)?;
                 let zh = Tensor::cat(&[z, &hidden], 1)?;
-                crate::ops::linear(&zh, w2)?.broadcast_add(b2)
+                ops::row_vector(&ops::linear(&zh, w2)?, b2, RowOp::Add)
             }
         }
     }
@@ -323,9 +325,9 @@ fn apply(layer: &Linear, x: &Tensor, matmul: PrefillMatmul) -> candle_core::Resu
             } else {
                 w.clone()
             };
-            let y = crate::ops::linear_packed(x, &w, None, true)?;
+            let y = ops::linear_packed(x, &w, None, true)?;
             match layer.bias() {
-                Some(b) => y.broadcast_add(b),
+                Some(b) => ops::row_vector(&y, b, RowOp::Add),
                 None => Ok(y),
             }
         }

@@ -18,6 +18,8 @@ use faer::{Mat, Side};
 
 use super::moments::Moments;
 use super::TranslatorError;
+use crate::kernels::RowOp;
+use crate::ops;
 use crate::prefill_matmul::PrefillMatmul;
 
 /// How a low-rank code is fitted.
@@ -60,7 +62,7 @@ impl LowRankCode {
         matmul: PrefillMatmul,
     ) -> candle_core::Result<Tensor> {
         times(
-            &a.broadcast_sub(&self.mean_a)?,
+            &ops::row_vector(a, &self.mean_a, RowOp::Sub)?,
             &self.enc.narrow(1, 0, rank)?,
             matmul,
         )
@@ -75,7 +77,8 @@ impl LowRankCode {
         matmul: PrefillMatmul,
     ) -> candle_core::Result<Tensor> {
         let r = z.dim(1)?;
-        times(z, &self.decs[expert].narrow(0, 0, r)?, matmul)?.broadcast_add(&self.means_b[expert])
+        let rows = times(z, &self.decs[expert].narrow(0, 0, r)?, matmul)?;
+        ops::row_vector(&rows, &self.means_b[expert], RowOp::Add)
     }
 }
 
