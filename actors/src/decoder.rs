@@ -318,32 +318,48 @@ fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, Decode
     while let Some(next) =
         blocking::recv(rt, &mut inbound, &cancel).map_err(|_| DecoderError::Cancelled)?
     {
-        let arrival = next?;
-        let frame = &arrival.frame;
-        let layer = frame.code.layer;
-        if frame.job_id != job {
-            return Err(DecoderError::WrongJob {
-                expected: job,
-                got: frame.job_id,
-            });
+        // With it, every code that arrived while the last ones were rebuilt: the codec
+        // rebuilds their layers in parallel (one layer's products are too small for two
+        // cores). On a fast link that is most of the payload.
+        let mut batch = vec![next];
+        while let Ok(more) = inbound.try_recv() {
+            batch.push(more);
         }
-        if frame.translator != codec.translator {
-            return Err(DecoderError::TranslatorMismatch {
+        let mut codes = Vec::with_capacity(batch.len());
+        for next in batch {
+            let arrival = next?;
+            let frame = arrival.frame;
+            let layer = frame.code.layer;
+            if frame.job_id != job {
+                return Err(DecoderError::WrongJob {
+                    expected: job,
+                    got: frame.job_id,
+                });
+            }
+            if frame.translator != codec.translator {
+                return Err(DecoderError::TranslatorMismatch {
+                    layer,
+                    got: hash_name(frame.translator),
+                    expected: hash_name(codec.translator),
+                });
+            }
+            arrivals.push(FrameArrival {
                 layer,
-                got: hash_name(frame.translator),
-                expected: hash_name(codec.translator),
+                kind: frame.code.kind,
+                bytes: frame.code.bytes.len(),
+                at: arrival.at,
             });
+            codes.push(frame.code);
         }
-        arrivals.push(FrameArrival {
-            layer,
-            kind: frame.code.kind,
-            bytes: frame.code.bytes.len(),
-            at: arrival.at,
-        });
         rebuild_start.get_or_insert_with(Instant::now);
-        decoder
-            .push(&frame.code)
-            .map_err(|source| DecoderError::Code { layer, source })?;
+        decoder.push_many(&codes).map_err(|source| {
+            let first = codes.first().map_or(0, |c| c.layer);
+            let layer = source
+                .layer()
+                .and_then(|l| u16::try_from(l).ok())
+                .unwrap_or(first);
+            DecoderError::Code { layer, source }
+        })?;
     }
     let cache = decoder.finish().map_err(DecoderError::Finish)?;
     if let Some(shadow) = shadow {

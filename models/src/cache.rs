@@ -35,6 +35,21 @@ struct LayerKv {
     len: usize,
 }
 
+/// One layer's buffers made apart from a cache ([`KvCache::rotated_layer`]).
+#[derive(Debug)]
+pub struct RotatedLayer {
+    layer: usize,
+    kv: LayerKv,
+    next_position: usize,
+}
+
+impl RotatedLayer {
+    /// The layer it is.
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+}
+
 /// Keys and values of the positions a model has seen, per layer.
 ///
 /// Not `Clone`: decode steps write into the buffers in place, so a copy must not share them;
@@ -134,35 +149,15 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(), ForwardError> {
-        if layer >= self.layers.len() || self.layer_len(layer) > 0 {
-            return Err(ForwardError::LayerRange {
-                start: layer,
-                end: layer + 1,
-                layers: self.layers.len(),
-            });
-        }
-        // Checked before rotating: the rotation takes any number of heads.
-        let t = self.check_rows(k, &format!("K of layer {layer}"))?;
         if !k.track_op() && !v.track_op() {
             // The usual case (no gradients): each of K and V read once and written once, into
             // the layer's buffers.
-            tables.check_rows(t)?;
-            if self.check_rows(v, &format!("V of layer {layer}"))? != t {
-                return Err(ForwardError::Shape {
-                    what: format!("V of layer {layer}"),
-                    got: v.dims().to_vec(),
-                    expected: k.dims().to_vec(),
-                });
-            }
-            let (heads, d, capacity) = (self.kv_heads, self.head_dim, t + GROW_ROWS);
-            self.layers[layer] = Some(LayerKv {
-                k: kernels::rows_to_cache_heads(k, Some(tables.cos_sin()), heads, d, capacity)?,
-                v: kernels::rows_to_cache_heads(v, None, heads, d, capacity)?,
-                len: t,
-            });
-            self.next_position = self.next_position.max(tables.next_position());
-            return Ok(());
+            let filled = self.rotated_layer(tables, layer, k, v)?;
+            return self.put_layer(filled);
         }
+        self.check_empty(layer)?;
+        // Checked before rotating: the rotation takes any number of heads.
+        self.check_rows(k, &format!("K of layer {layer}"))?;
         let k = tables.rotate_to_heads(k)?;
         let v = self.rows_to_heads(v, &format!("V of layer {layer}"))?;
         if k.dim(1)? != v.dim(1)? {
@@ -174,6 +169,67 @@ impl KvCache {
         }
         self.append(layer, &k, &v, false)?;
         self.next_position = self.next_position.max(tables.next_position());
+        Ok(())
+    }
+
+    /// The buffers of empty layer `layer` from its pre-RoPE K and V rows (no gradients),
+    /// rotated to `tables`' positions, without changing this cache: what
+    /// [`KvCache::fill_layer_rotating`] does, split so that several layers can be made on
+    /// several threads at once and then put in with [`KvCache::put_layer`].
+    pub fn rotated_layer(
+        &self,
+        tables: &RopeTables,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<RotatedLayer, ForwardError> {
+        self.check_empty(layer)?;
+        let t = self.check_rows(k, &format!("K of layer {layer}"))?;
+        tables.check_rows(t)?;
+        if self.check_rows(v, &format!("V of layer {layer}"))? != t {
+            return Err(ForwardError::Shape {
+                what: format!("V of layer {layer}"),
+                got: v.dims().to_vec(),
+                expected: k.dims().to_vec(),
+            });
+        }
+        let (heads, d, capacity) = (self.kv_heads, self.head_dim, t + GROW_ROWS);
+        Ok(RotatedLayer {
+            layer,
+            kv: LayerKv {
+                k: kernels::rows_to_cache_heads(k, Some(tables.cos_sin()), heads, d, capacity)?,
+                v: kernels::rows_to_cache_heads(v, None, heads, d, capacity)?,
+                len: t,
+            },
+            next_position: tables.next_position(),
+        })
+    }
+
+    /// Puts in a layer made by [`KvCache::rotated_layer`] (of a cache of this shape), if the
+    /// layer is still empty.
+    pub fn put_layer(&mut self, filled: RotatedLayer) -> Result<(), ForwardError> {
+        self.check_empty(filled.layer)?;
+        let (h, _, d) = filled.kv.k.dims3()?;
+        if (h, d) != (self.kv_heads, self.head_dim) {
+            return Err(ForwardError::Shape {
+                what: format!("K of layer {}", filled.layer),
+                got: filled.kv.k.dims().to_vec(),
+                expected: vec![self.kv_heads, filled.kv.len, self.head_dim],
+            });
+        }
+        self.layers[filled.layer] = Some(filled.kv);
+        self.next_position = self.next_position.max(filled.next_position);
+        Ok(())
+    }
+
+    fn check_empty(&self, layer: usize) -> Result<(), ForwardError> {
+        if layer >= self.layers.len() || self.layer_len(layer) > 0 {
+            return Err(ForwardError::LayerRange {
+                start: layer,
+                end: layer + 1,
+                layers: self.layers.len(),
+            });
+        }
         Ok(())
     }
 

@@ -231,6 +231,38 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
             codec::decode(scd.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
         assert_eq!(cache.len(), 20);
         assert_eq!(cache.next_position(), 20);
+        // A whole payload (its layers rebuilt in parallel) gives the cache that codes taken
+        // one at a time, as they arrive, give.
+        let mut one_by_one = scd.decoder(&f.experts[0], Prefix::new(prefix)).unwrap();
+        for c in &codes {
+            one_by_one.push(c).unwrap();
+        }
+        let one_by_one = one_by_one.finish().unwrap();
+        for l in 0..cfg.num_layers {
+            let (Some((k1, v1)), Some((k2, v2))) =
+                (cache.layer(l).unwrap(), one_by_one.layer(l).unwrap())
+            else {
+                panic!("layer {l} missing");
+            };
+            for (a, b) in [(k1, k2), (v1, v2)] {
+                let diff = (a.to_dtype(candle_core::DType::F32).unwrap()
+                    - b.to_dtype(candle_core::DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+                assert_eq!(diff, 0.0, "layer {l}");
+            }
+        }
+        // A code twice in one batch is refused as it is one push after another.
+        let mut twice = scd.decoder(&f.experts[0], Prefix::new(prefix)).unwrap();
+        let err = twice
+            .push_many(&[codes[0].clone(), codes[0].clone()])
+            .unwrap_err();
+        assert!(matches!(err, CodecError::Duplicate { .. }), "{err}");
         // A Patch budget of 0 sends Reuse codes everywhere; the consumer takes them.
         let none = codec_with(
             Mode::Scd,

@@ -152,6 +152,22 @@ pub enum CodecError {
     Unavailable(String),
 }
 
+impl CodecError {
+    /// The layer of the code this error is about, where it names one (a batch of codes
+    /// failed: which of them did).
+    pub fn layer(&self) -> Option<usize> {
+        match self {
+            Self::MissingCapture { layer, .. } | Self::Missing { layer, .. } => Some(*layer),
+            Self::UnexpectedCode { layer, .. }
+            | Self::LayerOutOfRange { layer, .. }
+            | Self::Duplicate { layer, .. }
+            | Self::DType { layer, .. }
+            | Self::Shape { layer, .. } => Some(usize::from(*layer)),
+            _ => None,
+        }
+    }
+}
+
 /// The name of a kind for messages.
 pub(crate) fn kind_name(kind: CodeKind) -> String {
     kind.name()
@@ -194,6 +210,14 @@ pub trait LayerDecoder {
     /// Takes one code (codes arrive in layer order; a codec may rebuild the layer at once).
     fn push(&mut self, code: &LayerCode) -> Result<(), CodecError>;
 
+    /// Takes several codes in their order, as [`LayerDecoder::push`] of each would (the same
+    /// cache; a code that push refuses fails the call), where a codec may rebuild their
+    /// layers in parallel: a whole payload, or every code that arrived while the last was
+    /// rebuilt. After an error the decoder is not to be used further.
+    fn push_many(&mut self, codes: &[LayerCode]) -> Result<(), CodecError> {
+        codes.iter().try_for_each(|c| self.push(c))
+    }
+
     /// The consumer's cache for the prefix, once every code has arrived.
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError>;
 }
@@ -219,9 +243,7 @@ pub fn decode(
 ) -> Result<KvCache, CodecError> {
     crate::kernels::on_pool(|| {
         let mut d = codec.decoder(consumer, prefix)?;
-        for c in codes {
-            d.push(c)?;
-        }
+        d.push_many(codes)?;
         d.finish()
     })
 }

@@ -14,7 +14,7 @@ use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use super::tensor_bytes::{from_bytes, to_bytes};
 use super::{dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
-use crate::cache::KvCache;
+use crate::cache::{KvCache, RotatedLayer};
 use crate::llama::{Capture, LayerCapture, Llama, Proj};
 use crate::prefill_matmul::PrefillMatmul;
 use crate::rope::RopeTables;
@@ -254,6 +254,7 @@ impl Codec for Translated {
                 c.set_next_position(prefix.start_pos);
                 c
             },
+            seen: vec![0; layers],
             pending_k: vec![None; layers],
             pending_v: vec![None; layers],
             done: vec![false; layers],
@@ -268,14 +269,86 @@ struct TranslatedDecoder<'a> {
     /// The positions' rotation, the consumer's own.
     rope: RopeTables,
     cache: KvCache,
+    /// The codes taken per layer ([`SEEN_K`], [`SEEN_V`], [`SEEN_H`]).
+    seen: Vec<u8>,
     pending_k: Vec<Option<Tensor>>,
     pending_v: Vec<Option<Tensor>>,
     done: Vec<bool>,
 }
 
+const SEEN_K: u8 = 1;
+const SEEN_V: u8 = 2;
+const SEEN_H: u8 = 4;
+
+/// The codes of one layer in a batch, checked, with what earlier batches left of it.
+struct LayerWork<'c> {
+    layer: usize,
+    patch: Option<&'c LayerCode>,
+    k: Half<'c>,
+    v: Half<'c>,
+}
+
+/// A Reuse layer's K or V: its code in this batch, its rows from an earlier one, or neither
+/// yet.
+enum Half<'c> {
+    Missing,
+    Code(&'c LayerCode),
+    Rows(Tensor),
+}
+
+/// What a batch made of a layer: its buffers, or the half of a Reuse layer that waits for the
+/// other.
+enum LayerDone {
+    Filled(RotatedLayer),
+    Waiting {
+        layer: usize,
+        k: Option<Tensor>,
+        v: Option<Tensor>,
+    },
+}
+
 impl TranslatedDecoder<'_> {
-    /// The code as an f32 `(T, r)` matrix after checking it against the prefix and `r_max`.
-    fn read(&self, code: &LayerCode, r_max: usize) -> Result<Tensor, CodecError> {
+    /// Checks `code` against the prefix, `r_max`, the layers and the codes already taken,
+    /// and takes it.
+    fn check(&mut self, code: &LayerCode) -> Result<CodeKind, CodecError> {
+        let layers = self.done.len();
+        let l = usize::from(code.layer);
+        if l >= layers {
+            return Err(CodecError::LayerOutOfRange {
+                layer: code.layer,
+                layers,
+            });
+        }
+        let t = &self.codec.translator.layers[l];
+        let patchable = self.codec.mode == Mode::Scd && t.patch.is_some();
+        let (bit, clashes, r_max) = match code.kind {
+            CodeKind::PATCH_H if patchable => {
+                let r_max = t.patch.as_ref().map_or(0, |p| p.h.max_rank());
+                (SEEN_H, SEEN_K | SEEN_V | SEEN_H, r_max)
+            }
+            CodeKind::REUSE_K => (SEEN_K, SEEN_K | SEEN_H, t.k.max_rank()),
+            CodeKind::REUSE_V => (SEEN_V, SEEN_V | SEEN_H, t.v.max_rank()),
+            other => {
+                return Err(CodecError::UnexpectedCode {
+                    mode: self.codec.mode,
+                    layer: code.layer,
+                    kind: kind_name(other),
+                })
+            }
+        };
+        if self.seen[l] & clashes != 0 {
+            return Err(CodecError::Duplicate {
+                layer: code.layer,
+                kind: kind_name(code.kind),
+            });
+        }
+        self.check_shape(code, r_max)?;
+        self.seen[l] |= bit;
+        Ok(code.kind)
+    }
+
+    /// Checks the code's dtype and shape: `(T, r)` for the prefix's `T` and `1 <= r <= r_max`.
+    fn check_shape(&self, code: &LayerCode, r_max: usize) -> Result<(), CodecError> {
         let rows = self.positions.len();
         let bad_shape = || CodecError::Shape {
             layer: code.layer,
@@ -298,102 +371,137 @@ impl TranslatedDecoder<'_> {
         if t as usize != rows || r == 0 || r as usize > r_max || !code.is_consistent() {
             return Err(bad_shape());
         }
-        from_bytes(&code.bytes, code.dtype, &[rows, r as usize])
-    }
-
-    fn fill(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(), CodecError> {
-        self.cache.fill_layer_rotating(&self.rope, layer, k, v)?;
-        self.done[layer] = true;
         Ok(())
     }
 
-    /// [`LayerDecoder::push`]'s work, on a thread of the pool.
-    fn push_on_pool(&mut self, code: &LayerCode) -> Result<(), CodecError> {
-        let layers = self.done.len();
-        let l = usize::from(code.layer);
-        if l >= layers {
-            return Err(CodecError::LayerOutOfRange {
-                layer: code.layer,
-                layers,
-            });
-        }
-        let duplicate = || CodecError::Duplicate {
-            layer: code.layer,
-            kind: kind_name(code.kind),
-        };
-        if self.done[l] {
-            return Err(duplicate());
-        }
-        let t = &self.codec.translator.layers[l];
-        let expert = self.codec.expert;
-        let patchable = self.codec.mode == Mode::Scd && t.patch.is_some();
-        match code.kind {
-            CodeKind::PATCH_H if patchable => {
-                if self.pending_k[l].is_some() || self.pending_v[l].is_some() {
-                    return Err(duplicate());
-                }
-                let p = t.patch.as_ref().ok_or(CodecError::Missing {
+    /// [`LayerDecoder::push_many`]'s work, on a thread of the pool: every code checked in
+    /// order, then each layer's products and its buffers made in parallel with the other
+    /// layers' (one layer's products are too small to keep two cores busy), then put in.
+    fn push_on_pool(&mut self, codes: &[LayerCode]) -> Result<(), CodecError> {
+        let mut work: Vec<LayerWork<'_>> = Vec::new();
+        let mut slot = vec![usize::MAX; self.done.len()];
+        for code in codes {
+            let kind = self.check(code)?;
+            let l = usize::from(code.layer);
+            if slot[l] == usize::MAX {
+                slot[l] = work.len();
+                work.push(LayerWork {
                     layer: l,
-                    kind: "patch translator",
-                })?;
-                let z = self.read(code, p.h.max_rank())?;
-                let aligner = &p.aligners[expert];
-                // The aligner fused with this consumer's K and V projections of the layer
-                // (made on the translator's first request at this rank, then kept).
-                let id = self.consumer.identity();
-                let key = format!("{l} {} {:?}", id.sha256, id.adapter_sha256);
-                let kv =
-                    aligner.then(&z, &key, self.codec.matmul, |x| -> Result<_, CodecError> {
-                        let k = self.consumer.project_f32(l, Proj::K, x)?;
-                        let v = self.consumer.project_f32(l, Proj::V, x)?;
-                        Ok(Tensor::cat(&[k, v], 1)?)
-                    })?;
-                let n = kv.dim(1)? / 2;
-                let (k, v) = (
-                    kv.narrow(1, 0, n)?.contiguous()?,
-                    kv.narrow(1, n, n)?.contiguous()?,
-                );
-                self.fill(l, &k, &v)?;
+                    patch: None,
+                    k: self.pending_k[l].take().map_or(Half::Missing, Half::Rows),
+                    v: self.pending_v[l].take().map_or(Half::Missing, Half::Rows),
+                });
             }
-            CodeKind::REUSE_K | CodeKind::REUSE_V => {
-                let is_k = code.kind == CodeKind::REUSE_K;
-                let (map, r_max) = if is_k {
-                    (&t.k, t.k.max_rank())
-                } else {
-                    (&t.v, t.v.max_rank())
-                };
-                let rows = map.decode(&self.read(code, r_max)?, expert, self.codec.matmul)?;
-                let slot = if is_k {
-                    &mut self.pending_k[l]
-                } else {
-                    &mut self.pending_v[l]
-                };
-                if slot.is_some() {
-                    return Err(duplicate());
-                }
-                *slot = Some(rows);
-                if let (Some(k), Some(v)) = (&self.pending_k[l], &self.pending_v[l]) {
-                    let (k, v) = (k.clone(), v.clone());
-                    self.pending_k[l] = None;
-                    self.pending_v[l] = None;
-                    self.fill(l, &k, &v)?;
-                }
+            let w = &mut work[slot[l]];
+            match kind {
+                CodeKind::PATCH_H => w.patch = Some(code),
+                CodeKind::REUSE_K => w.k = Half::Code(code),
+                _ => w.v = Half::Code(code),
             }
-            other => {
-                return Err(CodecError::UnexpectedCode {
-                    mode: self.codec.mode,
-                    layer: code.layer,
-                    kind: kind_name(other),
-                })
+        }
+        let made = if work.len() > 1 {
+            use rayon::prelude::*;
+            work.into_par_iter()
+                .map(|w| self.rebuild(w))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            work.into_iter()
+                .map(|w| self.rebuild(w))
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        for done in made {
+            match done {
+                LayerDone::Filled(filled) => {
+                    let l = filled.layer();
+                    self.cache.put_layer(filled)?;
+                    self.done[l] = true;
+                }
+                LayerDone::Waiting { layer, k, v } => {
+                    self.pending_k[layer] = k;
+                    self.pending_v[layer] = v;
+                }
             }
         }
         Ok(())
+    }
+
+    /// One layer's products from its codes, and its buffers once K and V are both there.
+    fn rebuild(&self, work: LayerWork<'_>) -> Result<LayerDone, CodecError> {
+        let l = work.layer;
+        let (k, v) = match work.patch {
+            Some(code) => {
+                let (k, v) = self.patch(l, code)?;
+                (Some(k), Some(v))
+            }
+            None => (self.reuse(l, work.k, true)?, self.reuse(l, work.v, false)?),
+        };
+        match (k, v) {
+            (Some(k), Some(v)) => Ok(LayerDone::Filled(
+                self.cache.rotated_layer(&self.rope, l, &k, &v)?,
+            )),
+            (k, v) => Ok(LayerDone::Waiting { layer: l, k, v }),
+        }
+    }
+
+    /// A checked code as an f32 `(T, r)` matrix.
+    fn codes(&self, code: &LayerCode) -> Result<Tensor, CodecError> {
+        // `check` saw the shape `[T, r]`.
+        let r = code.shape.get(1).map_or(0, |&r| r as usize);
+        from_bytes(&code.bytes, code.dtype, &[self.positions.len(), r])
+    }
+
+    /// A Reuse layer's K (`is_k`) or V rows.
+    fn reuse(&self, l: usize, half: Half<'_>, is_k: bool) -> Result<Option<Tensor>, CodecError> {
+        let t = &self.codec.translator.layers[l];
+        let map = if is_k { &t.k } else { &t.v };
+        Ok(match half {
+            Half::Missing => None,
+            Half::Rows(rows) => Some(rows),
+            Half::Code(code) => {
+                Some(map.decode(&self.codes(code)?, self.codec.expert, self.codec.matmul)?)
+            }
+        })
+    }
+
+    /// A Patch layer's K and V: the aligner fused with this consumer's K and V projections of
+    /// the layer (made on the translator's first request at this rank, then kept).
+    fn patch(&self, l: usize, code: &LayerCode) -> Result<(Tensor, Tensor), CodecError> {
+        let p = self.codec.translator.layers[l]
+            .patch
+            .as_ref()
+            .ok_or(CodecError::Missing {
+                layer: l,
+                kind: "patch translator",
+            })?;
+        let consumer = self.consumer;
+        let id = consumer.identity();
+        let key = format!("{l} {} {:?}", id.sha256, id.adapter_sha256);
+        let z = self.codes(code)?;
+        let kv = p.aligners[self.codec.expert].then(
+            &z,
+            &key,
+            self.codec.matmul,
+            |x| -> Result<_, CodecError> {
+                let k = consumer.project_f32(l, Proj::K, x)?;
+                let v = consumer.project_f32(l, Proj::V, x)?;
+                Ok(Tensor::cat(&[k, v], 1)?)
+            },
+        )?;
+        let n = kv.dim(1)? / 2;
+        Ok((
+            kv.narrow(1, 0, n)?.contiguous()?,
+            kv.narrow(1, n, n)?.contiguous()?,
+        ))
     }
 }
 
 impl LayerDecoder for TranslatedDecoder<'_> {
     fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
-        crate::kernels::on_pool(|| self.push_on_pool(code))
+        self.push_many(std::slice::from_ref(code))
+    }
+
+    fn push_many(&mut self, codes: &[LayerCode]) -> Result<(), CodecError> {
+        crate::kernels::on_pool(|| self.push_on_pool(codes))
     }
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {
