@@ -30,13 +30,16 @@ pub(crate) fn with_row_vector(x: &Tensor, b: &Tensor, op: RowOp) -> candle_core:
         candle_core::bail!("row vector {:?} for rows of {n}", b.dims());
     }
     let mut out = vec![0f32; t * n];
+    if out.is_empty() {
+        return Tensor::from_vec(out, (t, n), &Device::Cpu);
+    }
     with_f32(&x.contiguous()?, |xs| {
         with_f32(&b.contiguous()?, |bs| {
             // Rows in tasks of at least 64 KB: the pass is memory-bound, and a task per row
             // would cost more in hand-offs than it saves.
-            let min_rows = (16 * 1024 / n.max(1)).max(1);
-            out.par_chunks_mut(n.max(1))
-                .zip(xs.par_chunks(n.max(1)))
+            let min_rows = (16 * 1024 / n).max(1);
+            out.par_chunks_mut(n)
+                .zip(xs.par_chunks(n))
                 .with_min_len(min_rows)
                 .for_each(|(o, row)| match op {
                     RowOp::Add => add(o, row, bs),
