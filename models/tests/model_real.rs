@@ -521,14 +521,16 @@ fn decode_steps_from_several_threads_at_once_finish_and_equal_their_runs_alone()
 /// M10's narrow decode weights: the model decodes on the GGUF's own Q4_1 / Q8_0 blocks, with
 /// activations in two bytes (integer products) and, where the CPU has AVX-512 BF16 or AMX,
 /// rounded to bf16 (bf16 products, the default there, or tile products), and stays with the
-/// f32 path (the same weights
-/// dequantised) over 256 decode steps after a 128-token prompt, both fed the same WikiText-2 tokens: top-1 agreement
-/// and mean KL(f32 || narrow) per step, printed for BENCHMARKS.md. A merged expert's weights
-/// are quantised again (Q8_0) and held to the looser bounds below; experts applied on the fly
-/// (their terms in f32, added in the narrow kernel's pass) to the base's.
+/// f32 path (the same weights dequantised) over 256 decode steps after a 128-token prompt of
+/// WikiText-2, the f32 path's logits for the same tokens from one forward pass: top-1
+/// agreement and mean KL(f32 || narrow) per step, printed for BENCHMARKS.md. A merged expert's
+/// weights are quantised again (Q8_0) and held to the looser bounds below; experts applied on
+/// the fly (their terms in f32, added in the narrow kernel's pass) to the base's.
 #[test]
 fn narrow_decode_weights_track_the_f32_path() {
-    use scd_models::{AdapterMode, DecodeProducts, DecodeWeights, Llama, LoraAdapter};
+    use scd_models::{
+        AdapterMode, DecodeProducts, DecodeWeights, Llama, LoraAdapter, PrefillMatmul,
+    };
     let (model, tok) = real();
     assert_eq!(model.decode_weights(), DecodeWeights::Narrow);
     assert_eq!(model.decode_products(), DecodeProducts::best());
@@ -567,41 +569,63 @@ fn narrow_decode_weights_track_the_f32_path() {
 
     let tokens = wikitext_tokens(tok, 128 + 256);
     let (prompt, rest) = tokens.split_at(128);
-    let compare = |a: &Llama, b: &Llama| {
-        let mut caches = [a.new_cache(), b.new_cache()];
-        for (m, c) in [a, b].into_iter().zip(&mut caches) {
-            m.forward(Input::new(prompt).with_cache(c).logits(LogitsWanted::None))
-                .unwrap();
-            // A prefill keeps its keys and values in f32 on either path.
-            assert_eq!(c.layer_dtype(0), Some(DType::F32));
-        }
-        let (mut agree, mut kl, mut worst) = (0, 0.0, 0f64);
-        for &t in rest {
-            let step = |m: &Llama, c: &mut KvCache| {
+    // `m`'s logits at each step of `rest` after `prompt`, and its cache after them.
+    let decode = |m: &Llama| {
+        let mut cache = m.new_cache();
+        m.forward(
+            Input::new(prompt)
+                .with_cache(&mut cache)
+                .logits(LogitsWanted::None),
+        )
+        .unwrap();
+        // A prefill keeps its keys and values in f32 on either path.
+        assert_eq!(cache.layer_dtype(0), Some(DType::F32));
+        let steps: Vec<Vec<f32>> = rest
+            .iter()
+            .map(|&t| {
                 let l = m
-                    .forward(Input::new(&[t]).with_cache(c))
+                    .forward(Input::new(&[t]).with_cache(&mut cache))
                     .unwrap()
                     .logits
                     .unwrap();
                 l.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-            };
-            let [ca, cb] = &mut caches;
-            let (wide, narrow) = (step(a, ca), step(b, cb));
-            agree += usize::from(argmax(&wide) == argmax(&narrow));
-            let d = kl_divergence(&wide, &narrow);
+            })
+            .collect();
+        (steps, cache)
+    };
+    let layers = 0..model.config().num_layers;
+    // The f32 path's logits after each token of `rest`, once per model, from one forward pass
+    // over the whole sequence with f32 products (equal to its decode steps, as
+    // `decoding_with_the_cache_equals_the_full_sequence_forward` checks): every kind of
+    // products is measured against them.
+    let reference = |m: &Llama| -> Vec<Vec<f32>> {
+        let m = m.clone().with_prefill_matmul(PrefillMatmul::F32).unwrap();
+        common::all_logits(&m, &tokens)
+            .narrow(0, prompt.len(), rest.len())
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let references = [
+        reference(&f32_model),
+        reference(&merged_f32),
+        reference(&sotu_f32),
+        reference(&mail_fly_f32),
+    ];
+    let compare = |wide: &[Vec<f32>], b: &Llama| {
+        let (narrow, cache) = decode(b);
+        let (mut agree, mut kl, mut worst) = (0, 0.0, 0f64);
+        for (wide, narrow) in wide.iter().zip(&narrow) {
+            agree += usize::from(argmax(wide) == argmax(narrow));
+            let d = kl_divergence(wide, narrow);
             kl += d;
             worst = worst.max(d);
         }
-        // The narrow path's decode steps turned its cache f16 (every layer); the f32 path's
-        // stayed f32.
-        let layers = 0..a.config().num_layers;
+        // The narrow path's decode steps turned its cache f16 (every layer).
         assert!(layers
             .clone()
-            .all(|l| caches[0].layer_dtype(l) == Some(DType::F32)));
-        assert!(layers
-            .clone()
-            .all(|l| caches[1].layer_dtype(l) == Some(DType::F16)));
-        assert_eq!(caches[1].len(), tokens.len());
+            .all(|l| cache.layer_dtype(l) == Some(DType::F16)));
+        assert_eq!(cache.len(), tokens.len());
         let n = rest.len() as f64;
         (agree as f64 / n, kl / n, worst)
     };
@@ -624,12 +648,24 @@ fn narrow_decode_weights_track_the_f32_path() {
     for (products, agree_min, kl_max) in kernels {
         let on = |m: &Llama| m.clone().with_decode_products(products).unwrap();
         for (name, f32_path, narrow_path, agree_min, kl_max) in [
-            ("base", &f32_model, on(model), agree_min, kl_max),
-            ("mail merged (Q8_0)", &merged_f32, on(&merged), 0.95, 5e-3),
-            ("sotu on the fly", &sotu_f32, on(&sotu), agree_min, kl_max),
+            ("base", &references[0], on(model), agree_min, kl_max),
+            (
+                "mail merged (Q8_0)",
+                &references[1],
+                on(&merged),
+                0.95,
+                5e-3,
+            ),
+            (
+                "sotu on the fly",
+                &references[2],
+                on(&sotu),
+                agree_min,
+                kl_max,
+            ),
             (
                 "mail on the fly",
-                &mail_fly_f32,
+                &references[3],
                 on(&mail_fly),
                 agree_min,
                 kl_max,
