@@ -17,6 +17,9 @@
 //! Usage: `context_features GGUF ADAPTER [layers 5,15,25,29] [fit prompts 64] [held-out 16]
 //! [tokens 256]`, e.g. `cargo run --release -p scd-models --example context_features --
 //! .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf experts/melville/adapter.safetensors`.
+//! Reads Brown from `.cache/data` (`make data`); the relative ridge is 1e-4 unless `CTX_RIDGE`
+//! says otherwise. Figures and their reading: BENCHMARKS.md, "What any per-token or
+//! context-summary map can recover".
 
 use std::time::Instant;
 
@@ -186,13 +189,16 @@ fn main() -> Result<(), BoxError> {
     let tokens = corpus::tokenize_long(&tok, &corpus.train)?;
     // Fitting prompts spread over the first nine tenths, held-out ones over the last tenth.
     let cut = tokens.len() * 9 / 10;
-    let windows = |from: usize, to: usize, n: usize| -> Vec<Vec<u32>> {
-        let stretch = (to - from) / n;
-        (0..n)
+    let windows = |from: usize, to: usize, n: usize| -> Result<Vec<Vec<u32>>, BoxError> {
+        let stretch = (to - from) / n.max(1);
+        if n == 0 || stretch < len {
+            return Err(format!("{} tokens cannot give {n} prompts of {len}", to - from).into());
+        }
+        Ok((0..n)
             .map(|i| tokens[from + i * stretch..from + i * stretch + len].to_vec())
-            .collect()
+            .collect())
     };
-    let (fit, held) = (windows(0, cut, n_fit), windows(cut, tokens.len(), n_held));
+    let (fit, held) = (windows(0, cut, n_fit)?, windows(cut, tokens.len(), n_held)?);
 
     let cfg = producer.config();
     // A target row is `[K | V]`, twice the KV width.
