@@ -154,9 +154,13 @@ fn solve(m: &Moments, cols: &[usize], y0: usize, ny: usize) -> Result<Ridge, Box
         c[cols[i] * w + cols[j]] + if i == j { lambda } else { 0.0 }
     });
     let cfy = Mat::<f64>::from_fn(n, ny, |i, j| c[cols[i] * w + y0 + j]);
-    let llt = cff
-        .llt(Side::Lower)
-        .map_err(|e| format!("Cholesky failed: {e:?}"))?;
+    let llt = cff.llt(Side::Lower).map_err(|e| {
+        format!(
+            "the ridge system of {n} features on {} rows is not positive definite ({e:?}): \
+                 fit more prompts or raise CTX_RIDGE",
+            m.count()
+        )
+    })?;
     let mean = m.mean();
     Ok((
         llt.solve(&cfy),
