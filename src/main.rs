@@ -1,11 +1,12 @@
 //! `scd`: the one binary of the Semantic Cache Distillation cluster.
 //!
 //! Each subcommand lives in its own file under `src/cmd/` and turns library errors into
-//! operator-facing messages with `anyhow` context.
+//! operator-facing messages with `anyhow` context; `report` prints the one that ends a command.
 
 mod cmd;
 mod paths;
 mod progress;
+mod report;
 
 use clap::{Parser, Subcommand};
 
@@ -64,8 +65,17 @@ enum Command {
     },
 }
 
-fn main() -> anyhow::Result<std::process::ExitCode> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("{}", report::report(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SCD_LOG")
