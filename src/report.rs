@@ -1,21 +1,20 @@
 //! How the binary prints an error that ends a command.
 //!
-//! anyhow's own report (what `main` returning `Err` prints) lists every cause of the chain.
-//! Our library errors name their source in their message ("cannot access adapter file P: No
-//! such file or directory") and also return it as their `source()`, so that a log line read
-//! alone says everything; anyhow's report then prints the innermost cause twice. This report
-//! leaves out a cause whose text the line before it already holds, and otherwise reads as
-//! anyhow's (the backtrace too, when `RUST_BACKTRACE` or `RUST_LIB_BACKTRACE` asks for one).
+//! anyhow's own report (what `main` returning `Err` prints) lists every cause of the chain, and
+//! its `{:#}` joins them on one line. Our library errors name their source in their message
+//! ("cannot access adapter file P: No such file or directory") and also return it as their
+//! `source()`, so that a log line read alone says everything; anyhow's forms then print the
+//! innermost cause twice. [`report`] and [`one_line`] leave out a cause whose text the one
+//! before it already holds, and otherwise read as anyhow's (the backtrace too, when
+//! `RUST_BACKTRACE` or `RUST_LIB_BACKTRACE` asks for one).
 
 use std::backtrace::BacktraceStatus;
 use std::fmt::Write;
 
-/// The report of `e`: `Error: <message>`, then the causes not already said.
-pub fn report(e: &anyhow::Error) -> String {
-    let mut out = format!("Error: {e}");
+/// The causes of `e` after its message, less each one whose text the one before it holds.
+fn causes(e: &anyhow::Error) -> Vec<String> {
     let mut said = e.to_string();
-    let causes: Vec<String> = e
-        .chain()
+    e.chain()
         .skip(1)
         .map(|c| c.to_string())
         .filter(|c| {
@@ -23,8 +22,21 @@ pub fn report(e: &anyhow::Error) -> String {
             said = c.clone();
             new
         })
-        .collect();
-    match causes.as_slice() {
+        .collect()
+}
+
+/// `e` and the causes not already said on one line, joined by `: ` (as anyhow's `{:#}`).
+pub fn one_line(e: &anyhow::Error) -> String {
+    std::iter::once(e.to_string())
+        .chain(causes(e))
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// The report of `e`: `Error: <message>`, then the causes not already said.
+pub fn report(e: &anyhow::Error) -> String {
+    let mut out = format!("Error: {e}");
+    match causes(e).as_slice() {
         [] => {}
         [one] => {
             let _ = write!(out, "\n\nCaused by:\n    {one}");
@@ -95,6 +107,11 @@ mod tests {
             "{r}"
         );
         assert_eq!(r.matches("No such file or directory").count(), 1, "{r}");
+        assert_eq!(
+            super::one_line(&e),
+            "loading experts/mail/adapter.safetensors: cannot access adapter file \
+             experts/mail/adapter.safetensors: No such file or directory"
+        );
     }
 
     #[test]

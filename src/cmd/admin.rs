@@ -238,7 +238,7 @@ pub(crate) fn exit(result: Result<(), Failure>) -> anyhow::Result<ExitCode> {
     match result {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(Failure { code, error }) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", crate::report::one_line(&error));
             Ok(ExitCode::from(code))
         }
     }
