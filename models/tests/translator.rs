@@ -255,6 +255,15 @@ fn codes_have_the_requested_ranks_and_dtype_and_rebuild_every_layer() {
             .push_many(&[codes[0].clone(), codes[0].clone()])
             .unwrap_err();
         assert!(matches!(err, CodecError::Duplicate { .. }), "{err}");
+        // A code for a layer the consumer does not have.
+        let mut far = codes.clone();
+        far[1].layer = 99;
+        let err =
+            codec::decode(scd.as_ref(), &f.experts[0], &far, Prefix::new(prefix)).unwrap_err();
+        assert!(
+            matches!(err, CodecError::LayerOutOfRange { layer: 99, .. }),
+            "{err}"
+        );
         // A Patch budget of 0 sends Reuse codes everywhere; the consumer takes them.
         let none = codec_with(
             Mode::Scd,
@@ -602,6 +611,13 @@ fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
         }
         let cache = codec::decode(c.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
         assert_eq!(cache.len(), 20, "{mode}");
+        let mut far = codes.clone();
+        far[1].layer = 99;
+        let err = codec::decode(c.as_ref(), &f.experts[0], &far, Prefix::new(prefix)).unwrap_err();
+        assert!(
+            matches!(err, CodecError::LayerOutOfRange { layer: 99, .. }),
+            "{mode}: {err}"
+        );
         assert!(held_out_kl(c.as_ref(), &f.experts[0]).is_finite());
     }
     assert!(codec_with(Mode::DroidSpeak, None, &opts).is_err());

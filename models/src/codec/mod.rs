@@ -368,6 +368,18 @@ impl KvSlots {
     }
 }
 
+/// A code's layer, if the consumer's `layers` include it.
+pub(crate) fn check_layer(code: &LayerCode, layers: usize) -> Result<usize, CodecError> {
+    let l = usize::from(code.layer);
+    if l >= layers {
+        return Err(CodecError::LayerOutOfRange {
+            layer: code.layer,
+            layers,
+        });
+    }
+    Ok(l)
+}
+
 /// Checks a code's layer against the consumer and its shape against `(rows, width)`.
 pub(crate) fn check_rows(
     code: &LayerCode,
@@ -375,12 +387,7 @@ pub(crate) fn check_rows(
     rows: usize,
     width: usize,
 ) -> Result<(), CodecError> {
-    if usize::from(code.layer) >= layers {
-        return Err(CodecError::LayerOutOfRange {
-            layer: code.layer,
-            layers,
-        });
-    }
+    check_layer(code, layers)?;
     if code.shape != [rows as u32, width as u32] || !code.is_consistent() {
         return Err(CodecError::Shape {
             layer: code.layer,

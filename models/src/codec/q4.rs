@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use half::f16;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
-use super::{dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use super::{check_layer, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama};
 use crate::rope::RopeTables;
@@ -233,14 +233,7 @@ struct Q4Decoder<'a> {
 
 impl LayerDecoder for Q4Decoder<'_> {
     fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
-        let layers = self.done.len();
-        let l = usize::from(code.layer);
-        if l >= layers {
-            return Err(CodecError::LayerOutOfRange {
-                layer: code.layer,
-                layers,
-            });
-        }
+        let l = check_layer(code, self.done.len())?;
         let (t, d, g) = (
             self.positions.len() as u32,
             self.consumer.config().kv_dim() as u32,

@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use super::{check_layer, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
 use crate::cache::{KvCache, RotatedLayer};
 use crate::llama::{Capture, LayerCapture, Llama, Proj};
 use crate::prefill_matmul::PrefillMatmul;
@@ -311,14 +311,7 @@ impl TranslatedDecoder<'_> {
     /// Checks `code` against the prefix, `r_max`, the layers and the codes already taken,
     /// and takes it.
     fn check(&mut self, code: &LayerCode) -> Result<CodeKind, CodecError> {
-        let layers = self.done.len();
-        let l = usize::from(code.layer);
-        if l >= layers {
-            return Err(CodecError::LayerOutOfRange {
-                layer: code.layer,
-                layers,
-            });
-        }
+        let l = check_layer(code, self.done.len())?;
         let t = &self.codec.translator.layers[l];
         let patchable = self.codec.mode == Mode::Scd && t.patch.is_some();
         let (bit, clashes, r_max) = match code.kind {
