@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::avx512::{first, with_offsets};
+use super::avx512::{finish, first};
 use super::pack::Row;
 use super::{Format, BLOCK, GROUP, TILE};
 
@@ -232,9 +232,6 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
         p += chunk;
     }
     // The offsets: Q4_1's `m` less the `128 d` of its bf16 weights `128 + u`.
-    for a in 0..W {
-        for b in 0..N {
-            tile[a][b] = with_offsets(Q4, true, ws[a], x.sum(r + b), acc[a][b]);
-        }
-    }
+    let sums: [&[f32]; N] = std::array::from_fn(|b| x.sum(r + b));
+    finish(Q4, true, &ws, &sums, acc, tile);
 }
