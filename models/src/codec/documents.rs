@@ -18,8 +18,11 @@
 use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
-use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{check_rows, dtype_name, kind_name, Codec, CodecError, KvSlots, LayerDecoder, Prefix};
+use super::tensor_bytes::from_bytes;
+use super::{
+    check_rows, dtype_name, kind_name, tensor_code, Codec, CodecError, KvSlots, LayerDecoder,
+    Prefix,
+};
 use crate::cache::KvCache;
 use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted};
 use crate::pic::CompiledDoc;
@@ -59,14 +62,7 @@ pub fn encode_documents(
         offset += d.len();
     }
     for (kind, parts) in [(CodeKind::DOC_K, ks), (CodeKind::DOC_V, vs)] {
-        let t = Tensor::cat(&parts, 0)?;
-        out.push(LayerCode {
-            layer: layer as u16,
-            kind,
-            dtype,
-            shape: t.dims().iter().map(|&d| d as u32).collect(),
-            bytes: to_bytes(&t, dtype)?,
-        });
+        out.push(tensor_code(layer, kind, dtype, &Tensor::cat(&parts, 0)?)?);
     }
     Ok(())
 }

@@ -7,8 +7,10 @@
 use scd_types::{CodeKind, LayerCode, Mode};
 
 use super::raw::RAW_DTYPE;
-use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{check_rows, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use super::tensor_bytes::from_bytes;
+use super::{
+    check_rows, dtype_name, kind_name, tensor_code, Codec, CodecError, LayerDecoder, Prefix,
+};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama};
 use crate::rope::RopeTables;
@@ -90,13 +92,7 @@ impl Codec for DroidSpeak {
             ],
         };
         for (kind, t) in tensors {
-            out.push(LayerCode {
-                layer: l as u16,
-                kind,
-                dtype: RAW_DTYPE,
-                shape: t.dims().iter().map(|&d| d as u32).collect(),
-                bytes: to_bytes(t, RAW_DTYPE)?,
-            });
+            out.push(tensor_code(l, kind, RAW_DTYPE, t)?);
         }
         Ok(())
     }

@@ -380,6 +380,22 @@ pub(crate) fn check_layer(code: &LayerCode, layers: usize) -> Result<usize, Code
     Ok(l)
 }
 
+/// A layer's code holding tensor `t` as `dtype` (its shape and bytes).
+pub(crate) fn tensor_code(
+    layer: usize,
+    kind: CodeKind,
+    dtype: CodeDType,
+    t: &Tensor,
+) -> Result<LayerCode, CodecError> {
+    Ok(LayerCode {
+        layer: layer as u16,
+        kind,
+        dtype,
+        shape: t.dims().iter().map(|&d| d as u32).collect(),
+        bytes: tensor_bytes::to_bytes(t, dtype)?,
+    })
+}
+
 /// Checks a code's layer against the consumer and its shape against `(rows, width)`.
 pub(crate) fn check_rows(
     code: &LayerCode,

@@ -11,8 +11,11 @@
 
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
-use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{check_rows, dtype_name, kind_name, Codec, CodecError, KvSlots, LayerDecoder, Prefix};
+use super::tensor_bytes::from_bytes;
+use super::{
+    check_rows, dtype_name, kind_name, tensor_code, Codec, CodecError, KvSlots, LayerDecoder,
+    Prefix,
+};
 use crate::cache::KvCache;
 use crate::llama::{Capture, LayerCapture, Llama};
 
@@ -55,13 +58,7 @@ impl Codec for Raw {
             (CodeKind::RAW_V, &capture.v, "V"),
         ] {
             let t = t.as_ref().ok_or_else(|| missing(what))?;
-            out.push(LayerCode {
-                layer: layer as u16,
-                kind,
-                dtype: RAW_DTYPE,
-                shape: t.dims().iter().map(|&d| d as u32).collect(),
-                bytes: to_bytes(t, RAW_DTYPE)?,
-            });
+            out.push(tensor_code(layer, kind, RAW_DTYPE, t)?);
         }
         Ok(())
     }

@@ -12,8 +12,10 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
-use super::tensor_bytes::{from_bytes, to_bytes};
-use super::{check_layer, dtype_name, kind_name, Codec, CodecError, LayerDecoder, Prefix};
+use super::tensor_bytes::from_bytes;
+use super::{
+    check_layer, dtype_name, kind_name, tensor_code, Codec, CodecError, LayerDecoder, Prefix,
+};
 use crate::cache::{KvCache, RotatedLayer};
 use crate::llama::{Capture, LayerCapture, Llama, Proj};
 use crate::prefill_matmul::PrefillMatmul;
@@ -164,20 +166,20 @@ impl Translated {
                 .as_ref()
                 .ok_or_else(|| missing("patch translator"))?;
             let z = patch.h.encode(h, self.ranks.h, self.matmul)?;
-            out.push(code(l, CodeKind::PATCH_H, self.dtype, &z)?);
+            out.push(tensor_code(l, CodeKind::PATCH_H, self.dtype, &z)?);
         } else {
             let k = capture
                 .k_pre_rope
                 .as_ref()
                 .ok_or_else(|| missing("K before RoPE"))?;
             let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
-            out.push(code(
+            out.push(tensor_code(
                 l,
                 CodeKind::REUSE_K,
                 self.dtype,
                 &t.k.encode(k, self.ranks.k, self.matmul)?,
             )?);
-            out.push(code(
+            out.push(tensor_code(
                 l,
                 CodeKind::REUSE_V,
                 self.dtype,
@@ -186,21 +188,6 @@ impl Translated {
         }
         Ok(())
     }
-}
-
-fn code(
-    layer: usize,
-    kind: CodeKind,
-    dtype: CodeDType,
-    z: &Tensor,
-) -> Result<LayerCode, CodecError> {
-    Ok(LayerCode {
-        layer: layer as u16,
-        kind,
-        dtype,
-        shape: z.dims().iter().map(|&d| d as u32).collect(),
-        bytes: to_bytes(z, dtype)?,
-    })
 }
 
 impl Codec for Translated {
