@@ -67,12 +67,7 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
         // 8 pairs' 16 scales per weight row, then each pair's two spread over 8 lanes each.
         let chunk = (pairs - p).min(8);
         let mut idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        // SAFETY: the masked load reads the `2 * chunk` scales of pairs `p..p + chunk`, inside
-        // the row's `pairs * 2` (the masked-off lanes are not read).
-        let ds: [__m512; W] = std::array::from_fn(|a| unsafe {
-            let at = ws[a].scales.as_ptr().add(4 * p).cast::<i16>();
-            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(2 * chunk), at))
-        });
+        let ds = chunk_scales(&ws, p, chunk);
         for pp in p..p + chunk {
             // SAFETY: every row in `ws` holds `pairs` pairs of `pb` bytes; each row of `x`
             // holds `pairs * 64` bytes and `pairs * 16` lane scales; every access stays inside
@@ -111,6 +106,23 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
     }
     let sums: [&[f32]; N] = std::array::from_fn(|b| x.sum(r + b));
     finish(Q4, false, &ws, &sums, acc, tile);
+}
+
+/// The scales of pairs `p..p + chunk` (at most 8) of each weight row, 16 f16 converted at once.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+#[inline]
+pub(super) fn chunk_scales<const W: usize>(
+    ws: &[&Row<'_>; W],
+    p: usize,
+    chunk: usize,
+) -> [__m512; W] {
+    assert!(chunk <= 8 && ws.iter().all(|w| w.scales.len() >= 4 * (p + chunk)));
+    // SAFETY: the masked load reads the `2 * chunk` scales of pairs `p..p + chunk`, inside the
+    // row's scales (asserted; the masked-off lanes are not read).
+    std::array::from_fn(|a| unsafe {
+        let at = ws[a].scales.as_ptr().add(4 * p).cast::<i16>();
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(2 * chunk), at))
+    })
 }
 
 /// Finishes a tile of `W` weight rows by `N` rows of `x`: `tile[a][b]` is the lanes of

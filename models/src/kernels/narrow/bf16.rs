@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::avx512::{finish, first};
+use super::avx512::{chunk_scales, finish, first};
 use super::pack::Row;
 use super::{Format, BLOCK, GROUP, TILE};
 
@@ -199,12 +199,7 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
         // 8 pairs' 16 scales per weight row, then each pair's two spread over 8 lanes each.
         let chunk = (pairs - p).min(8);
         let mut idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        // SAFETY: the masked load reads the `2 * chunk` scales of pairs `p..p + chunk`, inside
-        // the row's `pairs * 2` (the masked-off lanes are not read).
-        let ds: [__m512; W] = std::array::from_fn(|a| unsafe {
-            let at = ws[a].scales.as_ptr().add(4 * p).cast::<i16>();
-            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(2 * chunk), at))
-        });
+        let ds = chunk_scales(&ws, p, chunk);
         for pp in p..p + chunk {
             for a in 0..W {
                 // SAFETY: every row in `ws` holds `pairs` pairs of `pb` bytes; each row of `x`
