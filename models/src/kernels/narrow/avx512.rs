@@ -105,7 +105,8 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
         p += chunk;
     }
     let sums: [&[f32]; N] = std::array::from_fn(|b| x.sum(r + b));
-    finish(Q4, false, &ws, &sums, acc, tile);
+    // SAFETY: this kernel's features include the ones `finish` needs.
+    unsafe { finish(Q4, false, &ws, &sums, acc, tile) };
 }
 
 /// The scales of pairs `p..p + chunk` (at most 8) of each weight row, 16 f16 converted at once.
@@ -136,11 +137,17 @@ pub(super) fn chunk_scales<const W: usize>(
 /// and a reduction of its own), this was about 30% of the bf16 kernel's time on the model's
 /// 576-wide rows. Each output takes the same additions in the same order as alone, so a row's
 /// result does not depend on the rows beside it.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-#[inline]
+///
+/// Inlined into each kernel (not a function with the features of its own, which the compiler
+/// would not inline), so that the accumulators stay in registers: as a call, the 16 of them
+/// went through memory and the epilogue took 11% of an 8-job step.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and F16C.
+#[inline(always)]
 // Index loops over the tile's fixed-size arrays, which the compiler keeps in registers.
 #[allow(clippy::needless_range_loop)]
-pub(super) fn finish<const W: usize, const N: usize>(
+pub(super) unsafe fn finish<const W: usize, const N: usize>(
     q4: bool,
     less_128d: bool,
     ws: &[&Row<'_>; W],
@@ -153,63 +160,67 @@ pub(super) fn finish<const W: usize, const N: usize>(
     assert!(ws
         .iter()
         .all(|w| w.scales.len() >= 2 * blocks && (!q4 || w.offsets.len() >= 2 * blocks)));
-    let mut k = 0;
-    while k < blocks {
-        let mask = first(blocks - k);
-        // SAFETY: masked loads of blocks `k..min(k + 16, blocks)`, inside each row's `blocks`
-        // scales and offsets and each activation's `blocks` sums (asserted).
-        let s: [__m512; N] = std::array::from_fn(|b| unsafe {
-            _mm512_maskz_loadu_ps(mask, sums[b].as_ptr().add(k))
-        });
-        for a in 0..W {
-            // SAFETY: as above.
-            let m = unsafe {
-                let at = ws[a].scales.as_ptr().add(2 * k).cast::<i16>();
-                let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
-                if q4 {
-                    let at = ws[a].offsets.as_ptr().add(2 * k).cast::<i16>();
-                    let m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
-                    if less_128d {
-                        _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0), m)
+    // SAFETY: the caller guarantees the features of the intrinsics below; the memory each
+    // one reads is stated where it reads it.
+    unsafe {
+        let mut k = 0;
+        while k < blocks {
+            let mask = first(blocks - k);
+            // Masked loads of blocks `k..min(k + 16, blocks)`, inside each row's `blocks`
+            // scales and offsets and each activation's `blocks` sums (asserted).
+            let s: [__m512; N] =
+                std::array::from_fn(|b| _mm512_maskz_loadu_ps(mask, sums[b].as_ptr().add(k)));
+            for a in 0..W {
+                let m = {
+                    let at = ws[a].scales.as_ptr().add(2 * k).cast::<i16>();
+                    let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+                    if q4 {
+                        let at = ws[a].offsets.as_ptr().add(2 * k).cast::<i16>();
+                        let m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+                        if less_128d {
+                            _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0), m)
+                        } else {
+                            m
+                        }
                     } else {
-                        m
+                        _mm512_mul_ps(d, _mm512_set1_ps(-128.0))
                     }
-                } else {
-                    _mm512_mul_ps(d, _mm512_set1_ps(-128.0))
+                };
+                for b in 0..N {
+                    acc[a][b] = _mm512_fmadd_ps(m, s[b], acc[a][b]);
                 }
-            };
-            for b in 0..N {
-                acc[a][b] = _mm512_fmadd_ps(m, s[b], acc[a][b]);
             }
+            k += 16;
         }
-        k += 16;
-    }
-    let outputs = W * N;
-    let mut i = 0;
-    while i < outputs {
-        let v = std::array::from_fn(|j| {
-            let o = i + j;
-            if o < outputs {
-                acc[o / N][o % N]
-            } else {
-                _mm512_setzero_ps()
+        let outputs = W * N;
+        let mut i = 0;
+        while i < outputs {
+            let v = std::array::from_fn(|j| {
+                let o = i + j;
+                if o < outputs {
+                    acc[o / N][o % N]
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            let total = sum_lanes4(v);
+            for (j, &t) in total.iter().enumerate().take(outputs - i) {
+                let o = i + j;
+                tile[o / N][o % N] = t;
             }
-        });
-        let total = sum_lanes4(v);
-        for (j, &t) in total.iter().enumerate().take(outputs - i) {
-            let o = i + j;
-            tile[o / N][o % N] = t;
+            i += 4;
         }
-        i += 4;
     }
 }
 
 /// The lanes of each of four vectors summed, pairing lanes as `_mm512_reduce_add_ps` does
 /// (`i` with `i + 8`, then `i + 4`, `i + 2`, `i + 1`), so that each sum equals that
 /// reduction's: four reductions in 14 instructions instead of 32.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(super) fn sum_lanes4(v: [__m512; 4]) -> [f32; 4] {
+///
+/// # Safety
+/// The CPU must have AVX-512 F.
+#[inline(always)]
+pub(super) unsafe fn sum_lanes4(v: [__m512; 4]) -> [f32; 4] {
     // Each 256-bit half of `t01` is one input with lanes i and i + 8 added; each 128-bit
     // quarter of `u` one input with lanes i, i + 4 added to that.
     let halves = |x: __m512, y: __m512| {

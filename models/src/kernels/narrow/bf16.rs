@@ -228,5 +228,6 @@ fn kernel<const Q4: bool, const W: usize, const N: usize>(
     }
     // The offsets: Q4_1's `m` less the `128 d` of its bf16 weights `128 + u`.
     let sums: [&[f32]; N] = std::array::from_fn(|b| x.sum(r + b));
-    finish(Q4, true, &ws, &sums, acc, tile);
+    // SAFETY: this kernel's features include the ones `finish` needs.
+    unsafe { finish(Q4, true, &ws, &sums, acc, tile) };
 }
