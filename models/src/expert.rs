@@ -62,11 +62,7 @@ impl BaseModelInfo {
     pub fn of(model: &Llama) -> Self {
         let id = model.identity();
         Self {
-            file: id
-                .source
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            file: id.file_name(),
             sha256: id.sha256.clone(),
         }
     }

@@ -607,6 +607,16 @@ pub struct ModelIdentity {
     pub adapter_sha256: Option<String>,
 }
 
+impl ModelIdentity {
+    /// The name of the file the model was loaded from (empty for a path without one).
+    pub fn file_name(&self) -> String {
+        self.source
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
 /// A llama-family model with f32 weights.
 #[derive(Debug, Clone)]
 pub struct Llama {

@@ -12,6 +12,7 @@
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Storage, Tensor, D};
 
 use crate::kernels;
+pub(crate) use crate::kernels::Heads;
 
 /// `x W^T` for a weight `(out, in)`.
 ///
@@ -141,16 +142,6 @@ pub(crate) fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core:
     }
 }
 
-/// Queries, keys and values of one block in head-major layout.
-pub(crate) struct Heads {
-    /// `(n_heads, T, head_dim)`, rotated and multiplied by the query scale.
-    pub q: Tensor,
-    /// `(n_kv_heads, T, head_dim)`, rotated.
-    pub k_rot: Tensor,
-    /// `(n_kv_heads, T, head_dim)`.
-    pub v: Tensor,
-}
-
 /// Splits the fused projection output `qkv` `(T, (n_h + 2 n_kv) d)` into heads, with RoPE on
 /// queries and keys and `q_scale` on queries.
 pub(crate) fn split_qkv_rope(
@@ -161,12 +152,7 @@ pub(crate) fn split_qkv_rope(
     q_scale: f32,
 ) -> candle_core::Result<Heads> {
     if !qkv.track_op() {
-        let s = kernels::split_qkv_rope(qkv, cos, sin, (n_h, n_kv, d), q_scale)?;
-        return Ok(Heads {
-            q: s.q,
-            k_rot: s.k_rot,
-            v: s.v,
-        });
+        return kernels::split_qkv_rope(qkv, cos, sin, (n_h, n_kv, d), q_scale);
     }
     let t = qkv.dim(0)?;
     let heads = |offset: usize, n: usize| -> candle_core::Result<Tensor> {

@@ -63,11 +63,7 @@ impl ModelInfo {
     pub fn of(model: &Llama) -> Self {
         let id = model.identity();
         Self {
-            file: id
-                .source
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            file: id.file_name(),
             sha256: id.sha256.clone(),
         }
     }

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use super::{multiversion, with_f32};
 
 /// One block's queries, keys and values in head-major layout.
-pub(crate) struct SplitQkv {
+pub(crate) struct Heads {
     /// `(n_heads, T, head_dim)`, rotated, multiplied by the query scale.
     pub q: Tensor,
     /// `(n_kv_heads, T, head_dim)`, rotated.
@@ -31,7 +31,7 @@ pub(crate) fn split_qkv_rope(
     sin: &Tensor,
     (n_h, n_kv, d): (usize, usize, usize),
     q_scale: f32,
-) -> candle_core::Result<SplitQkv> {
+) -> candle_core::Result<Heads> {
     let (t, width) = qkv.dims2()?;
     let heads = n_h + 2 * n_kv;
     if width != heads * d || d % 2 != 0 {
@@ -56,7 +56,7 @@ pub(crate) fn split_qkv_rope(
         })
     })?;
     let all = Tensor::from_vec(out, (heads, t, d), &Device::Cpu)?;
-    Ok(SplitQkv {
+    Ok(Heads {
         q: all.narrow(0, 0, n_h)?,
         k_rot: all.narrow(0, n_h, n_kv)?,
         v: all.narrow(0, n_h + n_kv, n_kv)?,

@@ -26,7 +26,7 @@ mod tile_linear;
 pub(crate) use attend::{attend_few, attend_few_many, FewQueries, MAX_QUERY_ROWS};
 pub(crate) use attend_tiles::attend_tiles;
 pub(crate) use exp::exp;
-pub(crate) use heads::{merge_heads, rows_to_cache_heads, split_qkv_rope};
+pub(crate) use heads::{merge_heads, rows_to_cache_heads, split_qkv_rope, Heads};
 pub(crate) use low_rank::{LowRank, LowRankTerm};
 pub(crate) use narrow::{
     linear_narrow, linear_narrow_low_rank, Format, Isa as NarrowIsa, PackedWeight,

@@ -47,11 +47,7 @@ impl ModelRef {
     pub fn of(model: &Llama) -> Self {
         let id = model.identity();
         Self {
-            file: id
-                .source
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            file: id.file_name(),
             sha256: id.sha256.clone(),
             adapter_sha256: id.adapter_sha256.clone(),
         }
