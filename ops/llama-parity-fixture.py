@@ -29,7 +29,7 @@ sets named, into .cache/llama-cpp). Run from the repository root:
   .cache/llama-cpp/bin/python ops/llama-parity-fixture.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
 
 The model path defaults to $SCD_MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf (SCD_MODEL_DIR defaults
-to .cache/models); the text to ../shared/data/wikitext-2/valid.txt (or $SCD_WIKITEXT). The
+to .cache/models); the text to data/wikitext-2/valid.txt (or $SCD_WIKITEXT). The
 versions and the command that produced the committed fixture are in its "generator" block.
 """
 
@@ -71,7 +71,7 @@ def model_path():
 
 def prose():
     path = os.environ.get(
-        "SCD_WIKITEXT", os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "valid.txt")
+        "SCD_WIKITEXT", os.path.join(ROOT, "data", "wikitext-2", "valid.txt")
     )
     with open(path, encoding="utf-8") as f:
         lines = [l for l in f.read().split("\n") if len(l) > 200]

@@ -28,7 +28,7 @@ Run from the repository root:
   /tmp/tokvenv2/bin/python ops/tokenizer-fixtures.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
 
 The model path defaults to $SCD_MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf (SCD_MODEL_DIR defaults
-to .cache/models). The wikitext paragraph is read from ../shared/data/wikitext-2/valid.txt (or
+to .cache/models). The wikitext paragraph is read from data/wikitext-2/valid.txt (or
 $SCD_WIKITEXT) and stored verbatim in the fixture, so the Rust tests do not need the data folder.
 """
 
@@ -56,7 +56,7 @@ def model_path():
 
 def wikitext_paragraph():
     path = os.environ.get(
-        "SCD_WIKITEXT", os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "valid.txt")
+        "SCD_WIKITEXT", os.path.join(ROOT, "data", "wikitext-2", "valid.txt")
     )
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")

@@ -10,7 +10,8 @@ pub struct DataDirs {
     /// Folder of the named corpora (moby-dick, sotu, brown), written by ops/fetch-corpora.sh.
     #[arg(long, env = "SCD_DATA_DIR", default_value = ".cache/data")]
     pub data_dir: PathBuf,
-    /// Folder holding wikitext-2/valid.txt and squad/dev-v2.0-part.json.
-    #[arg(long, env = "SCD_SHARED_DATA", default_value = "../shared/data")]
-    pub shared_data: PathBuf,
+    /// Folder of the evaluation sets (wikitext-2/valid.txt, squad/dev-v2.0-part.json); the
+    /// repository ships them in `data/` (see data/README.md for sources and licences).
+    #[arg(long, env = "SCD_EVAL_DATA", default_value = "data")]
+    pub eval_data: PathBuf,
 }

@@ -6,8 +6,8 @@
 //! (docs/data.md). A corpus may also be any directory with those two files, or a single text
 //! file, which is split by [`SINGLE_FILE_SPLIT`].
 //!
-//! WikiText-2 and SQuAD are read from the shared data folder ([`WIKITEXT2_VALID`],
-//! [`SQUAD_PART`] inside it). The library never guesses where folders are: the binary resolves
+//! WikiText-2 and SQuAD are read from the evaluation data folder ([`WIKITEXT2_VALID`],
+//! [`SQUAD_PART`] inside it; the repository ships them in `data/`). The library never guesses where folders are: the binary resolves
 //! them (flags, environment, defaults) and passes them in.
 
 use std::path::{Path, PathBuf};

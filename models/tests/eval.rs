@@ -18,7 +18,7 @@ use scd_types::Mode;
 
 fn data() -> &'static EvalData {
     static D: OnceLock<EvalData> = OnceLock::new();
-    D.get_or_init(|| EvalData::load(&common::shared_data_dir()).unwrap())
+    D.get_or_init(|| EvalData::load(&common::eval_data_dir()).unwrap())
 }
 
 /// The base with a random adapter whose B is not zero: a consumer that differs from the base.

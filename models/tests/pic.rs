@@ -188,7 +188,7 @@ fn foreign_and_oversized_documents_are_refused() {
 #[test]
 fn multidoc_items_hide_the_gold_paragraph_among_distractors() {
     use scd_models::eval::multidoc::build_items;
-    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let data = scd_models::eval::EvalData::load(&common::eval_data_dir()).unwrap();
     let items = build_items(&data.squad, 40, (3, 7), 1);
     assert_eq!(items.len(), 40);
     let mut sizes = std::collections::BTreeSet::new();
@@ -226,7 +226,7 @@ fn both_document_modes_read_the_same_tokens_and_answer() {
         answer, build_items, evaluate, pieces, DocCompilers, DocMode,
     };
     let (model, tok) = real();
-    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let data = scd_models::eval::EvalData::load(&common::eval_data_dir()).unwrap();
     let items = build_items(&data.squad, 2, (1, 1), 3);
     let p = pieces(tok, &items[0]).unwrap();
     let all = p.all();
@@ -394,7 +394,7 @@ fn kv_deviation_compares_documents_moved_by_boundary_tokens_at_their_own_positio
     use scd_models::pic::stitch_after_head;
     let (model, tok) = real();
     let model = &f32_paths(model);
-    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let data = scd_models::eval::EvalData::load(&common::eval_data_dir()).unwrap();
     let item = &build_items(&data.squad, 1, (2, 2), 5)[0];
     let p: Pieces = pieces(tok, item).unwrap();
     let mut full = model.new_cache();
@@ -430,7 +430,7 @@ fn kv_deviation_compares_documents_moved_by_boundary_tokens_at_their_own_positio
 #[test]
 fn the_writer_never_trains_on_an_article_the_evaluation_reads() {
     use scd_models::eval::multidoc::{writer_split, WRITER_ARTICLES};
-    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let data = scd_models::eval::EvalData::load(&common::eval_data_dir()).unwrap();
     let (train, eval) = writer_split(&data.squad);
     assert_eq!(train.len() + eval.len(), data.squad.len());
     let arts = |q: &[scd_models::eval::QaItem]| {
@@ -540,7 +540,7 @@ fn needles_hide_one_number_in_one_paragraph_of_real_text() {
     use scd_models::eval::multidoc::pieces;
     use scd_models::eval::needle::{haystack_paragraphs, needle_items};
     let (_, tok) = real();
-    let data = scd_models::eval::EvalData::load(&common::shared_data_dir()).unwrap();
+    let data = scd_models::eval::EvalData::load(&common::eval_data_dir()).unwrap();
     assert!(haystack_paragraphs(&data.text).len() > 100);
     let items = needle_items(&data.text, 30, (3, 7), 2);
     assert_eq!(items.len(), 30);

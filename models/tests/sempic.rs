@@ -214,7 +214,7 @@ fn real_opts(dir: &std::path::Path, compiler_adapter: Option<LoraAdapter>) -> Wr
 
 fn train_real(c: &TrainConfig, o: &WriterOptions) -> Result<WriterOutcome, TrainError> {
     let (base, tok) = real();
-    let data = EvalData::load(&common::shared_data_dir()).unwrap();
+    let data = EvalData::load(&common::eval_data_dir()).unwrap();
     let stop = AtomicBool::new(false);
     train_writer(
         base,

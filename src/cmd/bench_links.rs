@@ -135,7 +135,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("the expert model is not loaded")?;
 
     let text = match args.text.as_str() {
-        "wikitext2" => corpus::read_text(&args.dirs.shared_data.join(corpus::WIKITEXT2_VALID))?,
+        "wikitext2" => corpus::read_text(&args.dirs.eval_data.join(corpus::WIKITEXT2_VALID))?,
         name => {
             corpus::Corpus::open(name, &args.dirs.data_dir)
                 .with_context(|| format!("opening the corpus {name}"))?

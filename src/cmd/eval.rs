@@ -234,10 +234,10 @@ pub fn code_dtype(name: &str) -> anyhow::Result<CodeDType> {
 }
 
 fn load_data(dirs: &DataDirs) -> anyhow::Result<EvalData> {
-    EvalData::load(&dirs.shared_data).with_context(|| {
+    EvalData::load(&dirs.eval_data).with_context(|| {
         format!(
-            "reading WikiText-2 and SQuAD under {} (set --shared-data or SCD_SHARED_DATA)",
-            dirs.shared_data.display()
+            "reading WikiText-2 and SQuAD under {} (set --eval-data or SCD_EVAL_DATA)",
+            dirs.eval_data.display()
         )
     })
 }

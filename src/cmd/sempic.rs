@@ -198,10 +198,10 @@ fn train_run(
     init: Option<&std::path::Path>,
     what: &str,
 ) -> anyhow::Result<WriterManifest> {
-    let data = EvalData::load(&run.dirs.shared_data).with_context(|| {
+    let data = EvalData::load(&run.dirs.eval_data).with_context(|| {
         format!(
-            "reading SQuAD under {} (set --shared-data or SCD_SHARED_DATA)",
-            run.dirs.shared_data.display()
+            "reading SQuAD under {} (set --eval-data or SCD_EVAL_DATA)",
+            run.dirs.eval_data.display()
         )
     })?;
     let (base, tok) = super::generate::load(&run.model)?;

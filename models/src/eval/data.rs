@@ -106,11 +106,11 @@ pub fn parse_squad(bytes: &[u8], path: &Path) -> Result<Vec<QaItem>, EvalError> 
 }
 
 impl EvalData {
-    /// Reads WikiText-2 valid and the SQuAD part from the shared data folder `shared_dir`
+    /// Reads WikiText-2 valid and the SQuAD part from the evaluation data folder `dir`
     /// ([`corpus::WIKITEXT2_VALID`] and [`corpus::SQUAD_PART`] inside it).
-    pub fn load(shared_dir: &Path) -> Result<Self, EvalError> {
-        let wpath = shared_dir.join(corpus::WIKITEXT2_VALID);
-        let spath = shared_dir.join(corpus::SQUAD_PART);
+    pub fn load(dir: &Path) -> Result<Self, EvalError> {
+        let wpath = dir.join(corpus::WIKITEXT2_VALID);
+        let spath = dir.join(corpus::SQUAD_PART);
         let wikitext = corpus::read_text(&wpath)?;
         let sbytes = std::fs::read(&spath).map_err(|source| CorpusError::Io {
             path: spath.clone(),

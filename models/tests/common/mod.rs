@@ -35,9 +35,9 @@ pub fn data_dir() -> PathBuf {
     dir_from_env("SCD_DATA_DIR", ".cache/data")
 }
 
-/// `$SCD_SHARED_DATA` or `<repo>/../shared/data`.
-pub fn shared_data_dir() -> PathBuf {
-    dir_from_env("SCD_SHARED_DATA", "../shared/data")
+/// `$SCD_EVAL_DATA` or `<repo>/data` (the evaluation sets the repository ships).
+pub fn eval_data_dir() -> PathBuf {
+    dir_from_env("SCD_EVAL_DATA", "data")
 }
 
 /// Path of the real GGUF; panics with the fix when it is missing.
@@ -63,7 +63,7 @@ pub fn real() -> &'static (Llama, Tokenizer) {
 
 /// The first `n` tokens of WikiText-2 validation text (real prose, not the heading lines).
 pub fn wikitext_tokens(tok: &Tokenizer, n: usize) -> Vec<u32> {
-    let path = shared_data_dir().join(scd_models::corpus::WIKITEXT2_VALID);
+    let path = eval_data_dir().join(scd_models::corpus::WIKITEXT2_VALID);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     let prose: String = text
