@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The M3 evaluation (BENCHMARKS.md, "SCD translators"): every transfer mode on each shipped
-# expert, then the ablations on one expert (patch budget, the r_K x r_V frontier of reuse, scd
-# and q4). Each run writes its JSON record and Markdown table under $OUT; ops/m3-tables.py
-# turns the ablation records into the frontier tables.
+# The SCD translator evaluation (BENCHMARKS.md, "SCD translators"): every transfer mode on each
+# shipped expert, then the ablations on one expert (patch budget, the r_K x r_V frontier of reuse,
+# scd and q4). Each run writes its JSON record and Markdown table under $OUT; ops/m3-tables.py turns
+# the ablation records into the frontier tables.
 #
 #   ops/m3-evals.sh main sotu mail melville   # the main table per expert
 #   ops/m3-evals.sh own mail                  # the same modes on the expert's own held-out text
 #   ops/m3-evals.sh ablate mail               # patch budget and rank sweeps on one expert
 #
-# Needs target/release/scd, the model (ops/fetch-model.sh), WikiText-2 and SQuAD
-# (../shared/data) and each expert's translator (experts/<name>/translator, scd calibrate).
+# Needs target/release/scd, the model (ops/fetch-model.sh), WikiText-2 and SQuAD (data/, in the
+# repository; SCD_EVAL_DATA points elsewhere) and each expert's translator
+# (experts/<name>/translator, scd calibrate).
 set -euo pipefail
 
 SCD=${SCD:-target/release/scd}

@@ -1,4 +1,4 @@
-//! KV-Packet boundary tokens (../shared/docs/method.md §2, the "packet" baseline): a few
+//! KV-Packet boundary tokens (`docs/method.md` §2.6 and §5.3, the "packet" baseline): a few
 //! trained soft tokens placed before (header) and after (trailer) every document when it is
 //! compiled alone ([`crate::pic::CompiledDoc::compile_with`]). They are input embeddings, not
 //! vocabulary tokens: the header gives a document compiled alone something to attend to

@@ -1,5 +1,5 @@
-//! Typed builders for the key layout of the cluster state (see docs/architecture.md). Every key
-//! is built here, so a typo cannot invent a new key, and every id is checked to be one path
+//! Typed builders for the key layout of the cluster state (see `docs/architecture.md` §4). Every
+//! key is built here, so a typo cannot invent a new key, and every id is checked to be one path
 //! segment (a [`JobId`] is one by construction, so job keys cannot fail).
 
 use scd_types::JobId;

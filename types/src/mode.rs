@@ -7,7 +7,7 @@ use rkyv::{Archive, Deserialize as RkyvDeserialize, Serialize as RkyvSerialize};
 use serde::{Deserialize, Serialize};
 
 /// A transfer mode. Every mode runs through the same job path, so that they compare like with
-/// like (see `docs/method.md` for what each one is).
+/// like (see `docs/method.md` §1.8 and §4.1 for what each one is).
 #[derive(
     Archive,
     RkyvSerialize,

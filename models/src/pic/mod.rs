@@ -1,5 +1,5 @@
-//! Position-independent document caches: the serving side of SemPIC (../shared/docs/method.md
-//! §2).
+//! Position-independent document caches: the serving side of SemPIC (`docs/method.md` §2.4
+//! and §5.1).
 //!
 //! A document is compiled once, alone: a prefill from position 0 whose per-layer keys (after
 //! RoPE) and values are kept ([`CompiledDoc`]). At request time several compiled documents are

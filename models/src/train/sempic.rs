@@ -1,4 +1,4 @@
-//! The SemPIC writer's objective (../shared/docs/method.md §2): the base plus a LoRA (the
+//! The SemPIC writer's objective (`docs/method.md` §2.3 and §5.2): the base plus a LoRA (the
 //! writer) compiles each document alone; the frozen base (the reader, LoRA off) stitches the
 //! compiled caches ([`crate::pic`]) and reads the request's own tokens over them. The loss is
 //! the KL (temperature 1) from the teacher, the base reading the whole prompt in one prefill,

@@ -1,6 +1,6 @@
 //! The Patch aligner `g`: from a code of the producer's attention input `Z_H` (rank `r`) to
 //! the consumer's own attention input `H_in,B`, from which the consumer regenerates K and V
-//! with its own weights (method.md, "Patch").
+//! with its own weights (`docs/method.md` §1.5 and §4.4).
 //!
 //! `g(z) = z W_lin + b_lin + W_2 silu(W_1 (z / s) + b_1) + b_2`: the linear part is the
 //! low-rank decoder of the joint factorisation and stays fixed; the MLP (candle-nn layers)

@@ -1,12 +1,12 @@
 //! The low-rank code of one tensor kind at one layer: SCD's Reuse map (for K and V) and the
 //! linear part of the Patch encoder (for `H_in`).
 //!
-//! Fit (method.md, "Reuse"): stack one token's producer row `a` and consumer rows `b_1..b_m`
-//! side by side, `x = [a | b_1 | ... | b_m]`; the top eigenvectors `W` of `E[x x^T]` (centred
-//! or not) give the joint factorisation `x ~ z W^T` with a shared code `z = x W`. The producer,
-//! which only has `a`, gets a ridge encoder `W_enc = (A^T A + lambda I)^-1 A^T Z`; each
-//! consumer decodes its own rows with its block of `W`: `b_i ~ z W_i^T`. Everything comes from
-//! the moments ([`super::moments`]), so no calibration row is kept.
+//! Fit (`docs/method.md` §1.4 and §4.3): stack one token's producer row `a` and consumer rows
+//! `b_1..b_m` side by side, `x = [a | b_1 | ... | b_m]`; the top eigenvectors `W` of `E[x x^T]`
+//! (centred or not) give the joint factorisation `x ~ z W^T` with a shared code `z = x W`. The
+//! producer, which only has `a`, gets a ridge encoder `W_enc = (A^T A + lambda I)^-1 A^T Z`; each
+//! consumer decodes its own rows with its block of `W`: `b_i ~ z W_i^T`. Everything comes from the
+//! moments ([`super::moments`]), so no calibration row is kept.
 //!
 //! Ranks are nested: `W`'s columns are ordered by eigenvalue and each encoder column is its own
 //! regression, so the first `r` columns of the encoder and rows of the decoders are the rank-`r`
