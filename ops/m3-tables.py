@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables of the M3 ablations from the records ops/m3-evals.sh wrote.
+"""Markdown tables of the SCD translator ablations from the records ops/m3-evals.sh wrote.
 
     ops/m3-tables.py docs/m3 mail > /tmp/mail-ablations.md
 

@@ -73,8 +73,9 @@ pub struct NodeConfig {
     pub documents: Option<DocumentsConfig>,
 }
 
-/// `[documents]`: how a producer serves the documents jobs name (SemPIC, M9 §5): compiled once
-/// by a writer into the store under `dir`, then served from there to every job that names them.
+/// `[documents]`: how a producer serves the documents jobs name (SemPIC, `docs/method.md` §5.5):
+/// compiled once by a writer into the store under `dir`, then served from there to every job that
+/// names them.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DocumentsConfig {

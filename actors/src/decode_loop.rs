@@ -1,7 +1,7 @@
 //! The consumer node's decode loop: one thread that decodes the jobs of all the node's decoders
 //! together, one batched forward pass per step ([`scd_models::batch::Batch`]), so that a node
 //! serving several jobs, on one expert or on several experts of the same base, streams its
-//! weights once per step instead of once per job and step (M10).
+//! weights once per step instead of once per job and step (BENCHMARKS.md, "Batched decode").
 //!
 //! A decoder hands a job here once its cache is rebuilt, with the channel its tokens go to and
 //! the job's cancellation, and hears back when the job ended. It is a thread and not an actor

@@ -1,8 +1,8 @@
-//! A producer's compiled documents (SemPIC, M9 §5): the writer that compiles them (the base
-//! model with the SemPIC writer's adapter, between KV-Packet boundary tokens if configured),
-//! and the on-disk store ([`scd_models::pic::DocStore`]) they are compiled into once and served
-//! from after. The producer actor fetches a job's documents here; on a hit nothing of the
-//! document is computed.
+//! A producer's compiled documents (SemPIC, `docs/method.md` §5.5): the writer that compiles them
+//! (the base model with the SemPIC writer's adapter, between KV-Packet boundary tokens if
+//! configured), and the on-disk store ([`scd_models::pic::DocStore`]) they are compiled into once
+//! and served from after. The producer actor fetches a job's documents here; on a hit nothing of
+//! the document is computed.
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -4,8 +4,9 @@
 //! It is the one crate that depends on `scd-models`, `scd-transport` and `scd-scheduler`; they do
 //! not know each other. It holds the actors of a job's path, the node that runs them from its
 //! config and the job records in the store under a supervisor that restarts failed actors,
-//! the admin endpoint over QUIC, and the client that submits jobs through the store. The HTTP
-//! gateway and tracing export come with milestone M7.
+//! the admin endpoint over QUIC and the OpenAI-compatible HTTP gateway, the job traces exported
+//! over OTLP and the node's metrics, and the client that submits jobs through the store
+//! (`docs/architecture.md`).
 //!
 //! An actor is one file: its messages (`XxxMsg`), arguments and state, and handlers. Model
 //! compute runs on blocking threads, never on the async runtime. A job's data moves through

@@ -571,14 +571,14 @@ async fn a_burst_past_the_admission_bound_is_answered_busy_and_loses_nothing() {
     producer.shutdown(Duration::ZERO).await;
 }
 
-/// Codes sized for the link (M11 §2): one producer with adaptive ranks, its link to one
-/// consumer paced at 4 Mbit/s and to the other left at loopback speed. (4 Mbit/s is far below
-/// what even a loaded test machine's prefill produces, so frames queue behind that link and it
-/// is measured, whatever the machine's speed.) The first job to a
-/// consumer has no measurement and goes at the translator's defaults; after it the producer
-/// knows the link, and the same prompt gets smaller codes over the slow link than over the
-/// fast one, both under the KL ceiling per the translator's curve. Each consumer rebuilds with
-/// the ranks the record names: its tokens equal the in-process run at those ranks.
+/// Codes sized for the link (`docs/method.md` §4.6): one producer with adaptive ranks, its link to
+/// one consumer paced at 4 Mbit/s and to the other left at loopback speed. (4 Mbit/s is far below
+/// what even a loaded test machine's prefill produces, so frames queue behind that link and it is
+/// measured, whatever the machine's speed.) The first job to a consumer has no measurement and goes
+/// at the translator's defaults; after it the producer knows the link, and the same prompt gets
+/// smaller codes over the slow link than over the fast one, both under the KL ceiling per the
+/// translator's curve. Each consumer rebuilds with the ranks the record names: its tokens equal the
+/// in-process run at those ranks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
     const SLOW_MBIT: u64 = 4;
@@ -655,10 +655,10 @@ async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
     producer.shutdown(Duration::ZERO).await;
 }
 
-/// The drift guard (M11 §2): a consumer that checks every translated job against the mail
-/// expert's own prefill, with a bound no real translator meets, marks the live version
-/// degraded after two checks; the scheduler then runs scd jobs as raw (the record says why,
-/// and the result is raw's); another version made live brings scd back.
+/// The drift guard (`docs/method.md` §4.6): a consumer that checks every translated job against the
+/// mail expert's own prefill, with a bound no real translator meets, marks the live version
+/// degraded after two checks; the scheduler then runs scd jobs as raw (the record says why, and the
+/// result is raw's); another version made live brings scd back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_translator_whose_shadow_checks_drift_is_marked_and_its_jobs_fall_back() {
     let m = models();
@@ -797,11 +797,11 @@ fn metric(text: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Fan-out (M11 §1): one job names three experts of the base; one consumer node hosts them all
-/// (adapters on the fly over one copy of the base). The producer prefills once and sends one
-/// code stream (the counters: one more prefill, the payload of one job); the consumer decodes
-/// each expert, and each result equals that expert's own job. Fan-outs that cannot run are
-/// refused at submission with the reason.
+/// Fan-out (README, "Fan-out"): one job names three experts of the base; one consumer node hosts
+/// them all (adapters on the fly over one copy of the base). The producer prefills once and sends
+/// one code stream (the counters: one more prefill, the payload of one job); the consumer decodes
+/// each expert, and each result equals that expert's own job. Fan-outs that cannot run are refused
+/// at submission with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_prefill_and_one_code_stream_serve_three_experts() {
     use scd_actors::config::ExpertConfig;
@@ -882,10 +882,10 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
     producer.shutdown(Duration::ZERO).await;
 }
 
-/// Fan-out with codes (M11 §1 with M3's joint translator): the shipped joint translator of
-/// mail, sotu and melville is every expert's translator on both nodes; one scd fan-out job
-/// sends the payload of one job, and each expert's result equals its own scd job's (the same
-/// codes, rebuilt with its own decoder of the joint translator).
+/// Fan-out with codes (one joint translator fitted over several experts, `docs/method.md` §4.7):
+/// the shipped joint translator of mail, sotu and melville is every expert's translator on both
+/// nodes; one scd fan-out job sends the payload of one job, and each expert's result equals its own
+/// scd job's (the same codes, rebuilt with its own decoder of the joint translator).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_joint_code_stream_serves_three_experts() {
     use scd_actors::config::ExpertConfig;

@@ -337,9 +337,9 @@ async fn a_stalled_consumer_holds_up_only_its_own_job() {
     assert!(matches!(ended, Err(TransferError::Cancelled)), "{ended:?}");
 }
 
-/// M10: the consumer decodes concurrent jobs in one batch (one forward pass per step for all of
-/// them), and each job's tokens are those it gets alone. Each caller takes its first token and
-/// then nothing until all three have one, so all three are in the decode loop together (a job
+/// Batched decode: the consumer decodes concurrent jobs in one batch (one forward pass per step for
+/// all of them), and each job's tokens are those it gets alone. Each caller takes its first token
+/// and then nothing until all three have one, so all three are in the decode loop together (a job
 /// whose caller is not reading waits in the batch); then all three are read at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_jobs_decode_in_one_batch_with_the_tokens_each_gets_alone() {

@@ -392,7 +392,7 @@ fn inference_kernels_equal_the_differentiable_path() {
     }
 }
 
-/// M10's batched decode on the real model and the shipped experts: six jobs (the base, the
+/// Batched decode on the real model and the shipped experts: six jobs (the base, the
 /// three experts applied on the fly over the shared base, one merged, one expert twice) with
 /// prompts of different lengths decode together, and each job's greedy tokens equal its tokens
 /// decoded alone: on the default products, and on AMX tiles where the CPU has them.
@@ -518,7 +518,7 @@ fn decode_steps_from_several_threads_at_once_finish_and_equal_their_runs_alone()
     assert!(alone.iter().all(|t| t.len() == params.max_tokens));
 }
 
-/// M10's narrow decode weights: the model decodes on the GGUF's own Q4_1 / Q8_0 blocks, with
+/// Narrow decode weights: the model decodes on the GGUF's own Q4_1 / Q8_0 blocks, with
 /// activations in two bytes (integer products) and, where the CPU has AVX-512 BF16 or AMX,
 /// rounded to bf16 (bf16 products, the default there, or tile products), and stays with the
 /// f32 path (the same weights dequantised) over 256 decode steps after a 128-token prompt of

@@ -1,7 +1,7 @@
-//! Position-independent document caches (M9 §1) on the real SmolLM2 GGUF: a document compiled
-//! alone moves to any offset by re-rotating its keys, stitched documents are a cache the model
-//! continues from, and one stitched document plus a question is the plain prefill of the same
-//! tokens. The comparisons run on the f32 paths, where they hold to float precision.
+//! Position-independent document caches (`docs/method.md` §5.1) on the real SmolLM2 GGUF: a
+//! document compiled alone moves to any offset by re-rotating its keys, stitched documents are a
+//! cache the model continues from, and one stitched document plus a question is the plain prefill
+//! of the same tokens. The comparisons run on the f32 paths, where they hold to float precision.
 
 mod common;
 

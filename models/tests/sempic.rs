@@ -1,8 +1,8 @@
-//! The SemPIC writer's training (M9 §3): gradients reach the writer through the stitched
-//! caches only, KV gradient checkpointing per writer layer gives the gradients of one graph,
-//! training lowers the KL to full recompute, and `train_writer` runs end to end on the real
-//! model, writing an adapter the evaluation loads, and resumes. The same for KV-Packet's
-//! boundary tokens (M9 §2), trained for the base and for a writer (the joint mode).
+//! The SemPIC writer's training (`docs/method.md` §5.2): gradients reach the writer through the
+//! stitched caches only, KV gradient checkpointing per writer layer gives the gradients of one
+//! graph, training lowers the KL to full recompute, and `train_writer` runs end to end on the real
+//! model, writing an adapter the evaluation loads, and resumes. The same for KV-Packet's boundary
+//! tokens (`docs/method.md` §5.3), trained for the base and for a writer (the joint mode).
 
 mod common;
 

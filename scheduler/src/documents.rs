@@ -1,8 +1,8 @@
-//! Documents under `/documents/<id>` (SemPIC, M9 §5): a document a job may name by id instead of
-//! carrying its text. The record holds the document's tokens (of its base model's tokenizer),
-//! so that whichever producer a job lands on can compile it; producers announce the documents
-//! they hold compiled in their node registration ([`crate::NodeInfo::documents`]), under the
-//! node's lease, and the scheduler prefers them ([`crate::choose_producer`]).
+//! Documents under `/documents/<id>` (SemPIC, `docs/method.md` §5.5): a document a job may name by
+//! id instead of carrying its text. The record holds the document's tokens (of its base model's
+//! tokenizer), so that whichever producer a job lands on can compile it; producers announce the
+//! documents they hold compiled in their node registration ([`crate::NodeInfo::documents`]), under
+//! the node's lease, and the scheduler prefers them ([`crate::choose_producer`]).
 //!
 //! The id is [`scd_types::document_id`] of the tokens: adding the same document twice finds
 //! the first record.

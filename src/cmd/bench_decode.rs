@@ -1,9 +1,10 @@
-//! `scd bench decode`: a consumer decoding several jobs at once (M10's batched decode). For each
-//! number of experts (applied on the fly over the shared base) and each number of concurrent
-//! jobs, every job decodes the same number of greedy tokens in one [`Batch`]; the figures are
-//! aggregate tokens per second and each job's milliseconds per token, next to one job alone
-//! (the first row of each table, measured in the same run with the same warm-up and
-//! repetitions), and to one merged expert decoding alone (what a node with one expert does).
+//! `scd bench decode`: a consumer decoding several jobs at once (the batched decode of
+//! `actors/src/decode_loop.rs`). For each number of experts (applied on the fly over the shared
+//! base) and each number of concurrent jobs, every job decodes the same number of greedy tokens in
+//! one [`Batch`]; the figures are aggregate tokens per second and each job's milliseconds per
+//! token, next to one job alone (the first row of each table, measured in the same run with the
+//! same warm-up and repetitions), and to one merged expert decoding alone (what a node with one
+//! expert does).
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,8 +1,8 @@
-//! `scd bench docs`: time to first token with compiled document caches (M9's serving cost)
-//! against full recompute. For each number of documents, every document (`--doc-tokens`
-//! tokens) is compiled alone beforehand, as a document store would hold it; per request the
-//! compiled side only stitches the caches and runs the question, while full recompute prefills
-//! the documents and the question together. Both end at the first token's logits; same
+//! `scd bench docs`: time to first token with compiled document caches (SemPIC's serving cost,
+//! `docs/method.md` §5.5) against full recompute. For each number of documents, every document
+//! (`--doc-tokens` tokens) is compiled alone beforehand, as a document store would hold it; per
+//! request the compiled side only stitches the caches and runs the question, while full recompute
+//! prefills the documents and the question together. Both end at the first token's logits; same
 //! warm-up and repetitions, median reported.
 
 use std::path::PathBuf;

@@ -1,9 +1,10 @@
-//! `scd bench links`: codes sized for the link (M11). An in-process cluster on the embedded
-//! store whose producer reaches one consumer node per emulated link (`[links] pace_mbit`), the
-//! same prompts over each (a validation split calibration never reads): raw KV, the translator's default ranks, and ranks the
-//! producer picks for the link it measured (`[codec] ranks = "adaptive"`). Per link: the
-//! ranks chosen, payload, time to first token from the job records, and the KL to the
-//! expert's own prefill over a continuation, measured in-process at the ranks each job used.
+//! `scd bench links`: codes sized for the link (`docs/method.md` §4.6). An in-process cluster on
+//! the embedded store whose producer reaches one consumer node per emulated link
+//! (`[links] pace_mbit`), the same prompts over each (a validation split calibration never
+//! reads): raw KV, the translator's default ranks, and ranks the producer picks for the link it
+//! measured (`[codec] ranks = "adaptive"`). Per link: the ranks chosen, payload, time to first
+//! token from the job records, and the KL to the expert's own prefill over a continuation,
+//! measured in-process at the ranks each job used.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,10 +1,10 @@
 //! `scd demo`: an in-process cluster on the embedded store (a producer node that is also the
-//! scheduler, and a consumer node serving one expert, over real QUIC on loopback with a
-//! throwaway CA), and the same prompt through it in every transfer mode, each a job record the
-//! scheduler assigns; then the results side by side: text, time to first token and its parts,
-//! payload bytes, and agreement with the expert's own prefill (the oracle). With
-//! `--document-files`, then a job that names documents, twice: the producer compiles them with
-//! the SemPIC writer the first time and serves them from its store the second (SemPIC, M9 §5).
+//! scheduler, and a consumer node serving one expert, over real QUIC on loopback with a throwaway
+//! CA), and the same prompt through it in every transfer mode, each a job record the scheduler
+//! assigns; then the results side by side: text, time to first token and its parts, payload bytes,
+//! and agreement with the expert's own prefill (the oracle). With `--document-files`, then a job
+//! that names documents, twice: the producer compiles them with the SemPIC writer the first time
+//! and serves them from its store the second (SemPIC, `docs/method.md` §5.5).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,8 +1,8 @@
-//! `scd docs add|list`: the documents a cluster's jobs may name by id (SemPIC, M9 §5), through a
-//! node's admin endpoint. A document is recorded once with its tokens (the node tokenises the
-//! text with its base model's tokenizer); a job names it with `scd submit --document ID`, and
-//! the producer that takes the job serves its compiled cache from its store, compiling it
-//! there the first time.
+//! `scd docs add|list`: the documents a cluster's jobs may name by id (SemPIC, `docs/method.md`
+//! §5.5), through a node's admin endpoint. A document is recorded once with its tokens (the node
+//! tokenises the text with its base model's tokenizer); a job names it with
+//! `scd submit --document ID`, and the producer that takes the job serves its compiled cache from
+//! its store, compiling it there the first time.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -1,5 +1,6 @@
-//! A document's id: what a job names when it asks for compiled documents (SemPIC, M9 §5), what a
-//! producer's compiled-document store files an entry under and what a node announces it holds.
+//! A document's id: what a job names when it asks for compiled documents (SemPIC served from the
+//! cluster, `docs/method.md` §5.5), what a producer's compiled-document store files an entry
+//! under and what a node announces it holds.
 //! One function makes it everywhere, so that the store, the scheduler and the wire agree.
 
 use sha2::{Digest, Sha256};

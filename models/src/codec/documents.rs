@@ -1,5 +1,5 @@
-//! Compiled documents before a prompt (SemPIC, M9 §5): the oracle's own prefill of the prompt,
-//! read over documents that a producer compiled elsewhere and serves from its store.
+//! Compiled documents before a prompt (SemPIC, `docs/method.md` §5.5): the oracle's own prefill of
+//! the prompt, read over documents that a producer compiled elsewhere and serves from its store.
 //!
 //! The producer places the job's documents one after another ([`encode_documents`]: each
 //! document's keys re-rotated by the offset it lands at, as [`crate::pic::stitch`] does) and

@@ -8,7 +8,7 @@
 //! greedy continuations for agreement, greedy answers for QA F1), [`record`] (the JSON +
 //! Markdown record, every figure with its bootstrap interval), [`drift`] (how far an expert is
 //! from its base, and what naive transfer costs), [`multidoc`] (multi-document QA over
-//! compiled document caches, M9).
+//! compiled document caches, `docs/method.md` §5.4).
 //!
 //! Every method sees the prompt's first `T - 1` tokens through its cache; the consumer then
 //! runs its own forward pass from the prompt's last token on. So the methods differ only in the

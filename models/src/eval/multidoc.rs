@@ -1,6 +1,6 @@
-//! Multi-document QA (M9's evaluation): each SQuAD question's gold paragraph among distractor
-//! paragraphs of other articles, in shuffled order, answered with the documents' caches built
-//! one of five ways:
+//! Multi-document QA (SemPIC's evaluation, `docs/method.md` §5.4): each SQuAD question's gold
+//! paragraph among distractor paragraphs of other articles, in shuffled order, answered with the
+//! documents' caches built one of five ways:
 //! - full recompute: a plain prefill of the whole prompt (the upper bound);
 //! - no recompute: every document compiled alone and stitched at request time
 //!   ([`crate::pic`]), only the instruction and the question run with the documents' cache;

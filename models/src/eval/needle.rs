@@ -1,9 +1,9 @@
-//! Needle in a haystack over real text (M9 §4's second task): each item hides one invented
-//! fact ("The secret number of the lantern is 482913.") at a sentence boundary inside one
-//! paragraph of WikiText-2's validation text, among 3-7 other paragraphs of it, and asks for the
-//! number. The items are [`MultiDocItem`]s, so the multi-document evaluation answers them in
-//! every mode unchanged; the answer is a number the model cannot know from anywhere but the
-//! needle's document.
+//! Needle in a haystack over real text (the multi-document evaluation's second task,
+//! `docs/method.md` §5.4): each item hides one invented fact ("The secret number of the lantern is
+//! 482913.") at a sentence boundary inside one paragraph of WikiText-2's validation text, among 3-7
+//! other paragraphs of it, and asks for the number. The items are [`MultiDocItem`]s, so the
+//! multi-document evaluation answers them in every mode unchanged; the answer is a number the model
+//! cannot know from anywhere but the needle's document.
 
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;

@@ -1,5 +1,6 @@
-//! Compiled documents on disk (M9 §5), content-addressed by the version of the model that
-//! compiled them and by the document's tokens: `DIR/<writer version>/<document id>.safetensors`.
+//! Compiled documents on disk (`docs/method.md` §5.1), content-addressed by the version of the
+//! model that compiled them and by the document's tokens:
+//! `DIR/<writer version>/<document id>.safetensors`.
 //!
 //! A writer version ([`WriterVersion`]) is the compiler's base hash, its adapter's hash (a SemPIC
 //! writer) and its boundary tokens' hash (KV-Packet), so that a document compiled by another
