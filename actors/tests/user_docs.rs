@@ -335,3 +335,159 @@ fn variable_names_are_found_whole() {
         .collect();
     assert_eq!(found, want);
 }
+
+/// A JSON record the repository keeps (`scd eval --json`, `scd eval multidoc --json`).
+fn record(path: &str) -> serde_json::Value {
+    let path = root().join(path);
+    let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// An estimate's value (`{"value": .., "low": .., "high": ..}`).
+fn value(v: &serde_json::Value) -> f64 {
+    v["value"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no value: {v}"))
+}
+
+/// The numbers written in `cell`, in order, as text (to know how many decimals were shown).
+fn numbers(cell: &str) -> Vec<&str> {
+    cell.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .map(|s| s.trim_matches('.'))
+        .filter(|s| s.chars().any(|c| c.is_ascii_digit()))
+        .collect()
+}
+
+/// Whether `shown` is `actual` rounded to the decimals `shown` has.
+fn rounds_to(shown: &str, actual: f64) -> bool {
+    let decimals = shown.split_once('.').map_or(0, |(_, d)| d.len()) as i32;
+    let shown: f64 = shown.parse().unwrap();
+    (shown - actual).abs() <= 0.5 * 10f64.powi(-decimals) + 1e-9
+}
+
+/// The cells of BENCHMARKS.md's table row whose first cell starts with `first`.
+fn benchmarks_row(text: &str, first: &str) -> Vec<String> {
+    let row = text
+        .lines()
+        .find(|l| l.starts_with(&format!("| {first}")))
+        .unwrap_or_else(|| panic!("BENCHMARKS.md has no row \"{first}\""));
+    row.trim_matches('|')
+        .split(" | ")
+        .map(|c| c.trim().to_owned())
+        .collect()
+}
+
+#[test]
+fn benchmarks_rows_agree_with_the_json_records_they_name() {
+    let text = fs::read_to_string(root().join("BENCHMARKS.md")).unwrap();
+    // The translators' table: one column per expert, each from docs/m3/<expert>-main.json.
+    let experts = ["mail-rope", "mail", "sotu", "melville"];
+    let header = format!("| target | {} | status |", experts.join(" | "));
+    assert!(text.contains(&header), "BENCHMARKS.md: {header}");
+    let vs_raw = benchmarks_row(&text, "SCD KL <= 0.5x raw's");
+    let vs_reuse = benchmarks_row(&text, "SCD KL <= 0.5x Reuse-only's");
+    let greedy = benchmarks_row(&text, "SCD greedy agreement above raw's");
+    let mut wrong = Vec::new();
+    for (i, expert) in experts.iter().enumerate() {
+        let json = record(&format!("docs/m3/{expert}-main.json"));
+        let by_method = |m: &str| {
+            json["results"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["method"] == m)
+                .unwrap_or_else(|| panic!("{expert}: no {m} result"))
+                .clone()
+        };
+        let (raw, reuse, scd) = (by_method("raw"), by_method("reuse"), by_method("scd"));
+        let kl = |r: &serde_json::Value| value(&r["kl"]);
+        let share = scd["payload_share_of_raw"].as_f64().unwrap() * 100.0;
+        let checks = [
+            (&vs_raw, 0, kl(&scd) / kl(&raw)),
+            (&vs_raw, 1, share),
+            (&vs_reuse, 0, kl(&scd) / kl(&reuse)),
+            (&greedy, 0, value(&scd["greedy_agreement"])),
+            (&greedy, 1, value(&raw["greedy_agreement"])),
+        ];
+        for (row, at, actual) in checks {
+            let cell = &row[i + 1];
+            let shown = numbers(cell);
+            if !shown.get(at).is_some_and(|s| rounds_to(s, actual)) {
+                wrong.push(format!(
+                    "{} / {expert}: {cell:?}, the record has {actual:.4}",
+                    row[0]
+                ));
+            }
+        }
+    }
+    // Multi-document QA and needles, from docs/m9.
+    let mode = |json: &serde_json::Value, name: &str| {
+        json["modes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["mode"] == name)
+            .unwrap_or_else(|| panic!("no mode {name}"))
+            .clone()
+    };
+    let stage2 = record("docs/m9/multidoc-sempic-stage2.json");
+    let packet = record("docs/m9/multidoc-packet.json");
+    let (full, none, sempic) = (
+        mode(&stage2, "full recompute"),
+        mode(&stage2, "no recompute"),
+        mode(&stage2, "SemPIC"),
+    );
+    let gap = &sempic["f1_gap_recovered"];
+    let row = benchmarks_row(&text, "SemPIC recovers").join(" | ");
+    for want in [
+        format!(
+            "{:.1} / {:.1} / {:.1} / {:.1}",
+            value(&full["f1"]),
+            value(&none["f1"]),
+            value(&mode(&packet, "packet")["f1"]),
+            value(&sempic["f1"])
+        ),
+        format!(
+            "{:.0}% of the gap (paired interval [{:.0}, {:.0}])",
+            value(gap) * 100.0,
+            gap["low"].as_f64().unwrap() * 100.0,
+            gap["high"].as_f64().unwrap() * 100.0
+        ),
+        format!(
+            "{:.3} against packet's {:.3}",
+            value(&sempic["kl"]),
+            value(&mode(&packet, "packet")["kl"])
+        ),
+    ] {
+        if !row.contains(&want) {
+            wrong.push(format!("SemPIC row: wants {want:?}"));
+        }
+    }
+    let needle = record("docs/m9/needle.json");
+    let names = [
+        ("full", "full recompute"),
+        ("none", "no recompute"),
+        ("packet", "packet"),
+        ("SemPIC", "SemPIC"),
+        ("joint", "joint (SemPIC + packet)"),
+    ];
+    let replies: Vec<String> = names
+        .iter()
+        .map(|(label, m)| format!("{label} {:.0}%", value(&mode(&needle, m)["contains"])))
+        .collect();
+    let kls: Vec<String> = names[1..]
+        .iter()
+        .map(|(label, m)| format!("{label} {:.3}", value(&mode(&needle, m)["kl"])))
+        .collect();
+    let row = benchmarks_row(&text, "needle in a haystack").join(" | ");
+    for want in [replies.join(", "), kls.join(", ")] {
+        if !row.contains(&want) {
+            wrong.push(format!("needle row: wants {want:?}"));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "BENCHMARKS.md disagrees with the records it names:\n{}",
+        wrong.join("\n")
+    );
+}
