@@ -38,11 +38,22 @@ test: setup model data
 	@if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then $(MAKE) --no-print-directory test-amx; \
 	else echo "AMX tests not run: this CPU has no AMX (the prefill runs on f32 here)"; fi
 	cargo check --manifest-path transport/fuzz/Cargo.toml
+	$(MAKE) --no-print-directory test-deploy
 
 # The tests of the AMX prefill (`*_on_amx_tiles`, ignored by a plain `cargo test` because they
 # need a CPU with AMX); `make test` runs them where the CPU has it. Elsewhere they fail, saying so.
 test-amx: setup model data
 	cargo test --workspace --all-targets --no-fail-fast -- --ignored on_amx_tiles
+
+# The deployment kit, offline (docs/deploy.md): hadolint on the Dockerfile, the compose file
+# against the Compose Specification's schema, every ops/k8s overlay rendered by kubectl
+# kustomize and validated against Kubernetes' schemas and the vendored CRD schemas, the
+# dashboard and scrape configs (ops/validate-deploy.py; a few seconds). The node side of the
+# kit (the probes, the dashboard's series in live scrapes, the k8s node configs) is
+# actors/tests/deploy.rs, part of `cargo test`.
+.PHONY: test-deploy
+test-deploy: setup
+	.cache/openai-venv/bin/python ops/validate-deploy.py
 
 lint:
 	cargo fmt --all -- --check

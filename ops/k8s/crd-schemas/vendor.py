@@ -3,7 +3,7 @@
 ops/validate-deploy.py to check the custom resources of ops/k8s with (kubernetes-validate knows
 only the built-in kinds). Descriptions are dropped (they do not take part in validation).
 
-    vendor.py CRD.yaml... 
+    vendor.py CRD.yaml...
 
 writes <group>_<version>_<kind lowercased>.json beside this script. The files here came from
 prometheus-operator v0.93.0 (example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml)
