@@ -598,8 +598,44 @@ async fn take_streams(work: Arc<Work>, mut streams: mpsc::Receiver<scd_transport
     }
 }
 
+/// Whether the node is ready for work: not draining, and its registration is in the store
+/// (the node's own view of the cluster, which follows the store as the scheduler's does) with
+/// the models it loaded and a capacity. `Ok` says what it serves, `Err` why it is not ready.
+fn readiness(work: &Work) -> Result<String, String> {
+    if work.draining.load(Ordering::SeqCst) {
+        return Err(format!("node {}: draining", work.id));
+    }
+    let wanted = work.registration.info();
+    let view = work.nodes.snapshot();
+    let Some(listed) = view.get(&work.id) else {
+        return Err(format!(
+            "node {}: not registered in the store (lease lost or not yet written)",
+            work.id
+        ));
+    };
+    if listed.capacity == 0
+        || listed.producer_models != wanted.producer_models
+        || listed.consumer_models != wanted.consumer_models
+    {
+        return Err(format!(
+            "node {}: the store lists it serving base {:?}, experts {:?}, capacity {}; it loaded base {:?}, experts {:?}",
+            work.id,
+            listed.producer_models,
+            listed.consumer_models,
+            listed.capacity,
+            wanted.producer_models,
+            wanted.consumer_models
+        ));
+    }
+    Ok(format!(
+        "node {}: ready; base {:?}, experts {:?}",
+        work.id, wanted.producer_models, wanted.consumer_models
+    ))
+}
+
 /// Serves `/metrics` until the node stops; each scrape counts the cluster's jobs by state
-/// first.
+/// first. Beside it, the probes: `/livez` (200 while the node runs) and `/readyz` (200 when
+/// [`readiness`] says so, else 503 with the reason).
 async fn serve_metrics(
     work: Arc<Work>,
     listener: tokio::net::TcpListener,
@@ -607,6 +643,7 @@ async fn serve_metrics(
 ) {
     use axum::http::header::CONTENT_TYPE;
     let cancel = work.cancel.clone();
+    let work_for_probe = work.clone();
     let scrape = move || {
         let work = work.clone();
         let restarts = restarts.clone();
@@ -650,7 +687,23 @@ async fn serve_metrics(
             )
         }
     };
-    let app = axum::Router::new().route("/metrics", axum::routing::get(scrape));
+    let ready = {
+        let work = work_for_probe;
+        move || {
+            let work = work.clone();
+            async move {
+                use axum::http::StatusCode;
+                match readiness(&work) {
+                    Ok(why) => (StatusCode::OK, why + "\n"),
+                    Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why + "\n"),
+                }
+            }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/metrics", axum::routing::get(scrape))
+        .route("/livez", axum::routing::get(|| async { "ok\n" }))
+        .route("/readyz", axum::routing::get(ready));
     let stopped = async move { cancel.cancelled().await };
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(stopped)
