@@ -697,11 +697,42 @@ mod avx512 {
 mod tests {
     use super::*;
 
-    /// Both x86 kernels, where the CPU has them, against plain sums: scores over key counts
-    /// around whole blocks of sixteen, and the weighted values, with keys in f32 and in f16.
+    /// The AVX-512 kernels against plain sums: scores over key counts around whole blocks of
+    /// sixteen, and the weighted values, with keys in f32 and in f16.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_and_avx512_kernels_match_plain_sums() {
+    #[ignore = "needs a CPU with AVX-512F; `make test` runs it where the CPU has AVX-512F (`make test-avx512f`)"]
+    fn avx512_kernels_match_plain_sums_on_avx512f() {
+        assert!(
+            std::arch::is_x86_feature_detected!("avx512f"),
+            "this test needs a CPU with AVX-512F"
+        );
+        each_case(Kernel::Avx512);
+    }
+
+    /// The AVX2 kernels against plain sums, on the same cases.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore = "needs a CPU with AVX2, FMA and F16C; `make test` runs it where the CPU has them (`make test-avx2`)"]
+    fn avx2_kernels_match_plain_sums_on_avx2() {
+        use std::arch::is_x86_feature_detected as has;
+        assert!(
+            has!("avx2") && has!("fma") && has!("f16c"),
+            "this test needs a CPU with AVX2, FMA and F16C"
+        );
+        each_case(Kernel::Avx2);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[derive(Clone, Copy, Debug)]
+    enum Kernel {
+        Avx512,
+        Avx2,
+    }
+
+    /// `kernel` over key counts around whole blocks of sixteen, keys in f32 and in f16.
+    #[cfg(target_arch = "x86_64")]
+    fn each_case(kernel: Kernel) {
         let d = avx512::D;
         let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 300.0;
         let q: Vec<f32> = (0..d).map(|i| value(i + 5)).collect();
@@ -709,17 +740,16 @@ mod tests {
             let keys: Vec<f32> = (0..n * d).map(|i| value(3 * i + 1)).collect();
             let probs: Vec<f32> = (0..n).map(|j| value(j + 11).abs() / 2.0).collect();
             let keys16: Vec<half::f16> = keys.iter().map(|&x| half::f16::from_f32(x)).collect();
-            check(&q, &keys, &probs, "f32");
+            check(kernel, &q, &keys, &probs, "f32");
             // Keys held in f16: the same sums over the values f16 holds.
-            check(&q, &keys16, &probs, "f16");
+            check(kernel, &q, &keys16, &probs, "f16");
         }
     }
 
-    /// Both x86 kernels, where the CPU has them, on `keys` (also the values) against plain sums
-    /// over their values widened to f32.
+    /// `kernel` on `keys` (also the values) against plain sums over their values widened to
+    /// f32. The caller has checked that the CPU has the kernel's features.
     #[cfg(target_arch = "x86_64")]
-    fn check<T: Element>(q: &[f32], keys: &[T], probs: &[f32], dtype: &str) {
-        use std::arch::is_x86_feature_detected as has;
+    fn check<T: Element>(kernel: Kernel, q: &[f32], keys: &[T], probs: &[f32], dtype: &str) {
         let (d, n) = (q.len(), probs.len());
         let widened: Vec<f32> = keys.iter().map(|k| k.f32()).collect();
         let plain_scores: Vec<f32> = widened
@@ -736,36 +766,42 @@ mod tests {
             for (x, y) in a.iter().zip(b) {
                 assert!(
                     (x - y).abs() <= 1e-4 * y.abs().max(1.0),
-                    "{what} ({dtype}), {n} keys: {x} {y}"
+                    "{kernel:?} {what} ({dtype}), {n} keys: {x} {y}"
                 );
             }
         };
         let (mut scores, mut out) = (vec![0f32; n], vec![0f32; d]);
-        if has!("avx512f") {
-            // SAFETY: AVX-512F detected; the lengths are as the kernels require.
-            unsafe {
+        match kernel {
+            // SAFETY: the caller checked AVX-512F; the lengths are as the kernels require.
+            Kernel::Avx512 => unsafe {
                 avx512::scores(q, keys, &mut scores);
                 avx512::weighted_values(probs, keys, &mut out);
-            }
-            close(&scores, &plain_scores, "avx512 scores");
-            close(&out, &plain_out, "avx512 values");
-        }
-        if has!("avx2") && has!("fma") && has!("f16c") {
-            // SAFETY: AVX2, FMA and F16C detected; the lengths are as the kernels require.
-            unsafe {
+            },
+            // SAFETY: the caller checked AVX2, FMA and F16C; the lengths are as the kernels
+            // require.
+            Kernel::Avx2 => unsafe {
                 avx2::scores(q, keys, &mut scores);
                 avx2::weighted_values(probs, keys, &mut out);
-            }
-            close(&scores, &plain_scores, "avx2 scores");
-            close(&out, &plain_out, "avx2 values");
+            },
         }
+        close(&scores, &plain_scores, "scores");
+        close(&out, &plain_out, "values");
     }
 
     /// The heads of a KV head taken together give each head exactly what it gets alone, for
     /// head counts below, at and above the four the value kernel takes at a time. (Without
-    /// AVX-512 both sides take the one-head path; the CPUs we run on have it.)
+    /// AVX-512 both sides take the one-head path, and there is nothing to compare.)
     #[test]
-    fn heads_together_equal_each_head_alone() {
+    #[ignore = "needs a CPU with AVX-512F; `make test` runs it where the CPU has AVX-512F (`make test-avx512f`)"]
+    fn heads_together_equal_each_head_alone_on_avx512f() {
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx512 = false;
+        assert!(
+            avx512,
+            "this test needs a CPU with AVX-512F (the heads kernel's)"
+        );
         let d = 64;
         let value = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 300.0;
         for heads in [2, 3, 4, 5] {

@@ -251,7 +251,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn four_lane_sums_equal_the_reduction_of_each_vector_alone() {
+    #[ignore = "needs a CPU with AVX-512F; `make test` runs it where the CPU has AVX-512F (`make test-avx512f`)"]
+    fn four_lane_sums_equal_the_reduction_of_each_vector_alone_on_avx512f() {
         assert!(
             std::arch::is_x86_feature_detected!("avx512f"),
             "this test needs a CPU with AVX-512F, where the AVX-512 decode kernels run"
