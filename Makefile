@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export SCD_MODEL_DIR ?= $(CURDIR)/.cache/models
 export SCD_DATA_DIR ?= $(CURDIR)/.cache/data
 
-.PHONY: demo test test-amx setup model data build lint fmt bench
+.PHONY: demo test test-amx test-avx512bf16 test-avx512f test-avx2 test-netns test-smoke setup model data build lint fmt bench
 
 setup:
 	ops/setup.sh
@@ -33,17 +33,49 @@ demo: setup model build
 
 # The fuzz crate is its own workspace (see its Cargo.toml): checking it is what keeps it from
 # rotting; building it would compile every dependency again without optimisation.
+# Tests that need something this machine may lack are ignored by a plain `cargo test`; `make
+# test` runs each group below where the machine has what it needs, and says plainly where not.
 test: setup model data
 	cargo test --workspace --all-targets --no-fail-fast
-	@if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then $(MAKE) --no-print-directory test-amx; \
-	else echo "AMX tests not run: this CPU has no AMX (the prefill runs on f32 here)"; fi
+	$(call cpu_feature_tests,amx,amx_tile,AMX, (the prefill runs on f32 here))
+	$(call cpu_feature_tests,avx512bf16,avx512f avx512bw avx512vl avx512_bf16 f16c,AVX-512 BF16, (decode takes the integer products here))
+	$(call cpu_feature_tests,avx512f,avx512f,AVX-512F, (attention runs on the AVX2 or plain kernels here))
+	$(call cpu_feature_tests,avx2,avx2 fma f16c,AVX2, with FMA and F16C)
+	@if why=$$(ops/netns-link.sh check 2>&1); then $(MAKE) --no-print-directory test-netns; \
+	else echo "netns tests not run: needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2 (ip, tc): $${why#netns-link: }"; fi
 	cargo check --manifest-path transport/fuzz/Cargo.toml
 	$(MAKE) --no-print-directory test-deploy
 
-# The tests of the AMX prefill (`*_on_amx_tiles`, ignored by a plain `cargo test` because they
-# need a CPU with AMX); `make test` runs them where the CPU has it. Elsewhere they fail, saying so.
+# $(call cpu_feature_tests,GROUP,FLAGS,NAME[,NOTE]): `make test-GROUP` where /proc/cpuinfo lists
+# every one of FLAGS, else a line saying that the NAME tests did not run and why.
+cpu_feature_tests = @if (for f in $(2); do grep -qw "$$f" /proc/cpuinfo || exit 1; done) 2>/dev/null; \
+	then $(MAKE) --no-print-directory test-$(1); \
+	else echo "$(3) tests not run: this CPU has no $(3)$(4)"; fi
+
+# The tests that need a CPU feature, one group each, named so that one filter selects it and
+# ignored by a plain `cargo test`; `make test` runs each where the CPU has the feature.
+# Elsewhere they fail, saying what the CPU lacks.
+# The AMX prefill and tile products (`*_on_amx_tiles`).
 test-amx: setup model data
 	cargo test --workspace --all-targets --no-fail-fast -- --ignored on_amx_tiles
+
+# Decode on AVX-512 BF16's dot products (`*_on_avx512bf16`).
+test-avx512bf16: setup model data
+	cargo test --workspace --all-targets --no-fail-fast -- --ignored on_avx512bf16
+
+# The AVX-512F attention and decode kernels on their own (`*_on_avx512f`).
+test-avx512f: setup
+	cargo test --workspace --all-targets --no-fail-fast -- --ignored on_avx512f
+
+# The AVX2 attention kernels on their own (`*_on_avx2`).
+test-avx2: setup
+	cargo test --workspace --all-targets --no-fail-fast -- --ignored on_avx2
+
+# A transfer across two network namespaces joined by a veth link shaped with tc
+# (transport/tests/netns.rs, ops/netns-link.sh): it needs root (or CAP_SYS_ADMIN and
+# CAP_NET_ADMIN) and iproute2; `make test` runs it where `ops/netns-link.sh check` passes.
+test-netns: setup
+	cargo test -p scd-transport --test netns --no-fail-fast -- --ignored
 
 # The deployment kit, offline (docs/deploy.md): hadolint on the Dockerfile, the compose file
 # against the Compose Specification's schema, every ops/k8s overlay rendered by kubectl
@@ -54,6 +86,11 @@ test-amx: setup model data
 .PHONY: test-deploy
 test-deploy: setup
 	.cache/openai-venv/bin/python ops/validate-deploy.py
+
+# One run of each command that `make demo` and the documents use, with the tiniest settings
+# (tests/cli_smoke.rs; part of `make test`).
+test-smoke: setup model data
+	cargo test -p scd --test cli_smoke --no-fail-fast
 
 lint:
 	cargo fmt --all -- --check
