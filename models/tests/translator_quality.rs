@@ -1,0 +1,360 @@
+//! The shipped SCD translators' quality on the real model (issue S2 §3): each expert's
+//! `experts/<name>/translator` carries the base's prefill to that expert, and this file checks
+//! what BENCHMARKS.md ("SCD translators") reports for them still holds, so that a translator
+//! rebuilt into garbage fails `make test`.
+//!
+//! What is measured, and how: `scd eval`'s own harness ([`eval::evaluate`]) and codecs
+//! ([`codec_with`]), as command E1 runs them (int8 code rows at the translator's default ranks
+//! 96/192/128 and its own Patch layers; 512-token prompts, 64 teacher-forced continuation
+//! tokens; seed 0), with the base as producer and the expert, its adapter merged, as consumer.
+//! For `raw` and `scd`: the mean KL(oracle ‖ method) per continuation position over the
+//! windows, each with the harness's bootstrap 95% interval, and the payload bytes per prompt.
+//! Greedy and QA runs are left out (`greedy_tokens: 0`, `squad_questions: 0`): they do not
+//! enter the KL, and they would double the time.
+//!
+//! The windows are WikiText-2 validation text (the vendored `data/`, `SCD_EVAL_DATA`), held
+//! out from every translator: calibration cut its prompts from the Brown corpus's train split
+//! (each `translator.json`'s `calibration`; [`the_windows_are_held_out_from_calibration`]).
+//! With seed 0 they are the first windows of E1's, so the figures compare with
+//! `docs/m3/<expert>-main.json` window for window.
+//!
+//! The bounds (BENCHMARKS.md's "make-test bound (S2)" row):
+//! - mail-rope, the expert whose RoPE base breaks raw transfer: scd KL <= 0.5x raw's
+//!   (E1: 0.092x), and under 40% of raw's bytes (36%). 4 windows: the ratio is an order of
+//!   magnitude under the bound on every window count we tried.
+//! - mail, sotu, melville, the mild experts (raw transfer costs them 0.15 / 0.035 / 0.045
+//!   nats): scd KL <= 1.1x raw's (E1: 0.94x / 1.04x / 1.07x) at under 40% of raw's bytes
+//!   (37% / 38% / 37%). 16 windows each,
+//!   E1's: this file reproduces E1's ratios (0.939 / 1.036 / 1.074). The bound holds on these
+//!   windows but with little margin for melville (2.4%), and it is not a statistical claim:
+//!   each ratio moves with the windows (on seed 1's 16 windows 0.916 / 0.941 / 1.074; on four
+//!   single windows of sotu, seeds 1000-1003, per-window ratios 0.96-1.86, 1.29 over the
+//!   four), and the harness's per-method intervals allow about 0.76-1.30. Fewer windows than
+//!   16 are not stable enough to assert 1.1x on.
+//!
+//! Negative controls ([`garbage_decoders_fail_the_mild_bound`],
+//! [`garbage_decoders_fail_the_mail_rope_bound`]): the same measurement and the same
+//! [`check`] with the translator's Reuse decoders replaced in memory by random values of the
+//! same scale must report a violation, so that the bounds cannot pass vacuously.
+//!
+//! Time: 537 s for this file in the test profile on the 2-core development VM (scd-models
+//! itself is unoptimised there; 56 scored windows), 718 s with other builds sharing it. The
+//! mild experts' 48 windows are most of it.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use candle_core::Tensor;
+use rand::{Rng, SeedableRng};
+use scd_models::codec::{codec_with, Codec, CodecOptions};
+use scd_models::eval::{self, EvalConfig, EvalData, MethodMetrics, Pair};
+use scd_models::translator::Translator;
+use scd_models::{AdapterMode, Llama, LoraAdapter};
+use scd_types::{CodeDType, Mode};
+
+/// Prompt and continuation lengths and the seed of E1 (BENCHMARKS.md), so that the windows are
+/// E1's first ones.
+const PREFIX_TOKENS: usize = 512;
+const CONTINUATION_TOKENS: usize = 64;
+const SEED: u64 = 0;
+
+/// Windows per expert: see the module comment for why these counts.
+const MAIL_ROPE_WINDOWS: usize = 4;
+const MILD_WINDOWS: usize = 16;
+/// The negative controls are far off; two windows show it.
+const CONTROL_WINDOWS: usize = 2;
+
+/// The experts this file loads, in one order (the index of each one's consumer below).
+const EXPERTS: [&str; 4] = ["mail-rope", "mail", "sotu", "melville"];
+
+/// A bound on scd against raw transfer.
+#[derive(Debug, Clone, Copy)]
+struct Bound {
+    /// What the bound is for, in messages.
+    name: &'static str,
+    /// scd's mean KL at most this multiple of raw's.
+    max_kl_ratio: f64,
+    /// scd's payload under this share of raw's.
+    max_bytes_share: f64,
+}
+
+/// mail-rope, where raw transfer breaks: scd at most half of raw's KL.
+const BREAKS_RAW: Bound = Bound {
+    name: "an expert raw transfer breaks (scd KL <= 0.5x raw's, < 40% of its bytes)",
+    max_kl_ratio: 0.5,
+    max_bytes_share: 0.40,
+};
+
+/// The mild experts: scd at most 1.1x raw's KL at under 40% of its bytes.
+const MILD: Bound = Bound {
+    name: "a mild expert (scd KL <= 1.1x raw's, < 40% of its bytes)",
+    max_kl_ratio: 1.1,
+    max_bytes_share: 0.40,
+};
+
+/// What the harness measured for one expert and translator.
+struct Quality {
+    expert: String,
+    windows: usize,
+    raw: MethodMetrics,
+    scd: MethodMetrics,
+    seconds: f64,
+}
+
+impl Quality {
+    fn kl_ratio(&self) -> f64 {
+        self.scd.kl.value / self.raw.kl.value
+    }
+
+    fn bytes_share(&self) -> f64 {
+        self.scd.payload_bytes / self.raw.payload_bytes
+    }
+
+    /// The figures, with each KL's bootstrap 95% interval over the windows and the range of
+    /// the ratio those intervals allow (the harness resamples each method on its own, so this
+    /// range is wider than a paired interval would be).
+    fn describe(&self) -> String {
+        let (r, s) = (&self.raw.kl, &self.scd.kl);
+        format!(
+            "{}: {} WikiText-2 windows of {PREFIX_TOKENS} + {CONTINUATION_TOKENS} tokens: \
+             KL raw {:.4} [{:.4}, {:.4}], scd {:.4} [{:.4}, {:.4}]; scd/raw {:.3} (intervals \
+             allow {:.3}-{:.3}); scd bytes {:.1}% of raw's ({:.0} / {:.0} per prompt); {:.1} s",
+            self.expert,
+            self.windows,
+            r.value,
+            r.low,
+            r.high,
+            s.value,
+            s.low,
+            s.high,
+            self.kl_ratio(),
+            s.low / r.high,
+            s.high / r.low,
+            100.0 * self.bytes_share(),
+            self.scd.payload_bytes,
+            self.raw.payload_bytes,
+            self.seconds,
+        )
+    }
+}
+
+/// The quality check: `Err` names each violated part of `bound`, with the figures. Written so
+/// that a NaN anywhere is a violation.
+fn check(q: &Quality, bound: &Bound) -> Result<(), String> {
+    let mut violations = Vec::new();
+    let raw = q.raw.kl.value;
+    if !(raw.is_finite() && raw > 0.0) {
+        violations.push(format!("raw KL {raw} is not a positive number"));
+    }
+    if q.kl_ratio().is_nan() || q.kl_ratio() > bound.max_kl_ratio {
+        violations.push(format!(
+            "scd KL is {:.3}x raw's, the bound is {}x",
+            q.kl_ratio(),
+            bound.max_kl_ratio
+        ));
+    }
+    if q.bytes_share().is_nan() || q.bytes_share() >= bound.max_bytes_share {
+        violations.push(format!(
+            "scd sends {:.1}% of raw's bytes, the bound is under {:.0}%",
+            100.0 * q.bytes_share(),
+            100.0 * bound.max_bytes_share
+        ));
+    }
+    if violations.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} violates the bound for {}: {}",
+            q.expert,
+            bound.name,
+            violations.join("; ")
+        ))
+    }
+}
+
+fn expert_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../experts")
+        .join(name)
+}
+
+fn data() -> &'static EvalData {
+    static D: OnceLock<EvalData> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = common::eval_data_dir();
+        EvalData::load(&dir).unwrap_or_else(|e| {
+            panic!(
+                "cannot read the evaluation data under {}: {e} (run `make data`, or set \
+                 SCD_EVAL_DATA to the folder holding wikitext-2/ and squad/)",
+                dir.display()
+            )
+        })
+    })
+}
+
+/// The expert `name` as `scd eval` builds it: the base with the shipped adapter merged.
+fn consumer(name: &str) -> &'static Llama {
+    static CONSUMERS: [OnceLock<Llama>; EXPERTS.len()] = [const { OnceLock::new() }; 4];
+    let i = EXPERTS
+        .iter()
+        .position(|&e| e == name)
+        .unwrap_or_else(|| panic!("{name} is not one of {EXPERTS:?}"));
+    CONSUMERS[i].get_or_init(|| {
+        let (base, _) = common::real();
+        let path = expert_dir(name).join("adapter.safetensors");
+        let adapter = LoraAdapter::load(&path, base.config())
+            .unwrap_or_else(|e| panic!("cannot load the shipped adapter {}: {e}", path.display()));
+        base.with_adapter(&adapter, AdapterMode::Merge)
+            .unwrap_or_else(|e| panic!("cannot apply {}: {e}", path.display()))
+    })
+}
+
+/// The shipped translator of `name`.
+fn translator(name: &str) -> Translator {
+    let dir = expert_dir(name).join("translator");
+    Translator::load(&dir)
+        .unwrap_or_else(|e| panic!("cannot load the shipped translator {}: {e}", dir.display()))
+}
+
+/// Runs the harness on `windows` windows for `expert` with `translator`: raw and scd, as E1.
+fn measure(expert: &str, translator: Translator, windows: usize) -> Quality {
+    let t0 = Instant::now();
+    let (base, tok) = common::real();
+    let consumer = consumer(expert);
+    let index = translator
+        .check_pair(base, consumer)
+        .unwrap_or_else(|e| panic!("{expert}'s translator does not fit the pair: {e}"));
+    let translator = Arc::new(translator);
+    let opts = CodecOptions {
+        code_dtype: CodeDType::I8_ROWS,
+        ..CodecOptions::default()
+    };
+    let raw = codec_with(Mode::Raw, None, &opts).unwrap();
+    let scd = codec_with(Mode::Scd, Some((&translator, index)), &opts).unwrap();
+    let codecs: [&dyn Codec; 2] = [raw.as_ref(), scd.as_ref()];
+    let cfg = EvalConfig {
+        seed: SEED,
+        wikitext_windows: windows,
+        prefix_tokens: PREFIX_TOKENS,
+        continuation_tokens: CONTINUATION_TOKENS,
+        greedy_tokens: 0,
+        squad_questions: 0,
+        ..EvalConfig::default()
+    };
+    let pair = Pair {
+        producer: base,
+        consumer,
+    };
+    let record = eval::evaluate(pair, &codecs, tok, data(), &cfg, None, |_| {})
+        .unwrap_or_else(|e| panic!("evaluating {expert}: {e}"));
+    let [raw, scd] = <[MethodMetrics; 2]>::try_from(record.results).expect("two methods");
+    assert_eq!((raw.method, scd.method), (Mode::Raw, Mode::Scd));
+    assert_eq!(raw.kl.n, windows, "{expert}: windows scored");
+    let q = Quality {
+        expert: expert.into(),
+        windows,
+        raw,
+        scd,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    eprintln!("{}", q.describe());
+    q
+}
+
+fn assert_meets(expert: &str, bound: &Bound, windows: usize) {
+    let q = measure(expert, translator(expert), windows);
+    if let Err(violation) = check(&q, bound) {
+        panic!("{violation}\n  measured: {}", q.describe());
+    }
+}
+
+#[test]
+fn mail_rope_scd_keeps_under_half_of_raw_transfers_kl() {
+    assert_meets("mail-rope", &BREAKS_RAW, MAIL_ROPE_WINDOWS);
+}
+
+#[test]
+fn mail_scd_stays_within_the_mild_bound() {
+    assert_meets("mail", &MILD, MILD_WINDOWS);
+}
+
+#[test]
+fn sotu_scd_stays_within_the_mild_bound() {
+    assert_meets("sotu", &MILD, MILD_WINDOWS);
+}
+
+#[test]
+fn melville_scd_stays_within_the_mild_bound() {
+    assert_meets("melville", &MILD, MILD_WINDOWS);
+}
+
+/// `name`'s shipped translator with the Reuse decoders of K and V on every layer replaced by
+/// uniform noise of the same RMS (a seeded draw): a translator rebuilt into garbage that still
+/// loads, fits the pair and sends the same bytes.
+fn garbage_translator(name: &str) -> Translator {
+    let mut t = translator(name);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let mut noise = |d: &Tensor| -> Tensor {
+        let rms = d
+            .sqr()
+            .and_then(|s| s.mean_all())
+            .and_then(|m| m.to_scalar::<f32>())
+            .unwrap()
+            .sqrt();
+        // Uniform on [-a, a] has RMS a / sqrt(3).
+        let a = rms * 3f32.sqrt();
+        let v: Vec<f32> = (0..d.elem_count()).map(|_| rng.gen_range(-a..=a)).collect();
+        Tensor::from_vec(v, d.dims(), d.device()).unwrap()
+    };
+    for layer in &mut t.layers {
+        for code in [&mut layer.k, &mut layer.v] {
+            for d in &mut code.decs {
+                *d = noise(d);
+            }
+        }
+    }
+    t
+}
+
+fn assert_rejected(expert: &str, bound: &Bound) {
+    let q = measure(expert, garbage_translator(expert), CONTROL_WINDOWS);
+    match check(&q, bound) {
+        Err(violation) => {
+            assert!(violation.contains("x raw's"), "{violation}");
+            eprintln!("rejected, as it should be: {violation}");
+        }
+        Ok(()) => panic!(
+            "the quality check passed a translator with random decoders, so it cannot tell \
+             a good translator from garbage: {}",
+            q.describe()
+        ),
+    }
+}
+
+#[test]
+fn garbage_decoders_fail_the_mild_bound() {
+    assert_rejected("melville", &MILD);
+}
+
+#[test]
+fn garbage_decoders_fail_the_mail_rope_bound() {
+    assert_rejected("mail-rope", &BREAKS_RAW);
+}
+
+#[test]
+fn the_windows_are_held_out_from_calibration() {
+    // Calibration read the Brown corpus; the windows are WikiText-2.
+    assert_eq!(data().text_name, eval::data::WIKITEXT);
+    for name in EXPERTS {
+        let cal = translator(name).manifest.calibration;
+        assert_eq!(cal.corpus, "brown", "{name}: calibrated on {}", cal.corpus);
+        assert_ne!(
+            cal.text_sha256,
+            data().text_file.sha256,
+            "{name}: calibrated on the evaluation text"
+        );
+    }
+}
