@@ -14,33 +14,30 @@
 //! 5. Assemble the translator with its manifest, and measure its quality at a grid of ranks on
 //!    the same held-out prompts (the curve a producer sizes codes for a link with). The
 //!    caller saves it.
+//!
+//! This file holds the settings, the prompts (step 1) and [`calibrate`], which runs the
+//! steps in order; each step is a function in a file of its own under `calibrate/`:
+//! `capture.rs` (step 2), `fit_layers.rs` (step 3), `heldout.rs` (step 4: the held-out
+//! measurements, the Patch and DroidSpeak choices and the centring / ridge comparison) and
+//! `assemble.rs` (step 5).
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
-use super::aligner::{self, AlignerConfig, AlignerReport};
-use super::artifact::{
-    CalibrationInfo, ConsumerRef, LayerTranslator, ModelRef, PatchLayer, Ranks, Translator,
-    TranslatorManifest, WeightsDtype, FORMAT,
-};
-use super::low_rank::{fit, FitOptions, LowRankCode};
-use super::moments::Moments;
-use super::select::{greedy, knee, HeldOutPrompt};
+use super::aligner::AlignerConfig;
+use super::artifact::{Ranks, Translator};
 use super::TranslatorError;
-use crate::cache::KvCache;
-use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted, Proj};
-// Calibration measures its candidates' codes in f32 whatever the machine, so that a
-// translator's choices (centring, ridge, Patch layers) reproduce on machines with and without
-// AMX; serving runs the codes on the machine's prefill path (`codec::translated`).
-use crate::prefill_matmul::PrefillMatmul::F32;
+use crate::llama::Llama;
 use crate::tokenizer::{ChatMessage, Tokenizer};
-use scd_types::{CodeDType, Mode};
+
+mod assemble;
+mod capture;
+mod fit_layers;
+mod heldout;
 
 /// How many Patch layers to use.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -285,89 +282,84 @@ fn spread_windows(
         .collect())
 }
 
-fn capture_all(model: &Llama, tokens: &[u32]) -> Result<Vec<LayerCapture>, TranslatorError> {
-    Ok(model
-        .forward(
-            Input::new(tokens)
-                .capture(Capture {
-                    k_pre_rope: true,
-                    v: true,
-                    h_in: true,
-                    hidden: true,
-                    layers: None,
-                })
-                .logits(LogitsWanted::None),
-        )?
-        .captured)
+/// What every step reads: the models, the settings, and the shape the models share.
+struct Setup<'a> {
+    producer: &'a Llama,
+    /// `(name, model)`.
+    consumers: &'a [(&'a str, &'a Llama)],
+    cfg: &'a CalibrationConfig,
+    layers: usize,
+    /// Width of a K or V row.
+    kv: usize,
+    hidden: usize,
+    /// Consumers.
+    m: usize,
 }
 
-fn need<'a>(t: &'a Option<Tensor>, what: &str) -> Result<&'a Tensor, TranslatorError> {
-    t.as_ref()
-        .ok_or_else(|| TranslatorError::Fit(format!("capture without {what}")))
-}
-
-/// Per-layer state of the fitting pass.
-struct LayerStats {
-    k: Moments,
-    v: Moments,
-    h: Moments,
-    /// Sampled `H_in` rows: producer, then each consumer.
-    h_rows: Vec<Vec<f32>>,
-}
-
-/// The K and V a held-out prompt's consumer cache gets at one layer, one way or another.
-type Kv = (Tensor, Tensor);
-
-/// One layer of a held-out cache: the producer's as it serves it (keys rotated with its RoPE,
-/// which an expert with its own base reads wrongly), or one the consumer's side derived (rotated
-/// with the consumer's own).
-enum HeldKv {
-    Served(Kv),
-    Own(Kv),
-}
-
-/// Everything measured on one held-out prompt for one consumer, per layer.
-struct HeldOutLayers {
-    prompt: HeldOutPrompt,
-    raw: Vec<Kv>,
-    reuse: Vec<Kv>,
-    patch: Vec<Kv>,
-    /// DroidSpeak: per block start, the block's layers as the consumer computes them.
-    blocks: Vec<Vec<Kv>>,
-}
-
-impl HeldOutLayers {
-    /// The consumer's cache with each layer from `pick` (Reuse where it gives `None`).
-    fn cache(
-        &self,
-        consumer: &Llama,
-        pick: impl Fn(usize) -> Result<Option<HeldKv>, TranslatorError>,
-    ) -> Result<KvCache, TranslatorError> {
-        let positions: Vec<u32> = (0..self.prompt.prefix.len() as u32).collect();
-        let served = consumer.base_rope().tables(&positions)?;
-        let own = consumer.rope().tables(&positions)?;
-        let mut cache = consumer.new_cache();
-        for l in 0..consumer.config().num_layers {
-            let (tables, (k, v)) = match pick(l)? {
-                Some(HeldKv::Served(kv)) => (&served, kv),
-                Some(HeldKv::Own(kv)) => (&own, kv),
-                None => (&own, self.reuse[l].clone()),
-            };
-            cache.fill_layer_rotating(tables, l, &k, &v)?;
+impl<'a> Setup<'a> {
+    /// Checks that there is a consumer, that every consumer has the producer's shape, and
+    /// that `cfg.r_max` fits within the widths.
+    fn new(
+        producer: &'a Llama,
+        consumers: &'a [(&'a str, &'a Llama)],
+        cfg: &'a CalibrationConfig,
+    ) -> Result<Self, TranslatorError> {
+        let pc = producer.config();
+        let (layers, kv, hidden, m) = (pc.num_layers, pc.kv_dim(), pc.hidden_size, consumers.len());
+        if m == 0 {
+            return Err(TranslatorError::Fit("no consumer to calibrate for".into()));
         }
-        Ok(cache)
+        for (name, c) in consumers {
+            let cc = c.config();
+            if cc.num_layers != layers || cc.kv_dim() != kv || cc.hidden_size != hidden {
+                return Err(TranslatorError::WrongPair(format!(
+                    "consumer {name} does not share the producer's architecture"
+                )));
+            }
+        }
+        let r = cfg.r_max;
+        if r.k > kv || r.v > kv || r.h > hidden || r.h == 0 {
+            return Err(TranslatorError::Ranks(format!(
+                "r_max K {} / V {} / H {} above the widths {kv} / {kv} / {hidden}",
+                r.k, r.v, r.h
+            )));
+        }
+        Ok(Self {
+            producer,
+            consumers,
+            cfg,
+            layers,
+            kv,
+            hidden,
+            m,
+        })
+    }
+
+    /// DroidSpeak's block length, within 1 to the layer count.
+    fn droidspeak_block(&self) -> usize {
+        self.cfg.droidspeak_block.clamp(1, self.layers)
     }
 }
 
-/// Wall time per phase, reported as each ends and kept in the manifest: calibration is long
-/// work, and where its time goes decides what to make faster.
-#[derive(Default)]
+/// Wall time of the whole calibration and per phase, reported as each phase ends and kept in
+/// the manifest: calibration is long work, and where its time goes decides what to make
+/// faster.
 struct PhaseClock {
+    started: Instant,
     current: Option<(String, Instant)>,
     done: Vec<(String, f64)>,
 }
 
 impl PhaseClock {
+    /// A clock whose whole-calibration time starts now.
+    fn start() -> Self {
+        Self {
+            started: Instant::now(),
+            current: None,
+            done: Vec::new(),
+        }
+    }
+
     fn begin(&mut self, name: String, on_event: &mut impl FnMut(&CalibrateEvent)) {
         self.end(on_event);
         on_event(&CalibrateEvent::Phase(name.clone()));
@@ -380,6 +372,19 @@ impl PhaseClock {
             on_event(&CalibrateEvent::Note(format!("({name}: {secs:.0} s)")));
             self.done.push((name, secs));
         }
+    }
+
+    /// Seconds since [`PhaseClock::start`].
+    fn total_seconds(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// The finished phases as the manifest's `phase_seconds` records them.
+    fn phase_seconds(&self) -> Vec<serde_json::Value> {
+        self.done
+            .iter()
+            .map(|(p, s)| serde_json::json!({"phase": p, "seconds": s}))
+            .collect()
     }
 }
 
@@ -426,28 +431,10 @@ pub fn calibrate(
     cfg: &CalibrationConfig,
     mut on_event: impl FnMut(&CalibrateEvent),
 ) -> Result<Translator, TranslatorError> {
-    let started = Instant::now();
-    let mut clock = PhaseClock::default();
-    let pc = producer.config();
-    let (layers, kv, hidden, m) = (pc.num_layers, pc.kv_dim(), pc.hidden_size, consumers.len());
-    if m == 0 {
-        return Err(TranslatorError::Fit("no consumer to calibrate for".into()));
-    }
-    for (name, c) in consumers {
-        let cc = c.config();
-        if cc.num_layers != layers || cc.kv_dim() != kv || cc.hidden_size != hidden {
-            return Err(TranslatorError::WrongPair(format!(
-                "consumer {name} does not share the producer's architecture"
-            )));
-        }
-    }
-    let r = cfg.r_max;
-    if r.k > kv || r.v > kv || r.h > hidden || r.h == 0 {
-        return Err(TranslatorError::Ranks(format!(
-            "r_max K {} / V {} / H {} above the widths {kv} / {kv} / {hidden}",
-            r.k, r.v, r.h
-        )));
-    }
+    let mut clock = PhaseClock::start();
+    let setup = Setup::new(producer, consumers, cfg)?;
+
+    // 1. Prompts.
     let (fit_prompts, held_prompts, mut rng) = prompts(text, cfg)?;
 
     // 2. Moments and aligner rows.
@@ -456,408 +443,52 @@ pub fn calibrate(
             "capturing {} prompts of {} tokens with {} models",
             fit_prompts.len(),
             cfg.prefix_tokens,
-            m + 1
+            setup.m + 1
         ),
         &mut on_event,
     );
-    let per_prompt = cfg
-        .aligner_rows
-        .div_ceil(fit_prompts.len())
-        .min(cfg.prefix_tokens);
-    let mut stats: Vec<LayerStats> = (0..layers)
-        .map(|_| LayerStats {
-            k: Moments::new(kv * (m + 1)),
-            v: Moments::new(kv * (m + 1)),
-            h: Moments::new(hidden * (m + 1)),
-            h_rows: vec![Vec::new(); m + 1],
-        })
-        .collect();
-    let mut tokens_seen = 0u64;
-    for (i, prompt) in fit_prompts.iter().enumerate() {
-        let mut caps = vec![capture_all(producer, prompt)?];
-        for (_, c) in consumers {
-            caps.push(capture_all(c, prompt)?);
-        }
-        let mut rows: Vec<u32> = (0..prompt.len() as u32).collect();
-        rows.shuffle(&mut rng);
-        rows.truncate(per_prompt);
-        let rows = Tensor::new(rows.as_slice(), &Device::Cpu)?;
-        for (l, st) in stats.iter_mut().enumerate() {
-            let ks = caps
-                .iter()
-                .map(|c| need(&c[l].k_pre_rope, "K"))
-                .collect::<Result<Vec<_>, _>>()?;
-            let vs = caps
-                .iter()
-                .map(|c| need(&c[l].v, "V"))
-                .collect::<Result<Vec<_>, _>>()?;
-            let hs = caps
-                .iter()
-                .map(|c| need(&c[l].h_in, "H_in"))
-                .collect::<Result<Vec<_>, _>>()?;
-            st.k.add(&ks)?;
-            st.v.add(&vs)?;
-            st.h.add(&hs)?;
-            for (buf, h) in st.h_rows.iter_mut().zip(&hs) {
-                buf.extend(h.index_select(&rows, 0)?.flatten_all()?.to_vec1::<f32>()?);
-            }
-        }
-        tokens_seen += prompt.len() as u64;
-        on_event(&CalibrateEvent::Progress {
-            done: i + 1,
-            total: fit_prompts.len(),
-        });
-    }
+    let (mut stats, tokens_seen) =
+        capture::capture_moments(&setup, &fit_prompts, &mut rng, &mut on_event)?;
 
     // 3. Fits and aligners.
     clock.begin(
         "fitting the codes and training the aligners".into(),
         &mut on_event,
     );
-    let widths_kv: Vec<usize> = vec![kv; m + 1];
-    let widths_h: Vec<usize> = vec![hidden; m + 1];
-    let opts = |rank| FitOptions {
-        centre: cfg.centre,
-        ridge: cfg.ridge,
-        rank,
-    };
-    let mut k_codes = Vec::with_capacity(layers);
-    let mut v_codes = Vec::with_capacity(layers);
-    let mut h_codes = Vec::with_capacity(layers);
-    let mut aligners: Vec<Vec<aligner::Aligner>> = Vec::with_capacity(layers);
-    let mut aligner_reports: Vec<Vec<AlignerReport>> = Vec::with_capacity(layers);
-    for (l, st) in stats.iter().enumerate() {
-        k_codes.push(fit(&st.k, &widths_kv, opts(r.k))?);
-        v_codes.push(fit(&st.v, &widths_kv, opts(r.v))?);
-        let h = fit(&st.h, &widths_h, opts(r.h))?;
-        let n = st.h_rows[0].len() / hidden;
-        let ha = Tensor::from_slice(&st.h_rows[0], (n, hidden), &Device::Cpu)?;
-        let mut layer_aligners = Vec::with_capacity(m);
-        let mut reports = Vec::with_capacity(m);
-        for (e, (name, _)) in consumers.iter().enumerate() {
-            let hb = Tensor::from_slice(&st.h_rows[e + 1], (n, hidden), &Device::Cpu)?;
-            let (a, rep) = aligner::train(
-                &h,
-                e,
-                &ha,
-                &hb,
-                (n / 10).max(1),
-                &AlignerConfig {
-                    seed: cfg.aligner.seed ^ ((l as u64) << 8) ^ (e as u64),
-                    ..cfg.aligner
-                },
-            )?;
-            on_event(&CalibrateEvent::Note(format!(
-                "layer {l}, {name}: aligner held-out MSE {:.3e} (linear decoder {:.3e}), {} epochs",
-                rep.mse, rep.linear_mse, rep.epochs
-            )));
-            layer_aligners.push(a);
-            reports.push(rep);
-        }
-        h_codes.push(h);
-        aligners.push(layer_aligners);
-        aligner_reports.push(reports);
-        on_event(&CalibrateEvent::Progress {
-            done: l + 1,
-            total: layers,
-        });
-    }
-    // The moments are no longer needed beyond the sweep below; the sampled rows are.
-    for st in &mut stats {
-        st.h_rows = Vec::new();
-    }
+    let fitted = fit_layers::fit_layers(&setup, &mut stats, &mut on_event)?;
 
     // 4. Held-out measurements and choices.
     clock.begin(
         format!("measuring on {} held-out prompts", held_prompts.len()),
         &mut on_event,
     );
-    let dr = cfg.default_ranks;
-    let block = cfg.droidspeak_block.clamp(1, layers);
-    let block_starts = layers + 1 - block;
-    let mut held: Vec<Vec<HeldOutLayers>> = Vec::with_capacity(m);
-    for (e, (_, consumer)) in consumers.iter().enumerate() {
-        let mut per_prompt_layers = Vec::with_capacity(held_prompts.len());
-        for tokens in &held_prompts {
-            let prompt = HeldOutPrompt::new(consumer, tokens, cfg.heldout_continuation)?;
-            let caps = capture_all(producer, &prompt.prefix)?;
-            let (mut raw, mut reuse, mut patch) = (Vec::new(), Vec::new(), Vec::new());
-            for (l, c) in caps.iter().enumerate() {
-                let (k, v, h) = (
-                    need(&c.k_pre_rope, "K")?,
-                    need(&c.v, "V")?,
-                    need(&c.h_in, "H_in")?,
-                );
-                raw.push((k.clone(), v.clone()));
-                reuse.push((
-                    k_codes[l].decode(&k_codes[l].encode(k, dr.k, F32)?, e, F32)?,
-                    v_codes[l].decode(&v_codes[l].encode(v, dr.v, F32)?, e, F32)?,
-                ));
-                let hb = aligners[l][e].forward(&h_codes[l].encode(h, dr.h, F32)?, F32)?;
-                patch.push((
-                    consumer.project(l, Proj::K, &hb)?,
-                    consumer.project(l, Proj::V, &hb)?,
-                ));
-            }
-            let mut blocks = Vec::with_capacity(block_starts);
-            for (s, cap) in caps.iter().enumerate().take(block_starts) {
-                let hidden_in = need(&cap.hidden, "hidden")?;
-                let mut cache = consumer.new_cache();
-                let mut own = Vec::new();
-                consumer.forward_layers_capture(
-                    hidden_in,
-                    s..s + block,
-                    0,
-                    Some(&mut cache),
-                    &Capture {
-                        k_pre_rope: true,
-                        v: true,
-                        ..Capture::none()
-                    },
-                    &mut own,
-                )?;
-                blocks.push(
-                    own.iter()
-                        .map(|c| Ok((need(&c.k_pre_rope, "K")?.clone(), need(&c.v, "V")?.clone())))
-                        .collect::<Result<Vec<_>, TranslatorError>>()?,
-                );
-            }
-            per_prompt_layers.push(HeldOutLayers {
-                prompt,
-                raw,
-                reuse,
-                patch,
-                blocks,
-            });
-        }
-        held.push(per_prompt_layers);
-    }
-    // Mean held-out KL over consumers and the prompts `which` takes, with each layer taken
-    // from `pick`.
-    type Pick<'p> = &'p dyn Fn(&HeldOutLayers, usize) -> Option<HeldKv>;
-    let kl_of = |which: &dyn Fn(usize) -> bool, pick: Pick| -> Result<f64, TranslatorError> {
-        let mut total = 0.0;
-        let mut n = 0usize;
-        for ((_, consumer), prompts) in consumers.iter().zip(&held) {
-            for (_, h) in prompts.iter().enumerate().filter(|(i, _)| which(*i)) {
-                total += h
-                    .prompt
-                    .kl(consumer, h.cache(consumer, |l| Ok(pick(h, l)))?)?;
-                n += 1;
-            }
-        }
-        Ok(total / n.max(1) as f64)
-    };
-    let kl = |pick: Pick| kl_of(&|_| true, pick);
-    let kl_raw = kl(&|h, l| Some(HeldKv::Served(h.raw[l].clone())))?;
-    let kl_reuse = kl(&|_, _| None)?;
-    on_event(&CalibrateEvent::Note(format!(
-        "held-out KL: raw {kl_raw:.4}, reuse at ranks {}/{} {kl_reuse:.4}",
-        dr.k, dr.v
-    )));
-    // The same on the chat turns and on the running text apart: what the mix costs or buys
-    // on each kind of prompt.
-    let by_kind = match &cfg.chat {
-        Some(chat) if chat.share > 0.0 && chat.share < 1.0 => {
-            let mut kinds = serde_json::Map::new();
-            for (name, is_chat) in [("chat", true), ("text", false)] {
-                let which = |i: usize| chat.wraps(i) == is_chat;
-                let raw = kl_of(&which, &|h, l| Some(HeldKv::Served(h.raw[l].clone())))?;
-                let reuse = kl_of(&which, &|_, _| None)?;
-                on_event(&CalibrateEvent::Note(format!(
-                    "held-out KL on {name} prompts: raw {raw:.4}, reuse {reuse:.4}"
-                )));
-                kinds.insert(name.into(), json!({"kl_raw": raw, "kl_reuse": reuse}));
-            }
-            serde_json::Value::Object(kinds)
-        }
-        _ => serde_json::Value::Null,
-    };
-
+    let held = heldout::measure(&setup, &fitted, &held_prompts)?;
+    let baseline = heldout::baseline(&setup, &held, &mut on_event)?;
     clock.begin("choosing the Patch layers".into(), &mut on_event);
-    let max_patch = match &cfg.patch {
-        PatchChoice::Auto { max, .. } => *max,
-        PatchChoice::Fixed(k) => *k,
-    }
-    .min(layers);
-    let patch_curve = greedy(
-        layers,
-        max_patch,
-        cfg.shortlist,
-        |_, _| true,
-        |set| kl(&|h, l| set.contains(&l).then(|| HeldKv::Own(h.patch[l].clone()))),
-        |p| {
-            on_event(&CalibrateEvent::Note(format!(
-                "patch {:?}: KL {:.4}",
-                p.chosen, p.kl
-            )))
-        },
-    )?;
-    let k = match &cfg.patch {
-        PatchChoice::Auto { min_share, .. } => knee(&patch_curve, *min_share),
-        PatchChoice::Fixed(k) => (*k).min(patch_curve.len() - 1),
-    };
-    let mut patch_layers = patch_curve[k].chosen.clone();
-    patch_layers.sort_unstable();
-    let patch_order = patch_curve
-        .last()
-        .map(|p| p.chosen.clone())
-        .unwrap_or_default();
-
+    let patch = heldout::choose_patch_layers(&setup, &held, &mut on_event)?;
     clock.begin("choosing the DroidSpeak blocks".into(), &mut on_event);
-    let ds_curve = greedy(
-        block_starts,
-        cfg.droidspeak_blocks,
-        cfg.shortlist,
-        |chosen, s| chosen.iter().all(|&c| s + block <= c || c + block <= s),
-        |starts| {
-            kl(&|h, l| {
-                starts
-                    .iter()
-                    .find(|&&s| (s..s + block).contains(&l))
-                    .map(|&s| HeldKv::Own(h.blocks[s][l - s].clone()))
-                    .or_else(|| Some(HeldKv::Served(h.raw[l].clone())))
-            })
-        },
-        |p| {
-            on_event(&CalibrateEvent::Note(format!(
-                "droidspeak {:?}: KL {:.4}",
-                p.chosen, p.kl
-            )))
-        },
-    )?;
-    let mut droidspeak_blocks: Vec<(usize, usize)> = ds_curve
-        .last()
-        .map(|p| p.chosen.iter().map(|&s| (s, s + block)).collect())
-        .unwrap_or_default();
-    droidspeak_blocks.sort_unstable();
-
+    let droidspeak = heldout::choose_droidspeak_blocks(&setup, &held, &mut on_event)?;
     // Centring and ridge, compared on the same held-out prompts (Reuse only, default ranks).
     clock.begin(
         "comparing centring and ridge strengths".into(),
         &mut on_event,
     );
-    let mut sweep = Vec::new();
-    for centre in [true, false] {
-        for ridge in [1e-6, 1e-4, 1e-2, 1e-1] {
-            let o = FitOptions {
-                centre,
-                ridge,
-                rank: dr.k.max(dr.v),
-            };
-            let codes = stats
-                .iter()
-                .map(|st| Ok((fit(&st.k, &widths_kv, o)?, fit(&st.v, &widths_kv, o)?)))
-                .collect::<Result<Vec<_>, TranslatorError>>()?;
-            let mut total = 0.0;
-            let mut n = 0usize;
-            for (e, ((_, consumer), prompts)) in consumers.iter().zip(&held).enumerate() {
-                for h in prompts {
-                    let cache = h.cache(consumer, |l| {
-                        let (kc, vc) = &codes[l];
-                        let (k, v) = &h.raw[l];
-                        Ok(Some(HeldKv::Own((
-                            kc.decode(&kc.encode(k, dr.k, F32)?, e, F32)?,
-                            vc.decode(&vc.encode(v, dr.v, F32)?, e, F32)?,
-                        ))))
-                    })?;
-                    total += h.prompt.kl(consumer, cache)?;
-                    n += 1;
-                }
-            }
-            let v = total / n.max(1) as f64;
-            on_event(&CalibrateEvent::Note(format!(
-                "reuse, centre {centre}, ridge {ridge:e}: KL {v:.4}"
-            )));
-            sweep.push(json!({"centre": centre, "ridge": ridge, "kl": v}));
-        }
-    }
+    let sweep = heldout::compare_centring_ridge(&setup, &held, &stats, &mut on_event)?;
 
-    // 5. The translator.
+    // 5. The translator, then its quality at the grid of ranks.
     clock.end(&mut on_event);
-    let payload_share = |patch: usize| {
-        let reuse_values = (layers - patch) * (dr.k + dr.v);
-        let patch_values = patch * dr.h;
-        (reuse_values + patch_values) as f64 / (layers * 2 * kv) as f64
+    let choices = assemble::Choices {
+        baseline,
+        patch,
+        droidspeak,
+        sweep,
     };
-    let metrics = json!({
-        "heldout_prompts": held_prompts.len(),
-        "heldout_prefix_tokens": cfg.heldout_prefix_tokens,
-        "heldout_continuation": cfg.heldout_continuation,
-        "kl_raw": kl_raw,
-        "kl_reuse": kl_reuse,
-        "heldout_by_kind": by_kind,
-        "kl_scd": patch_curve[k].kl,
-        "value_share_of_raw_scd": payload_share(patch_layers.len()),
-        "patch_curve": patch_curve,
-        "patch_rule": format!("{:?}", cfg.patch),
-        "greedy_shortlist": cfg.shortlist,
-        "droidspeak_curve": ds_curve,
-        "centring_ridge_sweep": sweep,
-        "phase_seconds": clock.done.iter().map(|(p, s)| json!({"phase": p, "seconds": s})).collect::<Vec<_>>(),
-        "aligners": aligner_reports.iter().enumerate().map(|(l, reps)| json!({
-            "layer": l,
-            "linear_mse": reps.iter().map(|r| r.linear_mse).collect::<Vec<_>>(),
-            "mse": reps.iter().map(|r| r.mse).collect::<Vec<_>>(),
-            "epochs": reps.iter().map(|r| r.epochs).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-        "k_explained": explained(&k_codes, dr.k, &stats.iter().map(|s| &s.k).collect::<Vec<_>>()),
-        "v_explained": explained(&v_codes, dr.v, &stats.iter().map(|s| &s.v).collect::<Vec<_>>()),
-    });
-    let mut layers_out = Vec::with_capacity(layers);
-    for (l, ((k, v), (h, a))) in k_codes
-        .into_iter()
-        .zip(v_codes)
-        .zip(h_codes.into_iter().zip(aligners))
-        .enumerate()
-    {
-        let patch = patch_order
-            .contains(&l)
-            .then_some(PatchLayer { h, aligners: a });
-        layers_out.push(LayerTranslator { k, v, patch });
-    }
-    let manifest = TranslatorManifest {
-        format: FORMAT,
-        scd_version: env!("CARGO_PKG_VERSION").into(),
-        version: cfg.version.clone(),
-        content_hash: scd_types::TranslatorHash::from_bytes([0; 32]),
-        producer: ModelRef::of(producer),
-        consumers: consumers
-            .iter()
-            .map(|(name, c)| ConsumerRef {
-                name: (*name).to_string(),
-                model: ModelRef::of(c),
-            })
-            .collect(),
-        layers,
-        kv_dim: kv,
-        hidden,
-        r_max: cfg.r_max,
-        default_ranks: cfg.default_ranks,
-        patch_layers,
-        patch_order,
-        droidspeak_blocks,
-        centre: cfg.centre,
-        ridge: cfg.ridge,
-        calibration: CalibrationInfo {
-            corpus: text.corpus.into(),
-            split: text.split.into(),
-            text_sha256: text.sha256.into(),
-            prefixes: fit_prompts.len(),
-            heldout: held_prompts.len(),
-            prefix_tokens: cfg.prefix_tokens,
-            tokens: tokens_seen,
-            seconds: started.elapsed().as_secs_f64(),
-            chat_share: cfg.chat.as_ref().map_or(0.0, |c| c.share),
-        },
-        metrics,
-        weights_dtype: WeightsDtype::F32,
-        rank_curve: None,
+    let counts = assemble::Counts {
+        prefixes: fit_prompts.len(),
+        heldout: held_prompts.len(),
+        tokens: tokens_seen,
     };
-    let translator = Translator {
-        manifest,
-        layers: layers_out,
-    };
+    let translator = assemble::assemble(&setup, text, counts, &stats, fitted, choices, &clock);
     let Some(grid) = &cfg.rank_grid else {
         return Ok(translator);
     };
@@ -865,52 +496,11 @@ pub fn calibrate(
         format!("measuring {} rank choices per mode", grid.len()),
         &mut on_event,
     );
-    let translator = std::sync::Arc::new(translator);
-    let models: Vec<&Llama> = consumers.iter().map(|(_, c)| *c).collect();
-    let curve = super::rank_curve::measure(
-        &translator,
-        producer,
-        &models,
-        &held_prompts,
-        cfg.heldout_continuation,
-        grid,
-        &[Mode::Reuse, Mode::Scd],
-        CodeDType::F16,
-        |done, total| on_event(&CalibrateEvent::Progress { done, total }),
-    )?;
+    let translator = Arc::new(translator);
+    let curve =
+        assemble::measure_rank_curve(&setup, &translator, &held_prompts, grid, &mut on_event)?;
     clock.end(&mut on_event);
-    let mut translator =
-        std::sync::Arc::try_unwrap(translator).unwrap_or_else(|shared| (*shared).clone());
-    translator.manifest.rank_curve = Some(curve);
-    if let Some(phases) = translator.manifest.metrics.get_mut("phase_seconds") {
-        *phases = json!(clock
-            .done
-            .iter()
-            .map(|(p, s)| json!({"phase": p, "seconds": s}))
-            .collect::<Vec<_>>());
-    }
-    translator.manifest.calibration.seconds = started.elapsed().as_secs_f64();
-    Ok(translator)
-}
-
-/// Per layer, the share of the joint rows' variance the first `rank` components carry (a
-/// diagnostic of how compressible each layer is).
-fn explained(codes: &[LowRankCode], rank: usize, moments: &[&Moments]) -> Vec<f64> {
-    codes
-        .iter()
-        .zip(moments)
-        .map(|(c, m)| {
-            let w = m.width();
-            let cov = m.second_moment(true);
-            let total: f64 = (0..w).map(|i| cov[i * w + i]).sum();
-            let kept: f64 = c.eigenvalues.iter().take(rank).sum();
-            if total > 0.0 {
-                kept / total
-            } else {
-                f64::NAN
-            }
-        })
-        .collect()
+    Ok(assemble::with_rank_curve(translator, curve, &clock))
 }
 
 #[cfg(test)]

@@ -9,10 +9,12 @@
 //!
 //! Files: [`moments`] (calibration statistics), [`low_rank`] (fit, encode, decode),
 //! [`aligner`] (the Patch MLP), [`artifact`] (the manifest and the safetensors file, with the
-//! checks a loader makes), [`calibrate`] (the `scd calibrate` pipeline), [`select`] (measuring
-//! quality on held-out calibration prompts, and choosing the Patch layers and DroidSpeak
-//! blocks with it), [`rank_curve`] (quality at a grid of ranks, and the choice of ranks for a
-//! link).
+//! checks a loader makes), [`calibrate`](mod@calibrate) (the `scd calibrate` pipeline: its
+//! settings, prompts and the sequence of steps in `calibrate.rs`, one file per step under
+//! `calibrate/`: `capture.rs`, `fit_layers.rs`, `heldout.rs`, `assemble.rs`), [`select`]
+//! (measuring quality on held-out calibration prompts, and choosing the Patch layers and
+//! DroidSpeak blocks with it), [`rank_curve`] (quality at a grid of ranks, and the choice of
+//! ranks for a link).
 
 use std::path::PathBuf;
 
