@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use scd_types::{
-    JobId, JobRequest, JobResult, JobState, Mode, Ranks, TraceContext, TranslatorHash,
+    JobId, JobRequest, JobResult, JobState, Mode, Ranks, StageSpan, TraceContext, TranslatorHash,
 };
 use serde::{Deserialize, Serialize};
 
@@ -28,15 +28,6 @@ pub struct StateEntry {
     /// The producer at that moment.
     #[serde(default)]
     pub producer: Option<String>,
-}
-
-/// When a stage of a job ran (milliseconds since the Unix epoch).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct StageSpan {
-    /// Start.
-    pub start_ms: f64,
-    /// End.
-    pub end_ms: f64,
 }
 
 /// The ranks a producer chose for an attempt's codes, and on what grounds.

@@ -54,7 +54,6 @@ pub use documents::{DocumentError, DocumentRecord, DocumentRegistry, MAX_DOCUMEN
 pub use etcd_server::{EtcdServer, EtcdServerError};
 pub use jobs::{
     Blame, DocumentsRecord, JobError, JobRecord, JobStore, ModeFallback, RanksChoice, RanksRule,
-    StageSpan,
 };
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};
@@ -63,7 +62,7 @@ pub use membership::{
 };
 pub use models::{ModelRecord, ModelRegistry};
 pub use scd_types::{
-    JobId, JobRequest, JobResult, JobState, Mode, Ranks, TraceContext, TranslatorHash,
+    JobId, JobRequest, JobResult, JobState, Mode, Ranks, StageSpan, TraceContext, TranslatorHash,
 };
 pub use service::{Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};

@@ -231,6 +231,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn one_request_check_refuses_short_long_and_unknown_tokens() {
+        let limits = ModelLimits {
+            context_length: 8,
+            vocab_size: 100,
+        };
+        let request = |prompt: Vec<u32>, max_tokens| JobRequest {
+            prompt,
+            max_tokens,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            stop_tokens: Vec::new(),
+            documents: Vec::new(),
+        };
+        assert_eq!(request(vec![1, 2], 6).check(limits), Ok(()));
+        assert_eq!(
+            request(vec![1], 1).check(limits),
+            Err(RequestError::PromptTooShort(1))
+        );
+        assert_eq!(
+            request(vec![], 1).check_shape(),
+            Err(RequestError::PromptTooShort(0))
+        );
+        assert_eq!(
+            request(vec![1, 2], 7).check(limits),
+            Err(RequestError::PromptTooLong {
+                tokens: 9,
+                context: 8
+            })
+        );
+        assert_eq!(
+            request(vec![1, 100], 1).check(limits),
+            Err(RequestError::BadToken(100))
+        );
+        assert_eq!(split_prompt(&[5, 6, 7]), Ok((&[5u32, 6][..], 7)));
+    }
+
+    #[test]
     fn job_id_text_form_round_trips_and_is_validated() {
         let id = JobId::from_u128(0xabc);
         assert_eq!(id.to_string(), "00000000000000000000000000000abc");
@@ -308,6 +346,72 @@ pub struct JobRequest {
 
 fn one() -> f32 {
     1.0
+}
+
+/// Why a request cannot run: one check, used by every way in (the admin endpoint, the
+/// gateway, the client, the node that takes the job, the decoder), so each refuses the same
+/// request with the same words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// The prompt cannot be split into a prefix to prefill and a last token to continue from.
+    #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
+    PromptTooShort(usize),
+    /// The prompt and the tokens asked for do not fit the model's context.
+    #[error("the prompt and its answer need {tokens} tokens; the model's context holds {context}")]
+    PromptTooLong {
+        /// Prompt tokens plus `max_tokens`.
+        tokens: usize,
+        /// The model's context length.
+        context: usize,
+    },
+    /// A token id the base model does not have.
+    #[error("token {0} is outside the base model's vocabulary")]
+    BadToken(u32),
+}
+
+/// What a request is checked against: the base model's context and vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelLimits {
+    /// Tokens the model's context holds.
+    pub context_length: usize,
+    /// Token ids below this exist.
+    pub vocab_size: usize,
+}
+
+/// A prompt split into the prefix the producer prefills and the token the expert continues
+/// from.
+pub fn split_prompt(prompt: &[u32]) -> Result<(&[u32], u32), RequestError> {
+    match prompt.split_last() {
+        Some((&last, prefix)) if !prefix.is_empty() => Ok((prefix, last)),
+        _ => Err(RequestError::PromptTooShort(prompt.len())),
+    }
+}
+
+impl JobRequest {
+    /// The checks that need no model (a client's, before it writes a record).
+    pub fn check_shape(&self) -> Result<(), RequestError> {
+        split_prompt(&self.prompt).map(|_| ())
+    }
+
+    /// Every check, against the model the request will run on.
+    pub fn check(&self, limits: ModelLimits) -> Result<(), RequestError> {
+        self.check_shape()?;
+        let tokens = self.prompt.len() + self.max_tokens as usize;
+        if tokens > limits.context_length {
+            return Err(RequestError::PromptTooLong {
+                tokens,
+                context: limits.context_length,
+            });
+        }
+        match self
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= limits.vocab_size)
+        {
+            Some(&bad) => Err(RequestError::BadToken(bad)),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What a finished job produced, written by the consumer that decoded it.

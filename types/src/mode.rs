@@ -70,6 +70,14 @@ impl Mode {
     pub fn needs_translator(self) -> bool {
         matches!(self, Mode::DroidSpeak | Mode::Reuse | Mode::Scd)
     }
+
+    /// Whether the mode's codes are made with the pair's translator (low-rank codes that only
+    /// that translator version decodes): the codes carry its hash, their ranks can be chosen
+    /// per job, and the drift guard checks them. DroidSpeak needs a translator too, but only for
+    /// its recompute blocks: it sends raw KV.
+    pub fn uses_translator_codes(self) -> bool {
+        matches!(self, Mode::Reuse | Mode::Scd)
+    }
 }
 
 impl fmt::Display for Mode {
@@ -124,5 +132,11 @@ mod tests {
         let err = "reuse-only".parse::<Mode>().unwrap_err().to_string();
         assert!(err.contains("known: oracle"), "{err}");
         assert!(Mode::Scd.needs_translator() && !Mode::Q4.needs_translator());
+        let coded: Vec<Mode> = Mode::ALL
+            .into_iter()
+            .filter(|m| m.uses_translator_codes())
+            .collect();
+        assert_eq!(coded, [Mode::Reuse, Mode::Scd]);
+        assert!(coded.iter().all(|m| m.needs_translator()));
     }
 }
