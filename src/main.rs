@@ -4,6 +4,7 @@
 //! operator-facing messages with `anyhow` context; `report` prints the one that ends a command.
 
 mod cmd;
+mod kernels;
 mod paths;
 mod progress;
 mod report;
@@ -19,6 +20,8 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    kernels: kernels::KernelArgs,
 }
 
 #[derive(Subcommand)]
@@ -83,22 +86,25 @@ fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // Resolved only by the commands that load a model: a kernel flag an admin command
+    // never uses cannot fail it.
+    let kernels = || cli.kernels.choice();
     let done = match cli.command {
-        Command::Generate(args) => cmd::generate::run(args),
-        Command::Finetune(args) => cmd::finetune::run(args),
-        Command::Eval(args) => cmd::eval::run(*args),
-        Command::Calibrate(args) => cmd::calibrate::run(args),
-        Command::Sempic(args) => cmd::sempic::run(args),
+        Command::Generate(args) => cmd::generate::run(args, kernels()?),
+        Command::Finetune(args) => cmd::finetune::run(args, kernels()?),
+        Command::Eval(args) => cmd::eval::run(*args, kernels()?),
+        Command::Calibrate(args) => cmd::calibrate::run(args, kernels()?),
+        Command::Sempic(args) => cmd::sempic::run(args, kernels()?),
         Command::Cert(args) => cmd::cert::run(args),
-        Command::Bench(args) => cmd::bench::run(args),
-        Command::Node(args) => cmd::node::run(args),
-        Command::Demo(args) => cmd::demo::run(args),
+        Command::Bench(args) => cmd::bench::run(args, kernels()?),
+        Command::Node(args) => cmd::node::run(args, kernels()?),
+        Command::Demo(args) => cmd::demo::run(args, kernels()?),
         // These choose their own exit codes (cluster unreachable, job failed, refused).
         Command::Submit(args) => return cmd::admin::submit(args),
         Command::Jobs(args) => return cmd::admin::jobs(args),
         Command::Nodes(args) => return cmd::admin::nodes(args),
         Command::Pools(args) => return cmd::admin::pools(args),
-        Command::Translators(args) => return cmd::translators::run(args),
+        Command::Translators(args) => return cmd::translators::run(args, &cli.kernels),
         Command::Docs(args) => return cmd::docs::run(args),
         Command::Completions { shell } => {
             use clap::CommandFactory;

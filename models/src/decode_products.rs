@@ -23,7 +23,8 @@
 //!
 //! The default ([`DecodeProducts::best`]) is bf16 where the CPU has AVX-512 BF16, as the AMX
 //! prefill is the default where the CPU has tiles, and integers elsewhere; tiles are never
-//! picked, only asked for. `SCD_DECODE_PRODUCTS=int` at load, or
+//! picked, only asked for. `SCD_DECODE_PRODUCTS=int` (the binary's `--decode-products`, into
+//! [`crate::KernelChoice`]), or
 //! [`Llama::with_decode_products`], keeps the integer kernel; `bf16` and `tiles` ask for theirs
 //! and fail to load where the CPU lacks it; `auto` (or unset) picks. A job's tokens are the
 //! same alone and in a batch under each.
@@ -44,7 +45,8 @@ pub enum DecodeProducts {
 }
 
 impl DecodeProducts {
-    /// The environment variable read at load.
+    /// The environment variable the binary reads it from (the library reads no environment:
+    /// see [`crate::KernelChoice`]).
     pub const ENV: &'static str = "SCD_DECODE_PRODUCTS";
 
     /// The default on this machine: bf16 when it has AVX-512 BF16, integers otherwise. Tiles
@@ -57,21 +59,8 @@ impl DecodeProducts {
         }
     }
 
-    /// From [`Self::ENV`]: `auto` (also when unset) is [`Self::best`], `tiles` the AMX kernel
-    /// and `bf16` the AVX-512 BF16 one (each an error where the CPU lacks it), `int` the
-    /// integer one.
-    pub fn from_env() -> Result<Self, LoadError> {
-        match std::env::var(Self::ENV) {
-            Err(std::env::VarError::NotPresent) => Ok(Self::best()),
-            Ok(v) => Self::parse(&v),
-            Err(std::env::VarError::NotUnicode(v)) => Err(LoadError::Config(format!(
-                "{}={v:?} is not valid: expected auto, tiles, bf16 or int",
-                Self::ENV
-            ))),
-        }
-    }
-
-    /// `auto`, `tiles`, `bf16` or `int`, as [`Self::from_env`] reads them.
+    /// `auto`, `tiles`, `bf16` or `int`, as the binary's `--decode-products` (or [`Self::ENV`])
+    /// says.
     pub fn parse(s: &str) -> Result<Self, LoadError> {
         match s.trim() {
             "auto" | "" => Ok(Self::best()),

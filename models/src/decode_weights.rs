@@ -14,7 +14,8 @@
 //! tiles packed from the f32 values per call ([`crate::prefill_matmul`]). The packed copies
 //! add about a sixth to the model's memory.
 //!
-//! `SCD_DECODE_WEIGHTS=f32` at load, or [`Llama::with_decode_weights`], keeps decode on the f32
+//! `SCD_DECODE_WEIGHTS=f32` (the binary's `--decode-weights`, into [`crate::KernelChoice`]),
+//! or [`Llama::with_decode_weights`], keeps decode on the f32
 //! weights (the reference the narrow path is measured against).
 
 use std::sync::Arc;
@@ -36,20 +37,9 @@ pub enum DecodeWeights {
 }
 
 impl DecodeWeights {
-    /// The environment variable read at load.
+    /// The environment variable the binary reads it from (the library reads no environment:
+    /// see [`crate::KernelChoice`]).
     pub const ENV: &'static str = "SCD_DECODE_WEIGHTS";
-
-    /// From [`Self::ENV`]: `narrow` (also when unset) or `f32`.
-    pub fn from_env() -> Result<Self, LoadError> {
-        match std::env::var(Self::ENV) {
-            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
-            Ok(v) => v.parse(),
-            Err(std::env::VarError::NotUnicode(v)) => Err(LoadError::Config(format!(
-                "{}={v:?} is not valid: expected narrow or f32",
-                Self::ENV
-            ))),
-        }
-    }
 }
 
 impl std::str::FromStr for DecodeWeights {

@@ -13,12 +13,11 @@ use candle_core::{Device, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::config::LlamaConfig;
-use crate::decode_products::DecodeProducts;
 use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
+use crate::kernel_choice::KernelChoice;
 use crate::kernels::{Format, PackedWeight};
 use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
-use crate::prefill_matmul::PrefillMatmul;
 
 /// An opened, validated GGUF file: its parsed header and its bytes.
 pub struct GgufFile {
@@ -162,15 +161,16 @@ impl GgufFile {
         PackedWeight::from_gguf(format, bytes, rows, cols)
     }
 
-    /// Builds the model: f32 weights, and the decode weights that `SCD_DECODE_WEIGHTS` asks
-    /// for (see [`crate::decode_weights`]); prefill products as `SCD_PREFILL_MATMUL` says (see
-    /// [`crate::prefill_matmul`]).
+    /// Builds the model on the best kernels this machine has ([`KernelChoice::best`]).
     pub fn load_model(&self) -> Result<Llama, LoadError> {
-        self.load_model_with(DecodeWeights::from_env()?)
+        self.load_model_with(KernelChoice::best())
     }
 
-    /// Builds the model with decode steps on `decode`.
-    pub fn load_model_with(&self, decode: DecodeWeights) -> Result<Llama, LoadError> {
+    /// Builds the model: f32 weights, and the decode weights, decode products and prefill
+    /// products of `kernels` (see [`crate::decode_weights`], [`crate::decode_products`],
+    /// [`crate::prefill_matmul`]).
+    pub fn load_model_with(&self, kernels: KernelChoice) -> Result<Llama, LoadError> {
+        let decode = kernels.decode_weights;
         let cfg = self.config()?;
         let narrow = decode == DecodeWeights::Narrow;
         let packed = |name: &str, (rows, cols): (usize, usize)| {
@@ -233,11 +233,7 @@ impl GgufFile {
             norm,
             (output, head_packed),
             identity,
-            (
-                decode,
-                DecodeProducts::from_env()?,
-                PrefillMatmul::from_env()?,
-            ),
+            (decode, kernels.decode_products, kernels.prefill_matmul),
         )
         .map_err(|source| LoadError::Tensor {
             path: self.path.clone(),
@@ -247,8 +243,16 @@ impl GgufFile {
 }
 
 impl Llama {
-    /// Loads a llama GGUF file, dequantised to f32.
+    /// Loads a llama GGUF file, dequantised to f32, on the best kernels this machine has.
     pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self, LoadError> {
-        GgufFile::open(path)?.load_model()
+        Self::from_gguf_with(path, KernelChoice::best())
+    }
+
+    /// Loads a llama GGUF file, dequantised to f32, on `kernels`.
+    pub fn from_gguf_with(
+        path: impl AsRef<Path>,
+        kernels: KernelChoice,
+    ) -> Result<Self, LoadError> {
+        GgufFile::open(path)?.load_model_with(kernels)
     }
 }

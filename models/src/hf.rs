@@ -15,11 +15,9 @@ use candle_core::{DType, Device, Tensor};
 use sha2::{Digest, Sha256};
 
 use crate::config::{HfLlamaConfig, LlamaConfig};
-use crate::decode_products::DecodeProducts;
-use crate::decode_weights::DecodeWeights;
 use crate::error::LoadError;
+use crate::kernel_choice::KernelChoice;
 use crate::llama::{check_shape, BlockWeights, Llama, ModelIdentity, Proj};
-use crate::prefill_matmul::PrefillMatmul;
 
 /// Reorders the rows of a `(n_heads * head_dim, ..)` matrix from half-split to interleaved
 /// pairing: within each head, new row `2i` is old row `i` and new row `2i+1` is old row
@@ -44,8 +42,17 @@ pub fn to_half_split_rows(w: &Tensor, n_heads: usize) -> candle_core::Result<Ten
 }
 
 impl Llama {
-    /// Loads a Hugging Face llama directory (`config.json` + `*.safetensors`).
+    /// Loads a Hugging Face llama directory (`config.json` + `*.safetensors`) on the best
+    /// kernels this machine has.
     pub fn from_hf_dir(dir: impl AsRef<Path>) -> Result<Self, LoadError> {
+        Self::from_hf_dir_with(dir, KernelChoice::best())
+    }
+
+    /// Loads a Hugging Face llama directory on `kernels`.
+    pub fn from_hf_dir_with(
+        dir: impl AsRef<Path>,
+        kernels: KernelChoice,
+    ) -> Result<Self, LoadError> {
         let dir = dir.as_ref().to_path_buf();
         if !dir.exists() {
             return Err(LoadError::NotFound { path: dir });
@@ -145,9 +152,9 @@ impl Llama {
             source: dir.clone(),
         };
         let kernels = (
-            DecodeWeights::from_env()?,
-            DecodeProducts::from_env()?,
-            PrefillMatmul::from_env()?,
+            kernels.decode_weights,
+            kernels.decode_products,
+            kernels.prefill_matmul,
         );
         Llama::assemble(cfg, embed, blocks, norm, (output, None), identity, kernels).map_err(wrap)
     }

@@ -51,6 +51,7 @@ pub mod generate;
 pub mod gguf;
 pub mod hf;
 pub mod json_file;
+pub mod kernel_choice;
 mod kernels;
 pub mod llama;
 pub mod lora;
@@ -75,6 +76,7 @@ pub use decode_weights::DecodeWeights;
 pub use error::{AdapterError, ForwardError, GenerateError, LoadError};
 pub use generate::{generate, generate_with_cache, GenerateParams, Generation, StopReason};
 pub use gguf::GgufFile;
+pub use kernel_choice::KernelChoice;
 pub use llama::{
     Capture, Input, LayerCapture, Llama, LogitsWanted, ModelIdentity, Output, Proj, Sequence,
 };

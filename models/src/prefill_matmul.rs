@@ -7,7 +7,8 @@
 //! there); elsewhere, and whenever asked, on f32 with gemm ([`PrefillMatmul::F32`]). Training
 //! (anything recording gradients) always multiplies in f32.
 //!
-//! `SCD_PREFILL_MATMUL=f32` at load, or [`Llama::with_prefill_matmul`], forces the f32 path on
+//! `SCD_PREFILL_MATMUL=f32` (the binary's `--prefill-matmul`, into [`crate::KernelChoice`]),
+//! or [`Llama::with_prefill_matmul`], forces the f32 path on
 //! a machine with AMX (the reference the tiles are measured against); `amx` asks for the tiles
 //! and fails to load where they are missing; `auto` (or unset) picks.
 
@@ -25,7 +26,8 @@ pub enum PrefillMatmul {
 }
 
 impl PrefillMatmul {
-    /// The environment variable read at load.
+    /// The environment variable the binary reads it from (the library reads no environment:
+    /// see [`crate::KernelChoice`]).
     pub const ENV: &'static str = "SCD_PREFILL_MATMUL";
 
     /// The best this machine offers: tiles when it has AMX, f32 otherwise.
@@ -37,20 +39,7 @@ impl PrefillMatmul {
         }
     }
 
-    /// From [`Self::ENV`]: `auto` (also when unset) is [`Self::best`], `amx` the tiles (an
-    /// error where they are missing), `f32` the f32 path.
-    pub fn from_env() -> Result<Self, LoadError> {
-        match std::env::var(Self::ENV) {
-            Err(std::env::VarError::NotPresent) => Ok(Self::best()),
-            Ok(v) => Self::parse(&v),
-            Err(std::env::VarError::NotUnicode(v)) => Err(LoadError::Config(format!(
-                "{}={v:?} is not valid: expected auto, amx or f32",
-                Self::ENV
-            ))),
-        }
-    }
-
-    /// `auto`, `amx` or `f32`, as [`Self::from_env`] reads them.
+    /// `auto`, `amx` or `f32`, as the binary's `--prefill-matmul` (or [`Self::ENV`]) says.
     pub fn parse(s: &str) -> Result<Self, LoadError> {
         match s.trim() {
             "auto" | "" => Ok(Self::best()),

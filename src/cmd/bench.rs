@@ -3,6 +3,7 @@
 use super::{
     bench_decode, bench_docs, bench_fanout, bench_links, bench_memory, bench_model, bench_transport,
 };
+use scd_models::KernelChoice;
 
 /// Arguments of `scd bench`.
 #[derive(clap::Args)]
@@ -58,14 +59,14 @@ enum Command {
     Fanout(bench_fanout::Args),
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     match args.command {
         Command::Transport(a) => bench_transport::run(a),
-        Command::Model(a) => bench_model::run(a),
-        Command::Memory(a) => bench_memory::run(a),
-        Command::Decode(a) => bench_decode::run(a),
-        Command::Docs(a) => bench_docs::run(a),
-        Command::Links(a) => bench_links::run(a),
-        Command::Fanout(a) => bench_fanout::run(a),
+        Command::Model(a) => bench_model::run(a, kernels),
+        Command::Memory(a) => bench_memory::run(a, kernels),
+        Command::Decode(a) => bench_decode::run(a, kernels),
+        Command::Docs(a) => bench_docs::run(a, kernels),
+        Command::Links(a) => bench_links::run(a, kernels),
+        Command::Fanout(a) => bench_fanout::run(a, kernels),
     }
 }

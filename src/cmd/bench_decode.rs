@@ -6,6 +6,7 @@
 //! same warm-up and repetitions), and to one merged expert decoding alone (what a node with one
 //! expert does).
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,7 +48,7 @@ pub struct Args {
     reps: usize,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     if args.jobs.contains(&0) || args.experts.contains(&0) {
         bail!("--jobs and --experts take positive counts");
     }
@@ -63,7 +64,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.reps == 0 || args.tokens == 0 {
         bail!("--reps and --tokens must be positive");
     }
-    let base = Llama::from_gguf(&args.model).context("loading the base")?;
+    let base = Llama::from_gguf_with(&args.model, kernels).context("loading the base")?;
     let adapters = args
         .expert_dirs
         .iter()

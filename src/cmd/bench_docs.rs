@@ -5,6 +5,7 @@
 //! prefills the documents and the question together. Both end at the first token's logits; same
 //! warm-up and repetitions, median reported.
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -36,11 +37,11 @@ pub struct Args {
     reps: usize,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     if args.docs.contains(&0) || args.doc_tokens == 0 || args.question_tokens == 0 {
         bail!("--docs, --doc-tokens and --question-tokens take positive counts");
     }
-    let (model, _) = super::generate::load(&args.model)?;
+    let (model, _) = super::generate::load(&args.model, kernels)?;
     let vocab = model.config().vocab_size;
     let most = args.docs.iter().copied().max().unwrap_or(0);
     let context = model.config().context_length;

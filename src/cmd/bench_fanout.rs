@@ -5,6 +5,7 @@
 //! optionally through an emulated link. Per way: bytes on the wire and time to first token of
 //! the first and of the last expert to answer, from the job records.
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -68,7 +69,7 @@ fn ttfts(job: &JobRecord) -> Vec<f64> {
     out
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     if args.experts.len() < 2 {
         bail!("--experts: name at least two experts of the base");
     }
@@ -86,7 +87,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .collect();
     let models = models_section(&model, &pairs);
     let consumer_cfg = config("experts-0", "\"consumer\"", &models)?;
-    let served = Arc::new(Served::load(&consumer_cfg).context("loading the models")?);
+    let served = Arc::new(Served::load(&consumer_cfg, kernels).context("loading the models")?);
     let file = scd_models::GgufFile::open(&model).context("opening the model")?;
     let tok = scd_models::tokenizer::Tokenizer::from_gguf(file.content())?;
     let text = corpus::Corpus::open(&args.text, &args.dirs.data_dir)

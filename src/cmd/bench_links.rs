@@ -6,6 +6,7 @@
 //! token from the job records, and the KL to the expert's own prefill over a continuation,
 //! measured in-process at the ranks each job used.
 
+use scd_models::KernelChoice;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -103,8 +104,8 @@ fn kl_of(
     Ok(p.kl(expert, cache)?)
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
-    if !matches!(args.mode, Mode::Scd | Mode::Reuse) {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
+    if !args.mode.uses_translator_codes() {
         bail!("--mode {}: ranks exist for scd and reuse", args.mode);
     }
     let model = std::path::absolute(&args.model)?;
@@ -117,7 +118,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .collect();
     let models = models_section(&model, &[(&name, &expert_dir)]);
     let consumer_cfg = config(&links[0].0, "\"consumer\"", &models)?;
-    let served = Arc::new(Served::load(&consumer_cfg).context("loading the models")?);
+    let served = Arc::new(Served::load(&consumer_cfg, kernels).context("loading the models")?);
     let loaded = served
         .experts
         .get(&name)

@@ -4,6 +4,7 @@
 //! runs in a fresh child process (this binary again), so that one point's allocations cannot
 //! pad another's figure.
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -28,9 +29,9 @@ pub struct Args {
     point: Option<String>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     if let Some(point) = &args.point {
-        return measure(&args, point);
+        return measure(&args, point, kernels);
     }
     let n = args.experts.len();
     println!(
@@ -53,6 +54,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     ] {
         let mut cmd = Command::new(&exe);
         cmd.args(["bench", "memory", "--model"]).arg(&args.model);
+        // Each point measures the same kernels as this process chose.
+        cmd.arg(format!("--decode-weights={}", kernels.decode_weights))
+            .arg(format!("--decode-products={}", kernels.decode_products))
+            .arg(format!("--prefill-matmul={}", kernels.prefill_matmul));
         for e in &args.experts {
             cmd.arg("--expert").arg(e);
         }
@@ -84,7 +89,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// Loads the base and `count` experts in `mode`, runs a short prefill on each (so that what a
 /// forward pass allocates is counted), and prints RSS and peak RSS in bytes.
-fn measure(args: &Args, point: &str) -> anyhow::Result<()> {
+fn measure(args: &Args, point: &str, kernels: KernelChoice) -> anyhow::Result<()> {
     let (mode, count) = point.split_once(':').context("--point is MODE:COUNT")?;
     let mode = match mode {
         "merge" => AdapterMode::Merge,
@@ -98,7 +103,7 @@ fn measure(args: &Args, point: &str) -> anyhow::Result<()> {
             args.experts.len()
         );
     }
-    let base = Llama::from_gguf(&args.model).context("loading the base")?;
+    let base = Llama::from_gguf_with(&args.model, kernels).context("loading the base")?;
     let tokens: Vec<u32> = (0..32).map(|i| 100 + i * 7).collect();
     let mut experts = Vec::new();
     for dir in &args.experts[..count] {

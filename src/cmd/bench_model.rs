@@ -6,6 +6,7 @@
 //! throughput; plus peak resident memory. Build with `--release`; the figures go into
 //! BENCHMARKS.md, with llama.cpp as the baseline that counts.
 
+use scd_models::KernelChoice;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -89,7 +90,7 @@ struct Measured {
     peak: Option<f64>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let protocol = Protocol {
         warmup: args.warmup,
         reps: args.reps.max(1),
@@ -126,7 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
 
     let t = Instant::now();
-    let model = Llama::from_gguf(&args.model).context("loading the model")?;
+    let model = Llama::from_gguf_with(&args.model, kernels).context("loading the model")?;
     let cfg = model.config().clone();
     println!(
         "model loaded (f32 weights dequantized, prefill on {}, decode weights {} with {} products) in {:.2}s; RSS {} (peak so far {})",

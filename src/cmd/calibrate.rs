@@ -2,6 +2,7 @@
 //! its experts (the consumers) on calibration text the evaluation never reads, and write it
 //! as a translator folder (`translator.safetensors` + `translator.json`).
 
+use scd_models::KernelChoice;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -115,10 +116,10 @@ pub type PairModels = (Llama, Tokenizer, Vec<(String, Llama)>);
 
 impl PairArgs {
     /// Loads the models ([`PairModels`]).
-    pub fn load(&self) -> anyhow::Result<PairModels> {
-        let (producer, tok) = super::generate::load(&self.producer)?;
+    pub fn load(&self, kernels: KernelChoice) -> anyhow::Result<PairModels> {
+        let (producer, tok) = super::generate::load(&self.producer, kernels)?;
         let consumer_base = match &self.consumer {
-            Some(p) if p != &self.producer => super::generate::load(p)?.0,
+            Some(p) if p != &self.producer => super::generate::load(p, kernels)?.0,
             _ => producer.clone(),
         };
         let experts = self
@@ -159,9 +160,9 @@ fn triple(v: &[usize], what: &str) -> anyhow::Result<[usize; 3]> {
     <[usize; 3]>::try_from(v).map_err(|_| anyhow::anyhow!("--{what} takes three numbers: K,V,H"))
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let (producer, tok, experts) = args.models.load()?;
+    let (producer, tok, experts) = args.models.load(kernels)?;
     let kv = producer.config().kv_dim();
     let [rk, rv, rh] = triple(&args.r_max, "r-max")?;
     let r_max = Ranks {

@@ -6,6 +6,7 @@
 //! that names documents, twice: the producer compiles them with the SemPIC writer the first time
 //! and serves them from its store the second (SemPIC, `docs/method.md` §5.5).
 
+use scd_models::KernelChoice;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,7 +109,7 @@ prefix_cache_mib = 0
     NodeConfig::parse(&text, Path::new(".")).context("building the demo's node configs")
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let model = std::path::absolute(&args.model)?;
     let expert_dir = std::path::absolute(args.experts.join(&args.expert))?;
     if !expert_dir.join("translator").is_dir() {
@@ -139,7 +140,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let t0 = Instant::now();
     // One load serves both nodes: the producer node uses the base and the translator, the
     // consumer node the expert.
-    let mut served = Served::load(&consumer_cfg).context("loading the models")?;
+    let mut served = Served::load(&consumer_cfg, kernels).context("loading the models")?;
     // Only the producer node serves documents (the consumer node's role does not use them);
     // their store is a folder that lives as long as the demo.
     let _store_dir = match args.document_files.is_empty() {

@@ -1,6 +1,7 @@
 //! `scd eval`: the quality harness (methods of building the consumer's cache against the
 //! oracle, on WikiText-2 and SQuAD), and `scd eval drift`, the drift report of shipped experts.
 
+use scd_models::KernelChoice;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -249,21 +250,21 @@ fn write(path: &Option<PathBuf>, text: &str) -> anyhow::Result<()> {
     }
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     match args.drift {
-        Some(Sub::Drift(d)) => return run_drift(d),
-        Some(Sub::Multidoc(m)) => return run_multidoc(m),
+        Some(Sub::Drift(d)) => return run_drift(d, kernels),
+        Some(Sub::Multidoc(m)) => return run_multidoc(m, kernels),
         None => {}
     }
     let Some(producer_path) = &args.producer else {
         bail!("--producer is required (or use `scd eval drift`)");
     };
     let consumer_path = args.consumer.as_ref().unwrap_or(producer_path);
-    let (producer, tok) = super::generate::load(producer_path)?;
+    let (producer, tok) = super::generate::load(producer_path, kernels)?;
     let consumer_base = if consumer_path == producer_path {
         producer.clone()
     } else {
-        super::generate::load(consumer_path)?.0
+        super::generate::load(consumer_path, kernels)?.0
     };
     let (consumer, adapter) = match &args.consumer_adapter {
         Some(p) => (with_adapter(&consumer_base, p)?, Some(adapter_info(p)?)),
@@ -300,6 +301,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         code_dtype: code_dtype(&args.code_dtype)?,
         q4_group: args.q4_group,
         patch_k: args.patch_k,
+        matmul: kernels.prefill_matmul,
     };
     let codecs = args
         .methods
@@ -327,8 +329,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
-    let (base, tok) = super::generate::load(&args.model)?;
+fn run_drift(args: DriftArgs, kernels: KernelChoice) -> anyhow::Result<()> {
+    let (base, tok) = super::generate::load(&args.model, kernels)?;
     let data = load_data(&args.common.dirs)?;
     let mut reports = Vec::new();
     let mut md = String::new();
@@ -384,13 +386,13 @@ fn run_drift(args: DriftArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_multidoc(args: MultidocArgs) -> anyhow::Result<()> {
+fn run_multidoc(args: MultidocArgs, kernels: KernelChoice) -> anyhow::Result<()> {
     use eval::multidoc::{build_items, evaluate, writer_split, DocCompilers, DocMode};
     use scd_models::boundary::Boundary;
     if args.min_distractors > args.max_distractors {
         bail!("--min-distractors is above --max-distractors");
     }
-    let (model, tok) = super::generate::load(&args.model)?;
+    let (model, tok) = super::generate::load(&args.model, kernels)?;
     let writer = args
         .writer
         .as_deref()

@@ -2,6 +2,7 @@
 //! periodic atomic checkpoints, `--resume`, and Ctrl-C that finishes the current step, writes a
 //! checkpoint and exits.
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -90,7 +91,7 @@ pub struct Args {
     pub dtype: String,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let schedule = parse_schedule(&args.schedule)?;
     let dtype = parse_dtype(&args.dtype)?;
     let cfg = TrainConfig {
@@ -117,7 +118,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         })?,
     };
     let corpus = Corpus::open(&args.corpus, &args.dirs.data_dir).context("opening the corpus")?;
-    let (base, tok) = super::generate::load(&args.model)?;
+    let (base, tok) = super::generate::load(&args.model, kernels)?;
     let stop = Arc::new(AtomicBool::new(false));
     watch_ctrl_c(stop.clone())?;
     let opts = FinetuneOptions {

@@ -1,6 +1,7 @@
 //! `scd generate`: load a model (GGUF file or Hugging Face directory), optionally with a LoRA
 //! adapter, apply the chat template, and stream a reply to stdout; a summary goes to stderr.
 
+use scd_models::KernelChoice;
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -88,9 +89,10 @@ impl From<ModeArg> for AdapterMode {
 }
 
 /// Loads a model and its tokenizer from a GGUF file or a Hugging Face directory.
-pub fn load(path: &Path) -> anyhow::Result<(Llama, Tokenizer)> {
+/// Loads a model (GGUF file or Hugging Face folder) and its tokenizer, on `kernels`.
+pub fn load(path: &Path, kernels: KernelChoice) -> anyhow::Result<(Llama, Tokenizer)> {
     if path.is_dir() {
-        let model = Llama::from_hf_dir(path)
+        let model = Llama::from_hf_dir_with(path, kernels)
             .with_context(|| format!("loading the model directory {}", path.display()))?;
         let tok = Tokenizer::from_hf_dir(path)
             .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
@@ -99,15 +101,15 @@ pub fn load(path: &Path) -> anyhow::Result<(Llama, Tokenizer)> {
         let file = GgufFile::open(path).context("opening the model")?;
         let tok = Tokenizer::from_gguf(file.content())
             .with_context(|| format!("reading the tokenizer from {}", path.display()))?;
-        let model = file.load_model().context("loading the model")?;
+        let model = file.load_model_with(kernels).context("loading the model")?;
         Ok((model, tok))
     }
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let sampling = Sampling::from_params(args.temperature, args.top_p)?;
     let t0 = Instant::now();
-    let (base, tok) = load(&args.model)?;
+    let (base, tok) = load(&args.model, kernels)?;
     let model = match &args.adapter {
         Some(path) => {
             let adapter = LoraAdapter::load(path, base.config())

@@ -2,6 +2,7 @@
 //! (jobs in flight get `--drain-timeout` to finish, the rest go back to the queue, the node's
 //! lease is revoked). A second signal stops at once.
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,7 +43,7 @@ pub async fn open_store(config: &StoreConfig) -> anyhow::Result<Arc<dyn MetaStor
     })
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let config = NodeConfig::load(&args.config)
         .with_context(|| format!("reading the node config {}", args.config.display()))?;
     let identity = config.identity()?;
@@ -77,7 +78,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let started = Instant::now();
         eprintln!("node {}: loading models ...", config.node.id);
         let load = config.clone();
-        let served = tokio::task::spawn_blocking(move || Served::load(&load))
+        let served = tokio::task::spawn_blocking(move || Served::load(&load, kernels))
             .await
             .context("loading models")??;
         eprintln!(

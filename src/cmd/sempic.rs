@@ -3,6 +3,7 @@
 //! for the base or for a writer. Both with a progress bar, periodic atomic checkpoints,
 //! `--resume`, and Ctrl-C that finishes the current step, writes a checkpoint and exits.
 
+use scd_models::KernelChoice;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -145,10 +146,10 @@ pub struct BoundaryArgs {
 }
 
 /// Runs `scd sempic`.
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     match args.sub {
-        Sub::Train(a) => train(a),
-        Sub::Boundary(a) => boundary(a),
+        Sub::Train(a) => train(a, kernels),
+        Sub::Boundary(a) => boundary(a, kernels),
     }
 }
 
@@ -191,6 +192,7 @@ fn run_options(run: &RunArgs) -> WriterOptions {
 /// Loads the data, the model and the compiling `writer` if any, trains with a progress bar and
 /// Ctrl-C, and returns the manifest, or exits after a stop.
 fn train_run(
+    kernels: KernelChoice,
     run: &RunArgs,
     cfg: &TrainConfig,
     mut opts: WriterOptions,
@@ -204,7 +206,7 @@ fn train_run(
             run.dirs.eval_data.display()
         )
     })?;
-    let (base, tok) = super::generate::load(&run.model)?;
+    let (base, tok) = super::generate::load(&run.model, kernels)?;
     if let Some(path) = writer {
         opts.compiler_adapter = Some(
             LoraAdapter::load(path, base.config())
@@ -243,7 +245,7 @@ fn train_run(
     }
 }
 
-fn train(args: TrainArgs) -> anyhow::Result<()> {
+fn train(args: TrainArgs, kernels: KernelChoice) -> anyhow::Result<()> {
     let cfg = TrainConfig {
         rank: args.rank,
         alpha: args.alpha,
@@ -260,6 +262,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         ..run_options(&args.run)
     };
     let m = train_run(
+        kernels,
         &args.run,
         &cfg,
         opts,
@@ -287,13 +290,14 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn boundary(args: BoundaryArgs) -> anyhow::Result<()> {
+fn boundary(args: BoundaryArgs, kernels: KernelChoice) -> anyhow::Result<()> {
     let cfg = TrainConfig {
         boundary: Some((args.header, args.trailer)),
         ..run_config(&args.run, args.lr)?
     };
     let opts = run_options(&args.run);
     let m = train_run(
+        kernels,
         &args.run,
         &cfg,
         opts,

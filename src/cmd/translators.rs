@@ -129,10 +129,10 @@ pub struct CurveArgs {
     pub dirs: crate::paths::DataDirs,
 }
 
-pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<ExitCode> {
     match &args.command {
         Command::Curve(a) => {
-            curve(a)?;
+            curve(a, kernels)?;
             return Ok(ExitCode::SUCCESS);
         }
         Command::List { target, json } => return show(target, "translators", *json, print_list),
@@ -203,7 +203,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// `scd translators curve`: the held-out prompts the calibration chose with (same corpus
 /// split, checked by its hash, same seed), measured at the default grid of ranks.
-fn curve(a: &CurveArgs) -> anyhow::Result<()> {
+fn curve(a: &CurveArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<()> {
     use scd_models::corpus::{self, Corpus};
     use scd_models::translator::calibrate::{heldout_prompts, CalibrationText, ChatWrap};
     use scd_models::translator::{rank_curve, CalibrationConfig};
@@ -212,7 +212,7 @@ fn curve(a: &CurveArgs) -> anyhow::Result<()> {
     let dir = &a.translator;
     let mut t = Translator::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     let before = t.hash();
-    let (producer, tok, experts) = a.models.load()?;
+    let (producer, tok, experts) = a.models.load(kernels.choice()?)?;
     let m = &t.manifest;
     let cal = &m.calibration;
     let corpus = Corpus::open(&cal.corpus, &a.dirs.data_dir)

@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use scd_models::tokenizer::{Tokenizer, TokenizerError};
 use scd_models::translator::{Translator, TranslatorError};
-use scd_models::{AdapterError, AdapterMode, GgufFile, Llama, LoadError, LoraAdapter};
+use scd_models::{
+    AdapterError, AdapterMode, GgufFile, KernelChoice, Llama, LoadError, LoraAdapter,
+};
 use scd_scheduler::ModelRecord;
 
 use crate::config::{AdapterModeConfig, NodeConfig, NodeRole};
@@ -101,11 +103,14 @@ pub struct Served {
     pub experts: BTreeMap<String, ServedExpert>,
     /// The producer's compiled documents (`[documents]`), if it serves any.
     pub documents: Option<Arc<crate::documents::DocumentServer>>,
+    /// The kernels its models run on (the binary's choice); translator codes' products follow
+    /// the prefill's.
+    pub kernels: KernelChoice,
 }
 
 impl Served {
-    /// Loads what `config`'s roles need.
-    pub fn load(config: &NodeConfig) -> Result<Self, ServeError> {
+    /// Loads what `config`'s roles need, on `kernels`.
+    pub fn load(config: &NodeConfig, kernels: KernelChoice) -> Result<Self, ServeError> {
         let path = config.models.base.as_ref().ok_or(ServeError::NoBase)?;
         let base_err = |source| ServeError::Base {
             path: path.clone(),
@@ -117,7 +122,7 @@ impl Served {
                 path: path.clone(),
                 source: Box::new(source),
             })?;
-        let base = file.load_model().map_err(base_err)?;
+        let base = file.load_model_with(kernels).map_err(base_err)?;
         let base = Arc::new(base);
         let consumer = config.has_role(NodeRole::Consumer);
         let mode = match config.models.adapter_mode {
@@ -156,6 +161,7 @@ impl Served {
             tokenizer,
             experts,
             documents,
+            kernels,
         })
     }
 

@@ -234,7 +234,7 @@ impl Cluster {
         config: &NodeConfig,
         telemetry: Option<scd_actors::telemetry::Telemetry>,
     ) -> Node {
-        let served = Arc::new(Served::load(config).unwrap());
+        let served = Arc::new(Served::load(config, scd_models::KernelChoice::best()).unwrap());
         let identity = self.ca.issue(&config.node.id, Role::Node).unwrap();
         Node::start(
             config,

@@ -24,6 +24,7 @@ use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 use crate::cache::KvCache;
 use crate::error::ForwardError;
 use crate::llama::{Capture, LayerCapture, Llama};
+use crate::prefill_matmul::PrefillMatmul;
 use crate::translator::{Ranks, Translator};
 
 pub mod documents;
@@ -265,6 +266,10 @@ pub struct CodecOptions {
     /// Patch budget of `scd`: the first `k` layers of the translator's greedy order (its
     /// default set when `None`).
     pub patch_k: Option<usize>,
+    /// Where `reuse` / `scd` codes' products run: the node's prefill setting
+    /// ([`crate::KernelChoice`]), so that a node runs its translator on the path it prefills
+    /// on, and the f32 prefill gives the f32 reference for both.
+    pub matmul: PrefillMatmul,
 }
 
 impl Default for CodecOptions {
@@ -274,6 +279,7 @@ impl Default for CodecOptions {
             code_dtype: CodeDType::F16,
             q4_group: q4::DEFAULT_GROUP,
             patch_k: None,
+            matmul: PrefillMatmul::best(),
         }
     }
 }
@@ -306,14 +312,17 @@ pub fn codec_with(
         Mode::Reuse | Mode::Scd => {
             let (t, expert) = translator.ok_or_else(need)?;
             let ranks = opts.ranks.unwrap_or(t.manifest.default_ranks);
-            Box::new(Translated::new(
-                t.clone(),
-                mode,
-                expert,
-                ranks,
-                opts.code_dtype,
-                opts.patch_k,
-            )?)
+            Box::new(
+                Translated::new(
+                    t.clone(),
+                    mode,
+                    expert,
+                    ranks,
+                    opts.code_dtype,
+                    opts.patch_k,
+                )?
+                .with_matmul(opts.matmul)?,
+            )
         }
     })
 }

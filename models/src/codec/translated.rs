@@ -40,9 +40,8 @@ pub struct Translated {
     dtype: CodeDType,
     /// The layers this producer patches (empty for `reuse`).
     patch: Vec<usize>,
-    /// Where the codes' products run: the models' own prefill setting
-    /// ([`PrefillMatmul::from_env`]), so that a node runs its translator on the path it
-    /// prefills on, and `SCD_PREFILL_MATMUL=f32` gives the f32 reference for both.
+    /// Where the codes' products run: the best this machine has unless set
+    /// ([`Self::with_matmul`], from [`super::CodecOptions::matmul`]).
     matmul: PrefillMatmul,
 }
 
@@ -58,7 +57,7 @@ impl Translated {
         dtype: CodeDType,
         patch_k: Option<usize>,
     ) -> Result<Self, CodecError> {
-        if !matches!(mode, Mode::Reuse | Mode::Scd) {
+        if !mode.uses_translator_codes() {
             return Err(CodecError::Unavailable(format!(
                 "a translator carries reuse and scd, not {mode}"
             )));
@@ -85,8 +84,7 @@ impl Translated {
                 .map_err(|e| CodecError::Unavailable(e.to_string()))?,
             _ => Vec::new(),
         };
-        let matmul =
-            PrefillMatmul::from_env().map_err(|e| CodecError::Unavailable(e.to_string()))?;
+        let matmul = PrefillMatmul::best();
         Ok(Self {
             translator,
             mode,
@@ -98,8 +96,9 @@ impl Translated {
         })
     }
 
-    /// This codec with its products on `matmul` (tiles where the machine lacks them are
-    /// refused).
+    /// This codec with its products on `matmul` (a node passes its prefill's, so that it runs
+    /// its translator on the path it prefills on); tiles where the machine lacks them are
+    /// refused.
     pub fn with_matmul(mut self, matmul: PrefillMatmul) -> Result<Self, CodecError> {
         self.matmul = matmul
             .check_available()
