@@ -188,20 +188,25 @@ async fn each_node_serves_metrics_a_prometheus_parser_reads() {
         .unwrap();
     let job = cluster.client.wait(id, common::WAIT).await.unwrap();
     assert_eq!(job.state, scd_scheduler::JobState::Done, "{:?}", job.error);
-    // The producer's last counts may land just after the consumer finished the record.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-
-    let (p, c) = {
+    // The producer's last counts may land just after the consumer finished the record: scrape
+    // until the producer counts its half done (bounded), rather than sleep and hope.
+    let done = [("side", "producer"), ("outcome", "done")];
+    let deadline = std::time::Instant::now() + common::WAIT;
+    let (p, c) = loop {
         let python = python.clone();
         let (pa, ca) = (
             producer.metrics_addr().unwrap(),
             consumer.metrics_addr().unwrap(),
         );
-        tokio::task::spawn_blocking(move || (scrape(&python, pa), scrape(&python, ca)))
-            .await
-            .unwrap()
+        let (p, c) =
+            tokio::task::spawn_blocking(move || (scrape(&python, pa), scrape(&python, ca)))
+                .await
+                .unwrap();
+        if value(&p, "scd_jobs_total", &done).is_some() || std::time::Instant::now() > deadline {
+            break (p, c);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let done = [("side", "producer"), ("outcome", "done")];
     assert_eq!(value(&p, "scd_jobs_total", &done), Some(1.0));
     let done = [("side", "consumer"), ("outcome", "done")];
     assert_eq!(value(&c, "scd_jobs_total", &done), Some(1.0));
