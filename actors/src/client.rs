@@ -52,8 +52,8 @@ pub enum ClientError {
     #[error("documents: {0}")]
     Documents(String),
     /// The prompt cannot be a job.
-    #[error("the prompt has {0} tokens; a job needs at least two (the producer prefills all but the last)")]
-    PromptTooShort(usize),
+    #[error(transparent)]
+    Request(#[from] scd_types::RequestError),
     /// Reading or writing the job record failed.
     #[error(transparent)]
     Record(#[from] RecordError),
@@ -162,9 +162,7 @@ impl ClusterClient {
             });
         };
         let expert = expert.as_str();
-        if request.prompt.len() < 2 {
-            return Err(ClientError::PromptTooShort(request.prompt.len()));
-        }
+        request.check_shape()?;
         let nodes = self.nodes().await?;
         if !more.is_empty() {
             self.check_fan_out(experts, mode, &nodes).await?;
@@ -317,7 +315,7 @@ impl ClusterClient {
                     .into(),
             ));
         }
-        if matches!(mode, Mode::Reuse | Mode::Scd) {
+        if mode.uses_translator_codes() {
             let registry =
                 scd_scheduler::TranslatorRegistry::new(self.store.clone(), self.keys.clone());
             let mut live = Vec::new();

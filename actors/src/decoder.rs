@@ -35,8 +35,8 @@ use crate::transfer::Inbound;
 #[derive(Debug, thiserror::Error)]
 pub enum DecoderError {
     /// The prompt has no prefix to rebuild.
-    #[error("the prompt needs at least two tokens (the producer prefills all but the last)")]
-    PromptTooShort,
+    #[error(transparent)]
+    Request(#[from] scd_types::RequestError),
     /// The codec refused the job before any code (a translator for another pair ...).
     #[error("setting up the decoder: {0}")]
     Setup(CodecError),
@@ -304,9 +304,7 @@ fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, Decode
         cancel,
         shadow,
     } = job;
-    let Some((&last, prefix)) = prompt.split_last().filter(|(_, p)| !p.is_empty()) else {
-        return Err(DecoderError::PromptTooShort);
-    };
+    let (prefix, last) = scd_types::split_prompt(&prompt)?;
     let made = Instant::now();
     let mut decoder = codec
         .codec

@@ -1,5 +1,7 @@
 //! What one job carries through the actors: its codec (shared by both nodes in the in-process
-//! pipeline), what the caller asks for, and the units that move between stages.
+//! pipeline), what the caller asks for, the units that move between stages, the bounds of the
+//! queues between them ([`PipelineOptions`]), and why a job failed ([`JobError`]), classified
+//! once here for everyone who decides what to do about it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -7,7 +9,14 @@ use std::time::Instant;
 use scd_models::codec::{codec_with, CodecOptions};
 use scd_models::translator::Translator;
 use scd_models::{Codec, CodecError, GenerateParams};
-use scd_transport::{CodeFrame, JobId, Mode, TranslatorHash};
+use scd_transport::{
+    CodeFrame, JobId, Mode, RecvError, SendError, TranslatorHash, TransportOptions,
+};
+
+use crate::decoder::DecoderError;
+use crate::encoder::EncoderError;
+use crate::producer::ProducerError;
+use crate::transfer::TransferError;
 
 /// A transfer mode's codec for one job, with the translator version its codes are made with
 /// (`None` for modes without one: oracle, raw, q4). The producer stamps the hash on every frame
@@ -33,7 +42,7 @@ impl JobCodec {
         opts: &CodecOptions,
     ) -> Result<Self, CodecError> {
         let codec = codec_with(mode, translator, opts)?;
-        let uses_translator = matches!(mode, Mode::Reuse | Mode::Scd);
+        let uses_translator = mode.uses_translator_codes();
         Ok(Self {
             codec: Arc::from(codec),
             translator: translator
@@ -68,12 +77,9 @@ pub struct JobSpec {
 
 impl JobSpec {
     /// The prefix the producer prefills and the consumer rebuilds, and the token the expert
-    /// continues from; `None` for a prompt under two tokens.
-    pub fn split(&self) -> Option<(&[u32], u32)> {
-        match self.prompt.split_last() {
-            Some((&last, prefix)) if !prefix.is_empty() => Some((prefix, last)),
-            _ => None,
-        }
+    /// continues from; an error for a prompt under two tokens.
+    pub fn split(&self) -> Result<(&[u32], u32), scd_types::RequestError> {
+        scd_types::split_prompt(&self.prompt)
     }
 }
 
@@ -84,4 +90,104 @@ pub struct Arrival {
     pub frame: CodeFrame,
     /// When its last byte was read and it passed validation.
     pub at: Instant,
+}
+
+/// Queue bounds and transport options of a job's path (a node's, or the in-process pipeline's).
+#[derive(Debug, Clone)]
+pub struct PipelineOptions {
+    /// Transport options of both endpoints.
+    pub transport: TransportOptions,
+    /// Layer captures the producer may run ahead of the encoder.
+    pub capture_queue: usize,
+    /// Frames the encoder may run ahead of the transfer (the transport's own send queue comes
+    /// on top). The default holds a whole job's codes (30 layers of K, V and `H_in` codes fit
+    /// four times over), so that a slow link holds up only its own job's stream, never the
+    /// encoder that the producer's other jobs need; a job's codes are bounded by its prompt.
+    pub frame_queue: usize,
+    /// Frames the consumer node's transfer may read ahead of the decoder.
+    pub arrival_queue: usize,
+    /// Tokens the decoder may run ahead of the caller.
+    pub token_queue: usize,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        Self {
+            transport: TransportOptions::default(),
+            capture_queue: 2,
+            frame_queue: 384,
+            arrival_queue: 4,
+            token_queue: 16,
+        }
+    }
+}
+
+/// Why a job failed: the stage that caused it, with its error.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The request fails the one request check.
+    #[error(transparent)]
+    Request(#[from] scd_types::RequestError),
+    /// The producer failed.
+    #[error("producer: {0}")]
+    Producer(#[from] ProducerError),
+    /// The encoder failed.
+    #[error("encoder: {0}")]
+    Encoder(#[from] EncoderError),
+    /// Sending the codes failed.
+    #[error("transfer: {0}")]
+    Transfer(#[from] TransferError),
+    /// The consumer node failed (receiving, rebuilding or generating).
+    #[error("decoder: {0}")]
+    Decoder(#[from] DecoderError),
+    /// An actor the job needs is gone.
+    #[error("the {0} actor is gone")]
+    ActorGone(&'static str),
+    /// The job's own task failed.
+    #[error("job task failed: {0}")]
+    Internal(String),
+}
+
+impl JobError {
+    /// Whether the error says the producer vanished while its codes were arriving (connection
+    /// lost, stream reset or cut inside a frame): the attempt can run again on another
+    /// producer, and this consumer is not to blame.
+    pub fn producer_lost(&self) -> bool {
+        matches!(
+            self,
+            JobError::Decoder(DecoderError::Transfer(
+                RecvError::PeerGone(_) | RecvError::Aborted(_) | RecvError::Truncated
+            ))
+        )
+    }
+
+    /// Whether the error says the consumer vanished while the codes were going out: the
+    /// attempt can run again on another consumer, and this producer is not to blame.
+    pub fn consumer_lost(&self) -> bool {
+        matches!(
+            self,
+            JobError::Transfer(TransferError::Send(SendError::PeerGone(_)))
+        )
+    }
+
+    /// Whether the error only says that another stage of the job stopped first (a closed
+    /// channel, a cancelled stream): never the cause of a failure.
+    pub fn is_knock_on(&self) -> bool {
+        matches!(
+            self,
+            JobError::Producer(
+                ProducerError::EncoderGone | ProducerError::TransferGone | ProducerError::Cancelled
+            ) | JobError::Encoder(EncoderError::TransferGone | EncoderError::Cancelled)
+                | JobError::Transfer(
+                    TransferError::Cancelled
+                        | TransferError::Send(SendError::CancelledByPeer { .. })
+                )
+                | JobError::Decoder(
+                    DecoderError::Cancelled
+                        | DecoderError::Transfer(
+                            RecvError::CancelledByPeer { .. } | RecvError::Aborted(_)
+                        )
+                )
+        )
+    }
 }

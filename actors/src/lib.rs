@@ -15,7 +15,7 @@
 //!
 //! Files, in the order a job passes them:
 //! - [`job`]: what a job carries: its codec and translator version, the caller's request, a
-//!   frame as it arrived.
+//!   frame as it arrived, its queue bounds, and why it failed ([`JobError`]).
 //! - [`producer`]: the base model's prefill, layer by layer, each layer's capture handed on as
 //!   soon as it is done; or, for a job that names documents, their compiled caches from the
 //!   producer's store ([`documents`]), placed one after another and sent as they are.
@@ -34,6 +34,10 @@
 //!   them.
 //! - [`pipeline`]: a producer node and a consumer node in one process over QUIC on loopback,
 //!   and `run_job`, without a store: the actors' own tests and benchmarks.
+//! - [`lifecycle`]: a job's two halves on a node as state machines without I/O: events in
+//!   (record changed, stream arrived, stages started, failed or finished, grace over), actions
+//!   out (claim, start, write progress or the report, hand back with blame, fail); the node's
+//!   `work` module drives them.
 //! - [`node`]: a cluster node: endpoint, registration, model records, scheduler replica, the
 //!   supervised actors of its roles, its share of the jobs from the records, and the admin
 //!   endpoint; drains on shutdown.
@@ -60,6 +64,7 @@ pub mod drift_guard;
 pub mod encoder;
 pub mod follow;
 pub mod job;
+pub mod lifecycle;
 pub mod metrics;
 pub mod node;
 pub mod pipeline;
@@ -76,9 +81,9 @@ pub use config::{ConfigError, NodeConfig, NodeRole};
 pub use decode_loop::{DecodeLoop, DecodeStats};
 pub use decoder::{Decoder, DecoderError, DecoderMsg};
 pub use encoder::{Encoder, EncoderError, EncoderMsg};
-pub use job::{JobCodec, JobSpec};
+pub use job::{JobCodec, JobError, JobSpec, PipelineOptions};
 pub use node::{DrainReport, Node, NodeError, ServeError, Served};
-pub use pipeline::{JobError, JobOutput, Pipeline, PipelineOptions, RunningJob, StartError};
+pub use pipeline::{JobOutput, Pipeline, RunningJob, StartError};
 pub use producer::{Producer, ProducerError, ProducerMsg};
 pub use timeline::{FrameArrival, LayerBytes, Span, Timeline};
 pub use transfer::{TransferError, TransferIn, TransferInMsg, TransferOut, TransferOutMsg};

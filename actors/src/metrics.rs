@@ -369,8 +369,22 @@ impl NodeMetrics {
         }
     }
 
+    /// Records what a job's half reports: each timed stage's duration, and its bytes on the
+    /// wire (sent by a producer, received by a consumer).
+    pub fn report(&self, report: &scd_types::JobReport) {
+        for (stage, span) in &report.stages {
+            if stage.is_timed() {
+                self.stage_ms(stage.name(), span.ms());
+            }
+        }
+        match report.side {
+            scd_types::Side::Producer => self.bytes_sent.inc_by(report.wire_bytes),
+            scd_types::Side::Consumer => self.bytes_received.inc_by(report.wire_bytes),
+        };
+    }
+
     /// Records a stage's duration in milliseconds.
-    pub fn stage_ms(&self, stage: &str, ms: f64) {
+    fn stage_ms(&self, stage: &str, ms: f64) {
         self.stages
             .get_or_create(&StageLabels {
                 stage: stage.into(),

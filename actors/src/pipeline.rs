@@ -26,55 +26,24 @@ use ractor::{Actor, ActorCell, ActorRef, SpawnErr};
 use scd_models::{Llama, StopReason};
 use scd_transport::pki::PkiError;
 use scd_transport::{
-    AcceptError, BindError, ClusterCa, ConnectError, Connection, Endpoint, JobId, RecvError, Role,
-    SendError, TransportOptions,
+    AcceptError, BindError, ClusterCa, ConnectError, Connection, Endpoint, JobId, Role,
 };
 use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::decode_loop::{DecodeLoop, DecodeStats};
-use crate::decoder::{Decoder, DecoderArgs, DecoderError, DecoderMsg};
-use crate::encoder::{Encoder, EncoderError};
-use crate::job::JobSpec;
-use crate::producer::{Producer, ProducerArgs, ProducerError};
+use crate::decoder::{Decoder, DecoderArgs, DecoderMsg};
+use crate::encoder::Encoder;
+use crate::job::{JobError, JobSpec, PipelineOptions};
+use crate::producer::{Producer, ProducerArgs};
 use crate::stages::{self, ask, cause, ConsumerJob, ProducerActors, ProducerReplies};
 use crate::timeline::Timeline;
-use crate::transfer::{TransferError, TransferIn, TransferInArgs, TransferInMsg, TransferOut};
+use crate::transfer::{TransferIn, TransferInArgs, TransferInMsg, TransferOut};
 
 /// The certificate names of the two nodes.
 const PRODUCER_NODE: &str = "producer-0";
 const CONSUMER_NODE: &str = "consumer-0";
-
-/// Queue bounds and transport options of a pipeline.
-#[derive(Debug, Clone)]
-pub struct PipelineOptions {
-    /// Transport options of both endpoints.
-    pub transport: TransportOptions,
-    /// Layer captures the producer may run ahead of the encoder.
-    pub capture_queue: usize,
-    /// Frames the encoder may run ahead of the transfer (the transport's own send queue comes
-    /// on top). The default holds a whole job's codes (30 layers of K, V and `H_in` codes fit
-    /// four times over), so that a slow link holds up only its own job's stream, never the
-    /// encoder that the producer's other jobs need; a job's codes are bounded by its prompt.
-    pub frame_queue: usize,
-    /// Frames the consumer node's transfer may read ahead of the decoder.
-    pub arrival_queue: usize,
-    /// Tokens the decoder may run ahead of the caller.
-    pub token_queue: usize,
-}
-
-impl Default for PipelineOptions {
-    fn default() -> Self {
-        Self {
-            transport: TransportOptions::default(),
-            capture_queue: 2,
-            frame_queue: 384,
-            arrival_queue: 4,
-            token_queue: 16,
-        }
-    }
-}
 
 /// Errors starting a pipeline.
 #[derive(Debug, thiserror::Error)]
@@ -106,79 +75,6 @@ pub enum StartError {
     /// The decode loop's thread could not start.
     #[error("starting the decode loop: {0}")]
     DecodeLoop(std::io::Error),
-}
-
-/// Why a job failed: the stage that caused it, with its error.
-#[derive(Debug, thiserror::Error)]
-pub enum JobError {
-    /// The prompt is too short to split into a prefix and a last token.
-    #[error("the prompt has {tokens} tokens; a job needs at least two (the producer prefills all but the last)")]
-    PromptTooShort {
-        /// Tokens in the prompt.
-        tokens: usize,
-    },
-    /// The producer failed.
-    #[error("producer: {0}")]
-    Producer(#[from] ProducerError),
-    /// The encoder failed.
-    #[error("encoder: {0}")]
-    Encoder(#[from] EncoderError),
-    /// Sending the codes failed.
-    #[error("transfer: {0}")]
-    Transfer(#[from] TransferError),
-    /// The consumer node failed (receiving, rebuilding or generating).
-    #[error("decoder: {0}")]
-    Decoder(#[from] DecoderError),
-    /// An actor the job needs is gone.
-    #[error("the {0} actor is gone")]
-    ActorGone(&'static str),
-    /// The job's own task failed.
-    #[error("job task failed: {0}")]
-    Internal(String),
-}
-
-impl JobError {
-    /// Whether the error says the producer vanished while its codes were arriving (connection
-    /// lost, stream reset or cut inside a frame): the attempt can run again on another
-    /// producer, and this consumer is not to blame.
-    pub fn producer_lost(&self) -> bool {
-        matches!(
-            self,
-            JobError::Decoder(DecoderError::Transfer(
-                RecvError::PeerGone(_) | RecvError::Aborted(_) | RecvError::Truncated
-            ))
-        )
-    }
-
-    /// Whether the error says the consumer vanished while the codes were going out: the
-    /// attempt can run again on another consumer, and this producer is not to blame.
-    pub fn consumer_lost(&self) -> bool {
-        matches!(
-            self,
-            JobError::Transfer(TransferError::Send(SendError::PeerGone(_)))
-        )
-    }
-
-    /// Whether the error only says that another stage of the job stopped first (a closed
-    /// channel, a cancelled stream): never the cause of a failure.
-    pub fn is_knock_on(&self) -> bool {
-        matches!(
-            self,
-            JobError::Producer(
-                ProducerError::EncoderGone | ProducerError::TransferGone | ProducerError::Cancelled
-            ) | JobError::Encoder(EncoderError::TransferGone | EncoderError::Cancelled)
-                | JobError::Transfer(
-                    TransferError::Cancelled
-                        | TransferError::Send(SendError::CancelledByPeer { .. })
-                )
-                | JobError::Decoder(
-                    DecoderError::Cancelled
-                        | DecoderError::Transfer(
-                            RecvError::CancelledByPeer { .. } | RecvError::Aborted(_)
-                        )
-                )
-        )
-    }
 }
 
 /// A finished job.
@@ -395,11 +291,7 @@ impl Pipeline {
     /// the producer node's stages.
     pub async fn start_job(&self, spec: JobSpec) -> Result<RunningJob, JobError> {
         let submitted = Instant::now();
-        if spec.split().is_none() {
-            return Err(JobError::PromptTooShort {
-                tokens: spec.prompt.len(),
-            });
-        }
+        spec.split()?;
         let cancel = self.cancel.child_token();
         let order = self.submit.lock().await;
         let started = self.dispatch(spec, submitted, &cancel).await;

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::decoder::{DecodeJob, DecodeReport, DecoderError, DecoderMsg};
 use crate::encoder::{EncodeJob, EncodeReport, EncoderError, EncoderMsg};
 use crate::job::JobCodec;
-use crate::pipeline::{JobError, PipelineOptions};
+use crate::job::{JobError, PipelineOptions};
 use crate::producer::{
     DocumentsJob, DocumentsServed, PrefillJob, Prefilled, ProducerError, ProducerMsg,
 };

@@ -16,12 +16,13 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::{Span, SpanKind, Status, TraceContextExt, Tracer, TracerProvider};
+use opentelemetry::trace::{Span, SpanKind, TraceContextExt, Tracer, TracerProvider};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter};
 use opentelemetry_sdk::Resource;
-use scd_scheduler::{JobId, Mode, StageSpan, TraceContext};
+use scd_scheduler::{JobId, Mode, TraceContext};
+use scd_types::{JobReport, Stage};
 
 /// Why tracing could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -142,17 +143,6 @@ impl<E: SpanExporter + 'static> SpanExporter for OnRuntime<E> {
 pub struct Telemetry {
     provider: SdkTracerProvider,
     tracer: SdkTracer,
-}
-
-/// One stage of a job's half, as a span.
-pub struct StageRecord {
-    /// The span's name.
-    pub name: &'static str,
-    /// When it ran.
-    pub span: StageSpan,
-    /// Points inside it, one per layer: name, when (ms since the epoch), attributes. Each
-    /// becomes a child span from the point before it (or the stage's start).
-    pub events: Vec<(&'static str, f64, Vec<KeyValue>)>,
 }
 
 fn at(ms: f64) -> SystemTime {
@@ -310,50 +300,53 @@ impl Telemetry {
         trace_of(&cx)
     }
 
-    /// Records a node's half of a job (`name`: `producer` or `consumer`) under the job's trace,
-    /// with a child span per stage.
-    pub fn record_half(
+    /// Records a node's half of a job, as its [`JobReport`] tells it, under the job's trace: a
+    /// span named for the side, with `attributes`, a child span per stage, and inside a stage
+    /// with layer points (encode, arrivals) a child span per layer.
+    pub fn record_report(
         &self,
         trace: &TraceContext,
-        name: &'static str,
-        whole: StageSpan,
+        report: &JobReport,
         attributes: Vec<KeyValue>,
-        stages: Vec<StageRecord>,
-        error: Option<&str>,
     ) {
         let parent = context_of(trace);
         let mut half = self
             .tracer
-            .span_builder(name)
+            .span_builder(report.side.name())
             .with_kind(SpanKind::Internal)
-            .with_start_time(at(whole.start_ms))
+            .with_start_time(at(report.whole.start_ms))
             .with_attributes(attributes)
             .start_with_context(&self.tracer, &parent);
         let cx = parent.with_remote_span_context(half.span_context().clone());
-        for stage in stages {
+        for (stage, stage_span) in report.spans() {
             let mut span = self
                 .tracer
-                .span_builder(stage.name)
-                .with_start_time(at(stage.span.start_ms))
+                .span_builder(stage.name())
+                .with_start_time(at(stage_span.start_ms))
                 .start_with_context(&self.tracer, &cx);
             // One child span per layer: from the previous layer's point (or the stage's start)
             // to this layer's, so that the trace shows where each layer's time went.
             let stage_cx = cx.with_remote_span_context(span.span_context().clone());
-            let mut from = stage.span.start_ms;
-            for (event, ms, attrs) in stage.events {
+            let event = match stage {
+                Stage::Arrivals => "layer arrived",
+                _ => "layer encoded",
+            };
+            let mut from = stage_span.start_ms;
+            for point in report.layers_of(stage) {
+                let attrs = vec![
+                    KeyValue::new("scd.layer", i64::from(point.layer)),
+                    KeyValue::new("scd.bytes", point.bytes as i64),
+                ];
                 self.tracer
                     .span_builder(event)
-                    .with_start_time(at(from.min(ms)))
+                    .with_start_time(at(from.min(point.at_ms)))
                     .with_attributes(attrs)
                     .start_with_context(&self.tracer, &stage_cx)
-                    .end_with_timestamp(at(ms));
-                from = ms;
+                    .end_with_timestamp(at(point.at_ms));
+                from = point.at_ms;
             }
-            span.end_with_timestamp(at(stage.span.end_ms));
+            span.end_with_timestamp(at(stage_span.end_ms));
         }
-        if let Some(e) = error {
-            half.set_status(Status::error(e.to_owned()));
-        }
-        half.end_with_timestamp(at(whole.end_ms));
+        half.end_with_timestamp(at(report.whole.end_ms));
     }
 }

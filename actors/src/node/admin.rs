@@ -50,7 +50,7 @@ impl From<ClientError> for Refused {
             | ClientError::NoProducer { .. }
             | ClientError::FanOut { .. }
             | ClientError::Documents(_)
-            | ClientError::PromptTooShort(_) => error_code::REFUSED,
+            | ClientError::Request(_) => error_code::REFUSED,
             ClientError::Busy(_) => error_code::BUSY,
             ClientError::Gone(_) | ClientError::Record(RecordError::NotFound(_)) => {
                 error_code::NOT_FOUND

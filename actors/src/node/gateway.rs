@@ -154,7 +154,7 @@ impl From<ClientError> for ApiError {
                     .code("model_not_found")
                     .param("model")
             }
-            ClientError::PromptTooShort(_) | ClientError::Documents(_) => {
+            ClientError::Request(_) | ClientError::Documents(_) => {
                 ApiError::bad_request(e.to_string())
             }
             // OpenAI's own answer to overload: 429 with a hint that its clients honour.

@@ -48,8 +48,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{NodeConfig, NodeRole};
 use crate::decode_loop::DecodeLoop;
+use crate::job::PipelineOptions;
 use crate::metrics::{NodeMetrics, QueueLabels, StateLabels};
-use crate::pipeline::PipelineOptions;
 use crate::prefix_cache::PrefixCache;
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
@@ -242,6 +242,7 @@ impl Node {
         };
 
         let (load, load_rx) = watch::channel(0);
+        let kernels = served.kernels;
         let work = Arc::new(Work {
             id: id.clone(),
             store: store.clone(),
@@ -257,6 +258,7 @@ impl Node {
             translators,
             codec_options: CodecOptions {
                 code_dtype: config.codec.code_dtype.dtype(),
+                matmul: kernels.prefill_matmul,
                 ..CodecOptions::default()
             },
             drift: Arc::new(crate::drift_guard::DriftGuard::new(config.drift())),

@@ -1,4 +1,7 @@
-//! A node's share of the jobs, driven by the job records in the store.
+//! A node's share of the jobs, driven by the job records in the store: the async driver of
+//! the [`crate::lifecycle`] state machines. Everything it decides (whose record or stream
+//! this is, what an ending means, when progress is due) comes from there; here are the I/O
+//! and the actors.
 //!
 //! - Producer side: a record assigned to this node as producer is claimed (`assigned` to
 //!   `prefilling`, by compare-and-swap, so a record seen twice runs once); the node connects to
@@ -30,23 +33,28 @@ use std::time::Instant;
 use ractor::ActorRef;
 use scd_models::codec::CodecOptions;
 use scd_models::{GenerateParams, Sampling, StopReason};
-use scd_scheduler::jobs::{now_ms, Blame};
+use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
     JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore, StageSpan,
 };
 use scd_transport::{Connection, Endpoint, JobId, JobReceiver};
+use scd_types::{JobReport, LayerPoint, Side, Stage};
 use tokio::sync::{mpsc, watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
 use crate::decoder::DecoderMsg;
 use crate::job::JobCodec;
+use crate::job::{JobError, PipelineOptions};
+pub(crate) use crate::lifecycle::Refusal;
+use crate::lifecycle::{
+    self, Action, Attempt, ConsumerEvent, ConsumerHalf, ProducerEvent, ProducerHalf, RecordAction,
+};
 use crate::metrics::{JobKindLabels, NodeMetrics, SideLabels};
 use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
 use crate::node::translators::NodeTranslators;
-use crate::pipeline::{JobError, PipelineOptions};
 use crate::stages::{self, cause, ConsumerJob};
-use crate::telemetry::{StageRecord, Telemetry};
+use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
 use opentelemetry::KeyValue;
 
@@ -103,64 +111,11 @@ pub(crate) struct Work {
     pub cancel: CancellationToken,
 }
 
-/// How often a decoding job's tokens so far are written to its record.
-const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
-
-/// A job's half.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Side {
-    Producer,
-    Consumer,
-}
-
-impl Side {
-    fn labels(self) -> SideLabels {
-        SideLabels {
-            side: self.name().into(),
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Side::Producer => "producer",
-            Side::Consumer => "consumer",
-        }
+fn side_labels(side: Side) -> SideLabels {
+    SideLabels {
+        side: side.name().into(),
     }
 }
-
-/// Why a job's half could not start on this node.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum Refusal {
-    #[error("the job record has no request (prompt and generation settings)")]
-    NoRequest,
-    #[error("the prompt has {0} tokens; a job needs at least two")]
-    PromptTooShort(usize),
-    #[error("the prompt has {tokens} tokens; the model's context holds {context}")]
-    PromptTooLong { tokens: usize, context: usize },
-    #[error("token {0} is outside the base model's vocabulary")]
-    BadToken(u32),
-    #[error("this node does not serve expert {0}")]
-    UnknownExpert(String),
-    #[error("bad sampling settings: {0}")]
-    Sampling(String),
-    #[error("no codec: {0}")]
-    Codec(String),
-    #[error("{0}")]
-    Translator(String),
-    #[error("consumer node {0} is not in the cluster")]
-    ConsumerGone(String),
-    #[error("connecting to consumer node {node}: {error}")]
-    Connect { node: String, error: String },
-    #[error("no document {0} in the cluster (add it with `scd docs add`)")]
-    UnknownDocument(String),
-    #[error("reading the job's documents: {0}")]
-    Documents(String),
-}
-
-/// How long a producer whose stream the consumer stopped waits for the consumer to record why
-/// before it hands the attempt back (a consumer records within milliseconds; this only delays
-/// the retry of a job whose consumer never took it).
-const CONSUMER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The most document ids a node announces holding (the newest kept): the registration is
 /// rewritten at every change, so it stays small.
@@ -179,7 +134,7 @@ impl Work {
         }
         let token = self.cancel.child_token();
         active.insert((job, attempt, side), token.clone());
-        self.metrics.active.get_or_create(&side.labels()).inc();
+        self.metrics.active.get_or_create(&side_labels(side)).inc();
         let load = active.len();
         drop(active);
         self.report_load(load);
@@ -189,7 +144,7 @@ impl Work {
     fn end(&self, job: JobId, attempt: u32, side: Side) {
         let mut active = self.active.lock().unwrap_or_else(|p| p.into_inner());
         if active.remove(&(job, attempt, side)).is_some() {
-            self.metrics.active.get_or_create(&side.labels()).dec();
+            self.metrics.active.get_or_create(&side_labels(side)).dec();
         }
         let load = active.len();
         drop(active);
@@ -226,13 +181,9 @@ impl Work {
 
     /// Reacts to a job record as it is now.
     pub fn on_record(self: &Arc<Self>, job: JobRecord) {
-        match job.state {
-            JobState::Queued | JobState::Failed | JobState::Cancelled => self.cancel_local(job.id),
-            JobState::Assigned
-                if job.producer.as_deref() == Some(self.id.as_str())
-                    && self.producer_role
-                    && !self.is_draining() =>
-            {
+        match lifecycle::on_record(&job, &self.id, self.producer_role, self.is_draining()) {
+            RecordAction::CancelLocal => self.cancel_local(job.id),
+            RecordAction::StartProducer => {
                 if let Some(cancel) = self.begin(job.id, job.attempts, Side::Producer) {
                     let work = Arc::clone(self);
                     tokio::spawn(async move {
@@ -242,19 +193,17 @@ impl Work {
                     });
                 }
             }
-            _ => {}
+            RecordAction::Ignore => {}
         }
     }
 
-    /// The producer half of an assigned job.
+    /// The producer half of an assigned job: its [`ProducerHalf`]'s actions carried out.
     async fn run_producer(&self, job: JobRecord, cancel: CancellationToken) {
-        let id = job.id;
-        let attempt = job.attempts;
-        let me = self.id.clone();
+        let (mut half, _claim) = ProducerHalf::new(job.id, job.attempts, &self.id);
         // The version this attempt's codes are made with: the live one now, stamped on the
         // record as the attempt is claimed so that the consumer rebuilds with the same one;
         // likewise the ranks, chosen for the link to the job's consumer as it is now.
-        let version = match uses_translator(job.mode) {
+        let version = match job.mode.needs_translator() {
             true => self.translators.current(&job.expert).ok(),
             false => None,
         };
@@ -271,220 +220,151 @@ impl Work {
         // found applied on its retry rather than left assigned to this node for ever.
         let claimed = self
             .jobs
-            .update(id, |j| {
-                let ours = j.state == JobState::Assigned
-                    && j.attempts == attempt
-                    && j.producer.as_deref() == Some(me.as_str());
-                if ours {
-                    j.transition(JobState::Prefilling, now_ms())?;
-                    j.translator = stamp;
-                    j.ranks = ranks;
-                }
-                Ok(())
-            })
+            .update(job.id, |j| half.claim(j, stamp, ranks, now_ms()))
             .await;
-        let job = match claimed {
-            Ok(j) if j.state == JobState::Prefilling && j.attempts == attempt => j,
-            Ok(_) => return,
-            Err(e) => {
-                tracing::warn!(job = %id, error = %e, "claiming a job failed");
-                return;
-            }
+        if let Err(e) = &claimed {
+            tracing::warn!(job = %job.id, error = %e, "claiming a job failed");
+        }
+        let action = half.handle(ProducerEvent::Claimed(claimed.as_ref().ok()));
+        let (Action::Start, Ok(job)) = (action, claimed) else {
+            return;
         };
         let started = Instant::now();
         // The stages' own token: the first stage to fail cancels the others through it, so that
         // `cancel` still tells whether the job was stopped from outside (cancelled by its user,
         // ended on the record by the consumer, or the node shutting down).
         let stages = cancel.child_token();
-        let outcome = match self.start_producer(&job, &stages).await {
-            Ok(replies) => replies.settle(&stages).await.map_err(cause),
-            // The consumer is gone or unreachable: not the job's fault; another attempt goes
-            // to another consumer.
-            Err(refusal @ (Refusal::ConsumerGone(_) | Refusal::Connect { .. })) => {
-                let reason = format!("producer {me}: {refusal}");
-                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Consumer)
-                    .await;
-                return;
-            }
+        let replies = match self.start_producer(&job, &stages).await {
+            Ok(replies) => replies,
             Err(refusal) => {
-                self.fail(
-                    id,
-                    attempt,
-                    Side::Producer,
-                    &format!("producer {me}: {refusal}"),
-                )
-                .await;
-                return;
+                let action = half.handle(ProducerEvent::Refused(&refusal));
+                return self.carry_out(half.attempt(), action).await;
             }
         };
-        match outcome {
-            Ok(done) => {
-                let ms = |span: Option<crate::timeline::Span>| {
-                    span.map(|s| s.end.duration_since(s.start).as_secs_f64() * 1e3)
-                };
-                let prefill = ms(done.prefill);
-                let encode = ms(done.encoded.span);
-                let served = done.documents.as_ref().map(|d| d.span);
-                let documents_ms = ms(served);
-                let transfer = ms(Some(done.sent.span));
-                let bytes = done.sent.wire_bytes;
-                let total = started.elapsed().as_secs_f64() * 1e3;
-                if let Some(consumer) = job.consumer.as_deref() {
-                    self.ranks
-                        .observe_transfer(consumer, bytes, done.sent.link_rate);
-                }
-                if let (Some(ms), Some(r)) = (prefill, job.request.as_ref()) {
-                    let computed = r.prompt.len().saturating_sub(1 + done.cached_tokens);
-                    self.ranks.observe_prefill(computed, ms / 1e3);
-                }
-                let spans: Vec<(&str, StageSpan)> = [
-                    ("prefill", done.prefill),
-                    ("documents", served),
-                    ("encode", done.encoded.span),
-                    ("transfer", Some(done.sent.span)),
-                ]
-                .into_iter()
-                .filter_map(|(k, s)| s.map(|s| (k, wall(s.start, s.end))))
-                .collect();
-                let layer_bytes: Vec<u64> = done
-                    .encoded
-                    .layer_bytes
-                    .iter()
-                    .map(|l| l.bytes as u64)
-                    .collect();
-                let m = &self.metrics;
-                for (stage, v) in [
-                    ("prefill", prefill),
-                    ("documents", documents_ms),
-                    ("encode", encode),
-                    ("transfer", transfer),
-                ] {
-                    if let Some(v) = v {
-                        m.stage_ms(stage, v);
-                    }
-                }
-                m.bytes_sent.inc_by(bytes);
-                let cached_tokens = done.cached_tokens as u64;
-                if self.prefix_cache.is_some() && done.prefill.is_some() {
-                    m.prefix_lookup(cached_tokens);
-                }
-                if let Some(d) = &done.documents {
-                    m.documents_served(d.hits as u64, d.compiled.len() as u64);
-                }
-                m.finished("producer", "done");
-                if let Some(t) = &self.telemetry {
-                    let layers = done
-                        .encoded
-                        .layer_bytes
-                        .iter()
-                        .map(|l| layer_event("layer encoded", l.layer, l.bytes, l.encoded))
-                        .collect();
-                    let mut layers = Some(layers);
-                    let stages = spans
-                        .iter()
-                        .map(|(name, span)| StageRecord {
-                            name,
-                            span: *span,
-                            events: match *name {
-                                "encode" => layers.take().unwrap_or_default(),
-                                _ => Vec::new(),
-                            },
-                        })
-                        .collect();
-                    let mut attrs = vec![
-                        KeyValue::new("scd.job", id.to_string()),
-                        KeyValue::new("scd.node", me.clone()),
-                        KeyValue::new("scd.expert", job.expert.clone()),
-                        KeyValue::new("scd.mode", job.mode.to_string()),
-                        KeyValue::new("scd.wire_bytes", bytes as i64),
-                        KeyValue::new("scd.translator", translator_name(&job)),
-                        KeyValue::new("scd.ranks", self.ranks_name(&job)),
-                    ];
-                    if let Some(c) = job.ranks {
-                        attrs.push(KeyValue::new("scd.ranks_rule", c.rule.name()));
-                        if let Some(m) = c.link_mbit {
-                            attrs.push(KeyValue::new("scd.link_mbit", m));
-                        }
-                        if let Some(kl) = c.curve_kl {
-                            attrs.push(KeyValue::new("scd.ranks_curve_kl", kl));
-                        }
-                    }
-                    let whole = wall(started, Instant::now());
-                    t.record_half(&job.trace, "producer", whole, attrs, stages, None);
-                }
-                let written = self
-                    .jobs
-                    .update(id, |j| {
-                        for (k, span) in &spans {
-                            j.stages.insert((*k).into(), *span);
-                        }
-                        j.layer_bytes = layer_bytes.clone();
-                        for (k, v) in [
-                            ("prefill", prefill),
-                            ("documents", documents_ms),
-                            ("encode", encode),
-                            ("transfer", transfer),
-                            ("producer_total", Some(total)),
-                        ] {
-                            if let Some(v) = v {
-                                j.timings_ms.insert(k.into(), v);
-                            }
-                        }
-                        j.payload_bytes = bytes;
-                        j.cached_prefix_tokens = cached_tokens;
-                        j.documents =
-                            done.documents
-                                .as_ref()
-                                .map(|d| scd_scheduler::DocumentsRecord {
-                                    writer: d.writer.clone(),
-                                    rows: d.rows as u64,
-                                    compiled: d.compiled.clone(),
-                                    hits: d.hits as u32,
-                                });
-                        if j.state == JobState::Prefilling && j.attempts == attempt {
-                            j.transition(JobState::Transferring, now_ms())?;
-                        }
-                        Ok(())
-                    })
-                    .await;
-                if let Err(e) = written {
-                    tracing::warn!(job = %id, error = %e, "recording the producer's timings failed");
-                }
-                if let Some(d) = done.documents.as_ref().filter(|d| !d.compiled.is_empty()) {
-                    self.announce_documents(&d.compiled).await;
-                }
+        half.handle(ProducerEvent::Started);
+        let action = match replies.settle(&stages).await.map_err(cause) {
+            Ok(done) => match half.handle(ProducerEvent::Finished) {
+                Action::Report => return self.producer_report(&half, &job, done, started).await,
+                other => other,
+            },
+            Err(error) => half.handle(ProducerEvent::Failed {
+                error: &error,
+                stopped: cancel.is_cancelled(),
+            }),
+        };
+        let action = match action {
+            Action::AwaitRecord(grace) => {
+                let ended = tokio::time::timeout(grace, cancel.cancelled()).await;
+                half.handle(match ended {
+                    Ok(()) => ProducerEvent::AttemptEnded,
+                    Err(_) => ProducerEvent::GraceElapsed,
+                })
             }
-            Err(e) if e.is_knock_on() && cancel.is_cancelled() => {
-                tracing::debug!(job = %id, error = %e, "producer side stopped");
-            }
-            // The consumer stopped the stream and nobody stopped the job. A consumer that took
-            // the job records why it stopped, which ends the attempt and cancels `cancel`
-            // (the record's watch); one that never took it (busy, shutting down, unable to read
-            // the record) records nothing. After a grace the attempt is taken as lost and runs
-            // again, rather than stay running for ever.
-            Err(e) if e.is_knock_on() => {
-                let ended = tokio::time::timeout(CONSUMER_GRACE, cancel.cancelled()).await;
-                if ended.is_err() {
-                    let reason = format!("producer {me}: {e}");
-                    self.hand_back(id, attempt, Side::Producer, &reason, Blame::Nobody)
-                        .await
-                }
-            }
-            Err(e @ JobError::ActorGone(_)) => {
-                let reason = format!("producer {me}: {e}");
-                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Nobody)
-                    .await
-            }
-            Err(e) if e.consumer_lost() => {
-                let reason = format!("producer {me}: {e}");
-                self.hand_back(id, attempt, Side::Producer, &reason, Blame::Consumer)
-                    .await
-            }
-            Err(e) => {
-                self.fail(id, attempt, Side::Producer, &format!("producer {me}: {e}"))
-                    .await
-            }
+            other => other,
+        };
+        self.carry_out(half.attempt(), action).await;
+    }
+
+    /// A finished producer half's report, into the rank planner, the metrics, the trace and
+    /// the record.
+    async fn producer_report(
+        &self,
+        half: &ProducerHalf,
+        job: &JobRecord,
+        done: stages::ProducerDone,
+        started: Instant,
+    ) {
+        let id = job.id;
+        let clock = WallClock::now();
+        let span = |s: crate::timeline::Span| clock.span(s.start, s.end);
+        let mut report = JobReport::new(Side::Producer, clock.span(started, clock.now));
+        report
+            .stage(Stage::Prefill, done.prefill.map(span))
+            .stage(
+                Stage::Documents,
+                done.documents.as_ref().map(|d| span(d.span)),
+            )
+            .stage(Stage::Encode, done.encoded.span.map(span))
+            .stage(Stage::Transfer, Some(span(done.sent.span)));
+        let layers = done.encoded.layer_bytes.iter();
+        let points = layers.map(|l| clock.layer(l.layer, l.bytes, l.encoded));
+        report.layers.push((Stage::Encode, points.collect()));
+        report.wire_bytes = done.sent.wire_bytes;
+        if let Some(consumer) = job.consumer.as_deref() {
+            self.ranks
+                .observe_transfer(consumer, report.wire_bytes, done.sent.link_rate);
         }
+        if let (Some(prefill), Some(r)) = (report.span(Stage::Prefill), job.request.as_ref()) {
+            let computed = r.prompt.len().saturating_sub(1 + done.cached_tokens);
+            self.ranks.observe_prefill(computed, prefill.ms() / 1e3);
+        }
+        let m = &self.metrics;
+        m.report(&report);
+        let cached_tokens = done.cached_tokens as u64;
+        if self.prefix_cache.is_some() && done.prefill.is_some() {
+            m.prefix_lookup(cached_tokens);
+        }
+        if let Some(d) = &done.documents {
+            m.documents_served(d.hits as u64, d.compiled.len() as u64);
+        }
+        m.finished(Side::Producer.name(), "done");
+        if let Some(t) = &self.telemetry {
+            let mut attrs = self.trace_attributes(job);
+            attrs.push(KeyValue::new("scd.wire_bytes", report.wire_bytes as i64));
+            if let Some(c) = job.ranks {
+                attrs.push(KeyValue::new("scd.ranks_rule", c.rule.name()));
+                if let Some(m) = c.link_mbit {
+                    attrs.push(KeyValue::new("scd.link_mbit", m));
+                }
+                if let Some(kl) = c.curve_kl {
+                    attrs.push(KeyValue::new("scd.ranks_curve_kl", kl));
+                }
+            }
+            t.record_report(&job.trace, &report, attrs);
+        }
+        let layer_bytes: Vec<u64> = report
+            .layers_of(Stage::Encode)
+            .iter()
+            .map(|l| l.bytes as u64)
+            .collect();
+        let documents = done
+            .documents
+            .as_ref()
+            .map(|d| scd_scheduler::DocumentsRecord {
+                writer: d.writer.clone(),
+                rows: d.rows as u64,
+                compiled: d.compiled.clone(),
+                hits: d.hits as u32,
+            });
+        let written = self
+            .jobs
+            .update(id, |j| {
+                half.report(j, &report, now_ms(), |j| {
+                    j.layer_bytes = layer_bytes.clone();
+                    j.payload_bytes = report.wire_bytes;
+                    j.cached_prefix_tokens = cached_tokens;
+                    j.documents = documents.clone();
+                })
+            })
+            .await;
+        if let Err(e) = written {
+            tracing::warn!(job = %id, error = %e, "recording the producer's timings failed");
+        }
+        if let Some(d) = done.documents.as_ref().filter(|d| !d.compiled.is_empty()) {
+            self.announce_documents(&d.compiled).await;
+        }
+    }
+
+    /// The attributes of a half's trace span that come from the job.
+    fn trace_attributes(&self, job: &JobRecord) -> Vec<KeyValue> {
+        vec![
+            KeyValue::new("scd.job", job.id.to_string()),
+            KeyValue::new("scd.node", self.id.clone()),
+            KeyValue::new("scd.expert", job.expert.clone()),
+            KeyValue::new("scd.mode", job.mode.to_string()),
+            KeyValue::new("scd.translator", translator_name(job)),
+            KeyValue::new("scd.ranks", self.ranks_name(job)),
+        ]
     }
 
     async fn start_producer(
@@ -588,13 +468,8 @@ impl Work {
         let peer = receiver.peer().name.clone();
         // The job store waits out a brief etcd outage before this refuses (a refusal costs the
         // job an attempt).
-        let read = self.jobs.get(id).await;
-        let job = match read {
-            Ok(Some(j)) => j,
-            Ok(None) => {
-                receiver.cancel("no such job").await;
-                return;
-            }
+        let job = match self.jobs.get(id).await {
+            Ok(job) => job,
             Err(e) => {
                 tracing::warn!(job = %id, error = %e, "reading a job record failed");
                 receiver
@@ -603,17 +478,15 @@ impl Work {
                 return;
             }
         };
-        let ours = job.consumer.as_deref() == Some(self.id.as_str())
-            && job.producer.as_deref() == Some(peer.as_str())
-            && job.state.is_running();
-        if !ours {
-            tracing::warn!(job = %id, %peer, state = %job.state, "refused a job stream: not this node's job, or not from its producer");
-            receiver
-                .cancel("this node is not the job's consumer, or the sender not its producer")
-                .await;
-            return;
-        }
-        let attempt = job.attempts;
+        let attempt = match lifecycle::admit_stream(job.as_ref(), &self.id, &peer) {
+            Ok(attempt) => attempt,
+            Err(refusal) => {
+                tracing::warn!(job = %id, %peer, refusal, "refused a job stream");
+                receiver.cancel(refusal).await;
+                return;
+            }
+        };
+        let Some(job) = job else { return };
         let Some(cancel) = self.begin(id, attempt, Side::Consumer) else {
             receiver.cancel("the job is already being decoded").await;
             return;
@@ -625,10 +498,11 @@ impl Work {
         });
     }
 
+    /// The consumer half of a job whose stream arrived: its [`ConsumerHalf`]'s actions
+    /// carried out.
     async fn run_consumer(&self, job: JobRecord, receiver: JobReceiver, cancel: CancellationToken) {
         let id = job.id;
-        let attempt = job.attempts;
-        let me = self.id.clone();
+        let (mut half, _start) = ConsumerHalf::new(id, job.attempts, &self.id);
         let started = Instant::now();
         // A fan-out's other experts decode on this node too, from the same codes.
         let mut set_up =
@@ -652,14 +526,8 @@ impl Work {
             Ok(s) => s,
             Err(refusal) => {
                 receiver.cancel(&refusal.to_string()).await;
-                self.fail(
-                    id,
-                    attempt,
-                    Side::Consumer,
-                    &format!("consumer {me}: {refusal}"),
-                )
-                .await;
-                return;
+                let action = half.handle(ConsumerEvent::Refused(&refusal));
+                return self.carry_out(half.attempt(), action).await;
             }
         };
         let (inbound_tx, mut inbound_rx) =
@@ -698,16 +566,12 @@ impl Work {
         };
         let transfer_in = read(&self.actors).transfer_in.clone();
         if transfer_in.is_none_or(|t| t.send_message(attach).is_err()) {
-            let reason = format!("consumer {me}: its transfer actor is gone");
-            self.fail(id, attempt, Side::Consumer, &reason).await;
-            return;
+            let action = half.handle(ConsumerEvent::NotStarted("its transfer actor is gone"));
+            return self.carry_out(half.attempt(), action).await;
         }
         // A job the drift guard checks keeps a copy of its rebuilt cache for after it answers.
-        let checked = matches!(
-            job.mode,
-            scd_scheduler::Mode::Reuse | scd_scheduler::Mode::Scd
-        ) && job.translator.is_some()
-            && self.drift.sampled(id);
+        let checked =
+            job.mode.uses_translator_codes() && job.translator.is_some() && self.drift.sampled(id);
         let (shadow_tx, shadow_rx) = match checked {
             true => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
@@ -728,9 +592,8 @@ impl Work {
             match stages::start_decode(&decoder, decode, &self.queues, &cancel) {
                 Ok(d) => d,
                 Err(e) => {
-                    self.fail(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
-                        .await;
-                    return;
+                    let action = half.handle(ConsumerEvent::NotStarted(&e.to_string()));
+                    return self.carry_out(half.attempt(), action).await;
                 }
             };
         let mut fan_out = Vec::with_capacity(others.len());
@@ -747,9 +610,9 @@ impl Work {
                 match stages::start_decode(&decoder, part, &self.queues, &cancel) {
                     Ok(d) => d,
                     Err(e) => {
-                        let reason = format!("consumer {me}, fan-out to {expert}: {e}");
-                        self.fail(id, attempt, Side::Consumer, &reason).await;
-                        return;
+                        let cause = format!("fan-out to {expert}: {e}");
+                        let action = half.handle(ConsumerEvent::NotStarted(&cause));
+                        return self.carry_out(half.attempt(), action).await;
                     }
                 };
             let cancel = cancel.clone();
@@ -762,11 +625,7 @@ impl Work {
                 (expert, report.map(|r| (r, out)))
             }));
         }
-        // Tokens go into the record as they come (the first at once, then at most every
-        // PROGRESS_EVERY), so that clients following the job stream them.
-        let mut tokens = Vec::new();
-        let mut flushed = 0;
-        let mut last_flush = Instant::now();
+        half.handle(ConsumerEvent::Started);
         let mut decoded = decoded;
         // The decoder's answer, when it comes before its tokens end: a failure, or its actor
         // died (then its blocking work is stopped through the job's token).
@@ -774,12 +633,10 @@ impl Work {
         loop {
             tokio::select! {
                 t = tokens_rx.recv() => match t {
-                    Some(t) => {
-                        tokens.push(t);
-                        if flushed == 0 || last_flush.elapsed() >= PROGRESS_EVERY {
-                            self.progress(id, attempt, &tokens).await;
-                            flushed = tokens.len();
-                            last_flush = Instant::now();
+                    Some(token) => {
+                        let now = Instant::now();
+                        if half.handle(ConsumerEvent::Token { token, now }) == Action::WriteProgress {
+                            self.progress(&half).await;
                         }
                     }
                     None => break,
@@ -798,20 +655,19 @@ impl Work {
                 }
             }
         }
-        let result = match early {
+        let mut result = match early {
             Some(r) => r,
             None => stages::settle(decoded, "decoder", &cancel).await,
         };
         let mut outputs = std::collections::BTreeMap::new();
-        let mut fan_out_first = std::collections::BTreeMap::new();
-        let mut result = result;
+        let mut fan_out_first = Vec::new();
         for part in fan_out {
             match part.await {
                 Ok((expert, Ok((report, tokens)))) => {
                     let stop = stop_name(&report.stop);
                     if let Some(t) = report.first_token {
                         let ms = t.duration_since(started).as_secs_f64() * 1e3;
-                        fan_out_first.insert(format!("first_token:{expert}"), ms);
+                        fan_out_first.push((format!("first_token:{expert}"), ms));
                     }
                     outputs.insert(expert, JobResult { tokens, stop });
                 }
@@ -828,135 +684,90 @@ impl Work {
                 }
             }
         }
-        match result {
-            Ok(report) => {
-                let ms = |at: Instant| at.duration_since(started).as_secs_f64() * 1e3;
-                let rebuild = report.rebuild.end.duration_since(report.rebuild.start);
-                let first_token = report.first_token.map(ms);
-                let decode_total = started.elapsed().as_secs_f64() * 1e3;
-                let since_first_token = report.first_token.map(|t| t.elapsed());
-                let m = &self.metrics;
-                m.stage_ms("rebuild", rebuild.as_secs_f64() * 1e3);
-                if let Some(t) = first_token {
-                    m.stage_ms("first_token", t);
-                }
-                let received: usize = report.arrivals.iter().map(|a| a.bytes).sum();
-                let mut spans = vec![("rebuild", wall(report.rebuild.start, report.rebuild.end))];
-                if let (Some(first), Some(last)) = (report.arrivals.first(), report.arrivals.last())
-                {
-                    spans.push(("arrivals", wall(first.at, last.at)));
-                }
-                if let Some(first) = report.first_token {
-                    spans.push(("decode", wall(first, Instant::now())));
-                }
-                m.bytes_received.inc_by(received as u64);
-                // Counted before the record says done, so whoever saw it done sees the count.
-                m.decoded(&job.expert);
-                for expert in outputs.keys() {
-                    m.decoded(expert);
-                }
-                let mut ttft_ms = None;
-                let output = JobResult {
-                    tokens,
-                    stop: stop_name(&report.stop),
-                };
-                let done = self
-                    .jobs
-                    .update(id, |j| {
-                        if j.state.is_finished() || j.attempts != attempt {
-                            return Ok(());
-                        }
-                        for next in [JobState::Transferring, JobState::Decoding, JobState::Done] {
-                            if j.state.can_transition_to(next) {
-                                j.transition(next, now_ms())?;
-                            }
-                        }
-                        j.timings_ms
-                            .insert("rebuild".into(), rebuild.as_secs_f64() * 1e3);
-                        if let Some(t) = first_token {
-                            j.timings_ms.insert("first_token".into(), t);
-                        }
-                        j.timings_ms.extend(fan_out_first.clone());
-                        j.timings_ms.insert("consumer_total".into(), decode_total);
-                        let total = now_ms().saturating_sub(j.created_at_ms) as f64;
-                        j.timings_ms.insert("total".into(), total);
-                        // Submission to first token, on the store's clock: the consumer's own
-                        // first-token time placed on the wall clock.
-                        if let Some(since) = since_first_token {
-                            let ttft = (total - since.as_secs_f64() * 1e3).max(0.0);
-                            j.timings_ms.insert("ttft".into(), ttft);
-                            ttft_ms = Some(ttft);
-                        }
-                        j.output = Some(output.clone());
-                        j.outputs = outputs.clone();
-                        for (k, span) in &spans {
-                            j.stages.insert((*k).into(), *span);
-                        }
-                        Ok(())
-                    })
-                    .await;
-                if let Err(e) = done {
-                    tracing::warn!(job = %id, error = %e, "recording a finished job failed");
-                }
-                if let Some(t) = ttft_ms {
-                    let kind = JobKindLabels {
-                        mode: job.mode.to_string(),
-                        expert: job.expert.clone(),
-                    };
-                    m.ttft.get_or_create(&kind).observe(t / 1e3);
-                }
-                m.finished("consumer", "done");
-                if let Some(t) = &self.telemetry {
-                    let events = report
-                        .arrivals
-                        .iter()
-                        .map(|a| layer_event("layer arrived", a.layer, a.bytes, a.at))
-                        .collect::<Vec<_>>();
-                    let stages = spans
-                        .iter()
-                        .map(|(name, span)| StageRecord {
-                            name,
-                            span: *span,
-                            events: if *name == "arrivals" {
-                                events.clone()
-                            } else {
-                                Vec::new()
-                            },
-                        })
-                        .collect();
-                    let attrs = vec![
-                        KeyValue::new("scd.job", id.to_string()),
-                        KeyValue::new("scd.node", me.clone()),
-                        KeyValue::new("scd.expert", job.expert.clone()),
-                        KeyValue::new("scd.mode", job.mode.to_string()),
-                        KeyValue::new("scd.tokens", output.tokens.len() as i64),
-                        KeyValue::new("scd.translator", translator_name(&job)),
-                        KeyValue::new("scd.ranks", self.ranks_name(&job)),
-                    ];
-                    let whole = wall(started, Instant::now());
-                    t.record_half(&job.trace, "consumer", whole, attrs, stages, None);
-                }
-                if let Some(rx) = shadow_rx {
-                    self.shadow_check(&job, prompt, output.tokens.clone(), rx);
-                }
+        let decoded = match result {
+            Ok(decoded) => decoded,
+            Err(error) => {
+                let stopped = cancel.is_cancelled();
+                let action = half.handle(ConsumerEvent::Failed {
+                    error: &error,
+                    stopped,
+                });
+                return self.carry_out(half.attempt(), action).await;
             }
-            Err(e @ JobError::ActorGone(_)) => {
-                let reason = format!("consumer {me}: {e}");
-                self.hand_back(id, attempt, Side::Consumer, &reason, Blame::Nobody)
-                    .await
-            }
-            Err(e) if e.producer_lost() => {
-                let reason = format!("consumer {me}: {e}");
-                self.hand_back(id, attempt, Side::Consumer, &reason, Blame::Producer)
-                    .await
-            }
-            Err(e) if cancel.is_cancelled() && e.is_knock_on() => {
-                tracing::debug!(job = %id, error = %e, "consumer side stopped");
-            }
-            Err(e) => {
-                self.fail(id, attempt, Side::Consumer, &format!("consumer {me}: {e}"))
-                    .await
-            }
+        };
+        if half.handle(ConsumerEvent::Finished) != Action::Report {
+            return;
+        }
+        let clock = WallClock::now();
+        let end = clock.now;
+        let mut report = JobReport::new(Side::Consumer, clock.span(started, end));
+        let arrivals = (decoded.arrivals.first(), decoded.arrivals.last());
+        report
+            .stage(
+                Stage::Rebuild,
+                Some(clock.span(decoded.rebuild.start, decoded.rebuild.end)),
+            )
+            .stage(
+                Stage::Arrivals,
+                match arrivals {
+                    (Some(first), Some(last)) => Some(clock.span(first.at, last.at)),
+                    _ => None,
+                },
+            )
+            .stage(
+                Stage::FirstToken,
+                decoded.first_token.map(|t| clock.span(started, t)),
+            )
+            .stage(
+                Stage::Decode,
+                decoded.first_token.map(|t| clock.span(t, end)),
+            );
+        let points = decoded
+            .arrivals
+            .iter()
+            .map(|a| clock.layer(a.layer, a.bytes, a.at));
+        report.layers.push((Stage::Arrivals, points.collect()));
+        report.wire_bytes = decoded.arrivals.iter().map(|a| a.bytes as u64).sum();
+        report.extra_ms = fan_out_first;
+        let since_first_token = decoded.first_token.map(|t| t.elapsed());
+        let m = &self.metrics;
+        // Counted before the record says done, so whoever saw it done sees the count.
+        m.report(&report);
+        m.decoded(&job.expert);
+        for expert in outputs.keys() {
+            m.decoded(expert);
+        }
+        let output = JobResult {
+            tokens: half.tokens().to_vec(),
+            stop: stop_name(&decoded.stop),
+        };
+        let mut ttft_ms = None;
+        let done = self
+            .jobs
+            .update(id, |j| {
+                ttft_ms =
+                    half.finish(j, &report, &output, &outputs, since_first_token, now_ms())?;
+                Ok(())
+            })
+            .await;
+        if let Err(e) = done {
+            tracing::warn!(job = %id, error = %e, "recording a finished job failed");
+        }
+        if let Some(t) = ttft_ms {
+            let kind = JobKindLabels {
+                mode: job.mode.to_string(),
+                expert: job.expert.clone(),
+            };
+            m.ttft.get_or_create(&kind).observe(t / 1e3);
+        }
+        m.finished(Side::Consumer.name(), "done");
+        if let Some(t) = &self.telemetry {
+            let mut attrs = self.trace_attributes(&job);
+            attrs.push(KeyValue::new("scd.tokens", output.tokens.len() as i64));
+            t.record_report(&job.trace, &report, attrs);
+        }
+        if let Some(rx) = shadow_rx {
+            self.shadow_check(&job, prompt, output.tokens, rx);
         }
     }
 
@@ -1030,25 +841,9 @@ impl Work {
     }
 
     /// Writes the tokens so far into the record of a job still decoding here.
-    async fn progress(&self, job: JobId, attempt: u32, tokens: &[u32]) {
-        let written = self
-            .jobs
-            .update(job, |j| {
-                if !j.state.is_running() || j.attempts != attempt {
-                    return Ok(());
-                }
-                for next in [JobState::Transferring, JobState::Decoding] {
-                    if j.state.can_transition_to(next) {
-                        j.transition(next, now_ms())?;
-                    }
-                }
-                j.output = Some(JobResult {
-                    tokens: tokens.to_vec(),
-                    stop: String::new(),
-                });
-                Ok(())
-            })
-            .await;
+    async fn progress(&self, half: &ConsumerHalf) {
+        let job = half.attempt().job;
+        let written = self.jobs.update(job, |j| half.progress(j, now_ms())).await;
         if let Err(e) = written {
             tracing::debug!(%job, error = %e, "recording progress failed");
         }
@@ -1144,41 +939,36 @@ impl Work {
         }
     }
 
-    /// Sends `job` back to the queue (its attempt was lost to a failed actor, not to the job
-    /// itself), if it is still running the attempt this node worked on.
-    async fn hand_back(&self, job: JobId, attempt: u32, side: Side, reason: &str, blame: Blame) {
-        tracing::warn!(%job, reason, "job handed back to the queue");
-        self.metrics.finished(side.name(), "handed_back");
-        let back = self
-            .jobs
-            .update(job, |j| {
-                if !j.state.is_running() || j.attempts != attempt {
-                    return Ok(());
-                }
-                j.retry(reason, blame, now_ms())
-            })
-            .await;
-        if let Err(e) = back {
-            tracing::warn!(%job, error = %e, "handing a job back failed");
-        }
-    }
-
-    /// Fails `job` with `reason`, if it is still running the attempt this node worked on (a
-    /// job handed back meanwhile is someone else's now).
-    async fn fail(&self, job: JobId, attempt: u32, side: Side, reason: &str) {
-        tracing::warn!(%job, reason, "job failed");
-        self.metrics.finished(side.name(), "failed");
-        let failed = self
-            .jobs
-            .update(job, |j| {
-                if !j.state.is_running() || j.attempts != attempt {
-                    return Ok(());
-                }
-                j.fail(reason, now_ms())
-            })
-            .await;
-        if let Err(e) = failed {
-            tracing::warn!(%job, error = %e, "recording a failure failed");
+    /// Carries out a half's ending: a hand-back or a failure written to the record (if it
+    /// still runs the attempt this node worked on: one handed back meanwhile is someone
+    /// else's now), or nothing.
+    async fn carry_out(&self, attempt: &Attempt, action: Action) {
+        let job = attempt.job;
+        let side = attempt.side.name();
+        let written = match action {
+            Action::HandBack { reason, blame } => {
+                tracing::warn!(%job, reason, "job handed back to the queue");
+                self.metrics.finished(side, "handed_back");
+                let now = now_ms();
+                self.jobs
+                    .update(job, |j| attempt.hand_back(j, &reason, blame, now))
+                    .await
+            }
+            Action::Fail { reason } => {
+                tracing::warn!(%job, reason, "job failed");
+                self.metrics.finished(side, "failed");
+                let now = now_ms();
+                self.jobs
+                    .update(job, |j| attempt.fail(j, &reason, now))
+                    .await
+            }
+            other => {
+                tracing::debug!(%job, side, action = ?other, "half ended");
+                return;
+            }
+        };
+        if let Err(e) = written {
+            tracing::warn!(%job, error = %e, "recording the end of an attempt failed");
         }
     }
 }
@@ -1187,8 +977,7 @@ impl Work {
     /// The code ranks of a job's `reuse` / `scd` codes as `k=..,v=..,h=..`, for traces (`none`
     /// for other modes): the record's, else the translator version's defaults.
     fn ranks_name(&self, job: &JobRecord) -> String {
-        use scd_scheduler::Mode;
-        if !matches!(job.mode, Mode::Reuse | Mode::Scd) {
+        if !job.mode.uses_translator_codes() {
             return "none".into();
         }
         let ranks = job.ranks.map(|c| c.ranks).or_else(|| {
@@ -1226,67 +1015,63 @@ impl Work {
     }
 }
 
+/// The one request check ([`JobRequest::check`]) against the base model this node serves.
 pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), Refusal> {
     let cfg = served.base.config();
-    let tokens = request.prompt.len();
-    if tokens < 2 {
-        return Err(Refusal::PromptTooShort(tokens));
-    }
-    let needed = tokens + request.max_tokens as usize;
-    if needed > cfg.context_length {
-        return Err(Refusal::PromptTooLong {
-            tokens: needed,
-            context: cfg.context_length,
-        });
-    }
-    if let Some(&bad) = request
-        .prompt
-        .iter()
-        .find(|&&t| t as usize >= cfg.vocab_size)
-    {
-        return Err(Refusal::BadToken(bad));
-    }
-    Ok(())
-}
-
-/// Whether a mode's codes depend on the pair's translator (droidspeak takes its recomputed
-/// blocks from it; reuse and scd codes are made with it).
-fn uses_translator(mode: scd_scheduler::Mode) -> bool {
-    use scd_scheduler::Mode;
-    matches!(mode, Mode::DroidSpeak | Mode::Reuse | Mode::Scd)
+    let limits = scd_types::ModelLimits {
+        context_length: cfg.context_length,
+        vocab_size: cfg.vocab_size,
+    };
+    Ok(request.check(limits)?)
 }
 
 /// The translator version a job's codes are made with, for traces (`none` for modes without).
 fn translator_name(job: &JobRecord) -> String {
-    match (uses_translator(job.mode), job.translator) {
+    match (job.mode.needs_translator(), job.translator) {
         (true, Some(hash)) => hash.to_string(),
         _ => "none".into(),
     }
 }
 
-/// A trace event for one layer's codes at `at`.
-fn layer_event(
-    name: &'static str,
-    layer: u16,
-    bytes: usize,
-    at: Instant,
-) -> (&'static str, f64, Vec<KeyValue>) {
-    let attrs = vec![
-        KeyValue::new("scd.layer", i64::from(layer)),
-        KeyValue::new("scd.bytes", bytes as i64),
-    ];
-    (name, wall(at, at).start_ms, attrs)
+/// This process's monotonic clock placed on the wall clock for the record and the trace, read
+/// once per report so that all its spans are placed alike and keep their order.
+struct WallClock {
+    now_ms: f64,
+    now: Instant,
 }
 
-/// A span of this process's monotonic clock placed on the wall clock, for the record.
-fn wall(start: Instant, end: Instant) -> StageSpan {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64() * 1e3);
-    let at = |t: Instant| now - Instant::now().saturating_duration_since(t).as_secs_f64() * 1e3;
-    StageSpan {
-        start_ms: at(start),
-        end_ms: at(end),
+impl WallClock {
+    fn now() -> Self {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        Self {
+            now_ms,
+            now: Instant::now(),
+        }
+    }
+
+    fn ms(&self, t: Instant) -> f64 {
+        match t.checked_duration_since(self.now) {
+            Some(after) => self.now_ms + after.as_secs_f64() * 1e3,
+            None => self.now_ms - self.now.duration_since(t).as_secs_f64() * 1e3,
+        }
+    }
+
+    fn span(&self, start: Instant, end: Instant) -> StageSpan {
+        StageSpan {
+            start_ms: self.ms(start),
+            end_ms: self.ms(end),
+        }
+    }
+
+    /// One layer's codes at `at`.
+    fn layer(&self, layer: u16, bytes: usize, at: Instant) -> LayerPoint {
+        LayerPoint {
+            layer,
+            bytes,
+            at_ms: self.ms(at),
+        }
     }
 }
 
