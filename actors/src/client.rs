@@ -105,7 +105,7 @@ impl ClusterClient {
         let mut nodes = NodeMap::new();
         for kv in listing.kvs {
             if let Ok(info) =
-                scd_scheduler::codec::decode::<scd_scheduler::NodeInfo>(&kv.key, &kv.value)
+                scd_scheduler::envelope::decode::<scd_scheduler::NodeInfo>(&kv.key, &kv.value)
             {
                 nodes.insert(info.id.clone(), info);
             }
@@ -352,8 +352,8 @@ impl ClusterClient {
                 let Some(kv) = self.store.get(&key).await? else {
                     return Err(ClientError::Gone(id));
                 };
-                let job: JobRecord =
-                    scd_scheduler::codec::decode(&kv.key, &kv.value).map_err(RecordError::from)?;
+                let job: JobRecord = scd_scheduler::envelope::decode(&kv.key, &kv.value)
+                    .map_err(RecordError::from)?;
                 if job.state.is_finished() {
                     return Ok(job);
                 }
@@ -388,7 +388,7 @@ impl ClusterClient {
     ) -> Result<JobRecord, ClientError> {
         let key = self.keys.job(id);
         let read = |kv: &scd_scheduler::store::KeyValue| {
-            scd_scheduler::codec::decode::<JobRecord>(&kv.key, &kv.value)
+            scd_scheduler::envelope::decode::<JobRecord>(&kv.key, &kv.value)
                 .map_err(|e| ClientError::Record(RecordError::from(e)))
         };
         loop {

@@ -29,7 +29,7 @@
 //! - [`drift_guard`]: the consumer's shadow checks of a share of translated jobs against the
 //!   expert's own prefill, and the mark on a translator version whose codes drifted.
 //! - [`timeline`]: when each stage of a job ran, and the bytes per layer.
-//! - `stages`: a job's two halves (producer side, consumer side) as requests to a node's actors,
+//! - `halves`: a job's two halves (producer side, consumer side) as requests to a node's actors,
 //!   and how their replies settle into a result or a cause; both the pipeline and the node use
 //!   them.
 //! - [`pipeline`]: a producer node and a consumer node in one process over QUIC on loopback,
@@ -37,7 +37,7 @@
 //! - [`lifecycle`]: a job's two halves on a node as state machines without I/O: events in
 //!   (record changed, stream arrived, stages started, failed or finished, grace over), actions
 //!   out (claim, start, write progress or the report, hand back with blame, fail); the node's
-//!   `work` module drives them.
+//!   `node::jobs` module drives them.
 //! - [`node`]: a cluster node: endpoint, registration, model records, scheduler replica, the
 //!   supervised actors of its roles, its share of the jobs from the records, and the admin
 //!   endpoint; drains on shutdown.
@@ -63,6 +63,7 @@ pub mod documents;
 pub mod drift_guard;
 pub mod encoder;
 pub mod follow;
+mod halves;
 pub mod job;
 pub mod lifecycle;
 pub mod metrics;
@@ -71,7 +72,6 @@ pub mod pipeline;
 pub mod prefix_cache;
 pub mod producer;
 pub mod rank_planner;
-mod stages;
 pub mod telemetry;
 pub mod timeline;
 pub mod transfer;

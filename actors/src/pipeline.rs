@@ -35,9 +35,9 @@ use tokio_util::sync::CancellationToken;
 use crate::decode_loop::{DecodeLoop, DecodeStats};
 use crate::decoder::{Decoder, DecoderArgs, DecoderMsg};
 use crate::encoder::Encoder;
+use crate::halves::{self, ask, cause, ConsumerJob, ProducerActors, ProducerReplies};
 use crate::job::{JobError, JobSpec, PipelineOptions};
 use crate::producer::{Producer, ProducerArgs};
-use crate::stages::{self, ask, cause, ConsumerJob, ProducerActors, ProducerReplies};
 use crate::timeline::Timeline;
 use crate::transfer::{TransferIn, TransferInArgs, TransferInMsg, TransferOut};
 
@@ -332,7 +332,7 @@ impl Pipeline {
             inbound: inbound_rx,
             shadow: None,
         };
-        let (decoded, tokens) = stages::start_decode(&consumer.decoder, decode, q, cancel)?;
+        let (decoded, tokens) = halves::start_decode(&consumer.decoder, decode, q, cancel)?;
         let producer = &self.producer;
         let produced = producer.actors.start(
             job,
@@ -372,11 +372,11 @@ async fn gather(
     submitted: Instant,
     cancel: CancellationToken,
     produced: ProducerReplies,
-    decoded: stages::DecodeReply,
+    decoded: halves::DecodeReply,
 ) -> Result<(Timeline, StopReason), JobError> {
     let (p, d) = tokio::join!(
         produced.settle(&cancel),
-        stages::settle(decoded, "decoder", &cancel),
+        halves::settle(decoded, "decoder", &cancel),
     );
     let (produced, decoded) = match (p, d) {
         (Ok(p), Ok(d)) => (p, d),

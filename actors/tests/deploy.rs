@@ -102,9 +102,12 @@ async fn readyz_follows_the_registration_and_livez_the_process() {
     assert_ne!(again, lease);
 
     // Still there as the store lists it serving nothing (a drain advertises that): not ready.
-    let stop_serving =
-        scd_scheduler::codec::encode(&scd_scheduler::NodeInfo::new("prefill-0", "127.0.0.1:1", 0))
-            .unwrap();
+    let stop_serving = scd_scheduler::envelope::encode(&scd_scheduler::NodeInfo::new(
+        "prefill-0",
+        "127.0.0.1:1",
+        0,
+    ))
+    .unwrap();
     cluster
         .store
         .put(&key, stop_serving, Some(again))
@@ -119,7 +122,7 @@ async fn readyz_follows_the_registration_and_livez_the_process() {
 async fn node_base(cluster: &Cluster, node: &str) -> Vec<String> {
     let key = Keys::default().node(node).unwrap();
     let kv = cluster.store.get(&key).await.unwrap().unwrap();
-    let info: scd_scheduler::NodeInfo = scd_scheduler::codec::decode(&key, &kv.value).unwrap();
+    let info: scd_scheduler::NodeInfo = scd_scheduler::envelope::decode(&key, &kv.value).unwrap();
     info.producer_models
 }
 

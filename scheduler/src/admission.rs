@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::codec;
+use crate::envelope;
 use crate::jobs::{now_ms, JobError, JobRecord};
 use crate::keys::Keys;
 use crate::leader::LeaderGuard;
@@ -76,7 +76,7 @@ impl Busy {
 /// Reads the admission record and its modification revision (0 when it does not exist yet).
 async fn read(store: &dyn MetaStore, key: &str) -> Result<(AdmissionRecord, i64), JobError> {
     Ok(match store.get(key).await? {
-        Some(kv) => (codec::decode(&kv.key, &kv.value)?, kv.mod_revision),
+        Some(kv) => (envelope::decode(&kv.key, &kv.value)?, kv.mod_revision),
         None => (AdmissionRecord::default(), 0),
     })
 }
@@ -92,7 +92,7 @@ pub async fn create_admitted(
 ) -> Result<(), JobError> {
     let job_key = keys.job(job.id);
     let key = keys.admission();
-    let value = codec::encode(job)?;
+    let value = envelope::encode(job)?;
     for attempt in 0..max_attempts {
         let (mut record, revision) = read(store, &key).await?;
         if record.unfinished >= record.limit {
@@ -109,7 +109,7 @@ pub async fn create_admitted(
                 Compare::absent(job_key.clone()),
             ])
             .and_then([
-                TxnOp::put(key.clone(), codec::encode(&record)?),
+                TxnOp::put(key.clone(), envelope::encode(&record)?),
                 TxnOp::put(job_key.clone(), value.clone()),
             ]);
         if store.txn(txn).await?.succeeded {
@@ -168,7 +168,7 @@ pub async fn recount<'a>(
             Compare::mod_revision(key.clone(), revision),
             guard.compare(),
         ])
-        .and_then([TxnOp::put(key, codec::encode(&new)?)]);
+        .and_then([TxnOp::put(key, envelope::encode(&new)?)]);
     // A failed compare is a submission that landed meanwhile (or lost leadership): nothing to
     // do until the next pass.
     store.txn(txn).await?;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{self, CodecError};
+use crate::envelope::{self, EnvelopeError};
 use crate::jobs::now_ms;
 use crate::keys::{InvalidId, Keys};
 use crate::store::{Compare, MetaStore, StoreError, Txn, TxnOp};
@@ -66,7 +66,7 @@ pub enum DocumentError {
     Store(#[from] StoreError),
     /// A record could not be read or written.
     #[error(transparent)]
-    Codec(#[from] CodecError),
+    Codec(#[from] EnvelopeError),
 }
 
 /// Reads and writes document records.
@@ -109,7 +109,7 @@ impl DocumentRegistry {
             .txn(
                 Txn::new()
                     .when([Compare::absent(key.clone())])
-                    .and_then([TxnOp::put(key, codec::encode(&record)?)]),
+                    .and_then([TxnOp::put(key, envelope::encode(&record)?)]),
             )
             .await?;
         if created.succeeded {
@@ -131,7 +131,7 @@ impl DocumentRegistry {
     pub async fn get(&self, id: &str) -> Result<Option<DocumentRecord>, DocumentError> {
         let key = self.keys.document(id)?;
         match self.store.get(&key).await? {
-            Some(kv) => Ok(Some(codec::decode(&kv.key, &kv.value)?)),
+            Some(kv) => Ok(Some(envelope::decode(&kv.key, &kv.value)?)),
             None => Ok(None),
         }
     }
@@ -149,7 +149,7 @@ impl DocumentRegistry {
         listing
             .kvs
             .iter()
-            .map(|kv| codec::decode(&kv.key, &kv.value).map_err(DocumentError::from))
+            .map(|kv| envelope::decode(&kv.key, &kv.value).map_err(DocumentError::from))
             .collect()
     }
 }

@@ -12,7 +12,7 @@ use scd_types::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{self, CodecError};
+use crate::envelope::{self, EnvelopeError};
 use crate::keys::Keys;
 use crate::leader::LeaderGuard;
 use crate::store::{Compare, MetaStore, StoreError, Txn, TxnOp};
@@ -204,7 +204,7 @@ pub enum JobError {
     Store(#[from] StoreError),
     /// A record could not be read or written.
     #[error(transparent)]
-    Codec(#[from] CodecError),
+    Codec(#[from] EnvelopeError),
     /// The state machine does not allow this change.
     #[error("job {id}: cannot go from {from} to {to}")]
     InvalidTransition {
@@ -475,7 +475,7 @@ impl JobStore {
         let key = self.keys.job(job.id);
         let txn = Txn::new()
             .when([Compare::absent(key.clone())])
-            .and_then([TxnOp::put(key, codec::encode(job)?)]);
+            .and_then([TxnOp::put(key, envelope::encode(job)?)]);
         if self.store.txn(txn).await?.succeeded {
             Ok(())
         } else {
@@ -495,7 +495,7 @@ impl JobStore {
     pub async fn get(&self, id: JobId) -> Result<Option<JobRecord>, JobError> {
         let key = self.keys.job(id);
         match patiently(|| self.store.get(&key)).await? {
-            Some(kv) => Ok(Some(codec::decode(&kv.key, &kv.value)?)),
+            Some(kv) => Ok(Some(envelope::decode(&kv.key, &kv.value)?)),
             None => Ok(None),
         }
     }
@@ -506,7 +506,7 @@ impl JobStore {
         let listing = self.store.get_prefix(&prefix).await?;
         let mut jobs = Vec::with_capacity(listing.kvs.len());
         for kv in listing.kvs {
-            match codec::decode::<JobRecord>(&kv.key, &kv.value) {
+            match envelope::decode::<JobRecord>(&kv.key, &kv.value) {
                 Ok(job) => jobs.push((job, kv.mod_revision)),
                 Err(e) => tracing::warn!(error = %e, "skipping unreadable job record"),
             }
@@ -566,7 +566,7 @@ impl JobStore {
             let Some(kv) = patiently(|| self.store.get(&key)).await? else {
                 return Err(JobError::NotFound(id));
             };
-            let before: JobRecord = codec::decode(&kv.key, &kv.value)?;
+            let before: JobRecord = envelope::decode(&kv.key, &kv.value)?;
             let mut job = before.clone();
             change(&mut job)?;
             if job == before {
@@ -578,7 +578,7 @@ impl JobStore {
             compares.extend(guard.map(LeaderGuard::compare));
             let txn = Txn::new()
                 .when(compares)
-                .and_then([TxnOp::put(key.clone(), codec::encode(&job)?)]);
+                .and_then([TxnOp::put(key.clone(), envelope::encode(&job)?)]);
             if patiently(|| self.store.txn(txn.clone())).await?.succeeded {
                 return Ok(job);
             }

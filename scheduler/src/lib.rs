@@ -3,7 +3,7 @@
 //!
 //! * [`store`]: the `MetaStore` trait (get, prefix reads, puts under leases, transactions,
 //!   leases, resumable watches) with [`EtcdStore`] and [`EmbeddedStore`].
-//! * [`keys`] and [`codec`]: the typed key layout and the versioned JSON values.
+//! * [`keys`] and [`envelope`]: the typed key layout and the versioned JSON values.
 //! * [`membership`]: node registration under a self-healing lease, and the live node view.
 //! * [`leader`]: leader election among scheduler replicas with a lease-backed lock and a fence
 //!   for the leader's writes.
@@ -31,8 +31,8 @@
 
 pub mod admission;
 pub mod assign;
-pub mod codec;
 pub mod documents;
+pub mod envelope;
 #[cfg(feature = "test-util")]
 pub mod etcd_server;
 pub mod jobs;

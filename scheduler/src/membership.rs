@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::codec::{self, CodecError};
+use crate::envelope::{self, EnvelopeError};
 use crate::keys::{InvalidId, Keys};
 use crate::store::{EventKind, LeaseId, MetaStore, StoreError, WatchEvent};
 
@@ -76,7 +76,7 @@ pub enum MembershipError {
     Store(#[from] StoreError),
     /// The node record could not be encoded.
     #[error(transparent)]
-    Codec(#[from] CodecError),
+    Codec(#[from] EnvelopeError),
 }
 
 /// Lease timing of a registration.
@@ -137,7 +137,7 @@ impl RegShared {
     }
 
     async fn write(&self, lease: LeaseId) -> Result<(), MembershipError> {
-        let value = codec::encode(&self.info())?;
+        let value = envelope::encode(&self.info())?;
         self.store.put(&self.key, value, Some(lease)).await?;
         Ok(())
     }
@@ -410,7 +410,7 @@ async fn list_nodes(
         let Some(id) = Keys::id_under(prefix, &kv.key) else {
             continue;
         };
-        match codec::decode::<NodeInfo>(&kv.key, &kv.value) {
+        match envelope::decode::<NodeInfo>(&kv.key, &kv.value) {
             Ok(info) => {
                 nodes.insert(id.to_string(), info);
             }
@@ -479,7 +479,7 @@ fn apply_node_event(prefix: &str, event: WatchEvent, tx: &watch::Sender<NodeMap>
         return;
     };
     match event.kind {
-        EventKind::Put => match codec::decode::<NodeInfo>(&event.kv.key, &event.kv.value) {
+        EventKind::Put => match envelope::decode::<NodeInfo>(&event.kv.key, &event.kv.value) {
             Ok(info) => {
                 tx.send_modify(|m| {
                     m.insert(id.to_string(), info);

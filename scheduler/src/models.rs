@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{self, CodecError};
+use crate::envelope::{self, EnvelopeError};
 use crate::keys::{InvalidId, Keys};
 use crate::store::{MetaStore, StoreError};
 
@@ -34,7 +34,7 @@ pub enum ModelError {
     Store(#[from] StoreError),
     /// A record could not be read or written.
     #[error(transparent)]
-    Codec(#[from] CodecError),
+    Codec(#[from] EnvelopeError),
 }
 
 /// Reads and writes model records.
@@ -53,7 +53,7 @@ impl ModelRegistry {
     /// Writes (or replaces) a model record.
     pub async fn put(&self, model: &ModelRecord) -> Result<(), ModelError> {
         let key = self.keys.model(&model.id)?;
-        self.store.put(&key, codec::encode(model)?, None).await?;
+        self.store.put(&key, envelope::encode(model)?, None).await?;
         Ok(())
     }
 
@@ -61,7 +61,7 @@ impl ModelRegistry {
     pub async fn get(&self, id: &str) -> Result<Option<ModelRecord>, ModelError> {
         let key = self.keys.model(id)?;
         match self.store.get(&key).await? {
-            Some(kv) => Ok(Some(codec::decode(&kv.key, &kv.value)?)),
+            Some(kv) => Ok(Some(envelope::decode(&kv.key, &kv.value)?)),
             None => Ok(None),
         }
     }
@@ -79,7 +79,7 @@ impl ModelRegistry {
         listing
             .kvs
             .iter()
-            .map(|kv| codec::decode(&kv.key, &kv.value).map_err(ModelError::from))
+            .map(|kv| envelope::decode(&kv.key, &kv.value).map_err(ModelError::from))
             .collect()
     }
 }

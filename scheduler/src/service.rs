@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
 use crate::assign::{ExpertSpec, Pools};
-use crate::codec::{self, CodecError};
+use crate::envelope::{self, EnvelopeError};
 use crate::jobs::JobError;
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, Leadership};
@@ -89,7 +89,7 @@ pub enum SchedulerError {
     Store(#[from] StoreError),
     /// A record could not be read or written.
     #[error(transparent)]
-    Codec(#[from] CodecError),
+    Codec(#[from] EnvelopeError),
     /// A job operation failed.
     #[error(transparent)]
     Job(#[from] JobError),
@@ -133,7 +133,7 @@ pub async fn read_pools(store: &dyn MetaStore, keys: &Keys) -> Result<Pools, Sch
     let listing = store.get_prefix(&prefix).await?;
     let mut pools = Pools::new();
     for kv in listing.kvs {
-        let record: PoolRecord = codec::decode(&kv.key, &kv.value)?;
+        let record: PoolRecord = envelope::decode(&kv.key, &kv.value)?;
         pools.insert(record.expert, record.producers);
     }
     Ok(pools)

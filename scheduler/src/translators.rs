@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::codec::{self, CodecError};
+use crate::envelope::{self, EnvelopeError};
 use crate::keys::{InvalidId, Keys};
 use crate::store::{Compare, EventKind, MetaStore, StoreError, Txn, TxnOp};
 
@@ -93,7 +93,7 @@ pub enum TranslatorError {
     Store(#[from] StoreError),
     /// A record could not be read or written.
     #[error(transparent)]
-    Codec(#[from] CodecError),
+    Codec(#[from] EnvelopeError),
     /// The version exists with different content; versions are immutable.
     #[error(
         "translator {producer}->{consumer} version {version} already exists with hash {existing}"
@@ -199,7 +199,7 @@ impl TranslatorRegistry {
         let key = self.keys.translator_version(p, c, v)?;
         let txn = Txn::new()
             .when([Compare::absent(key.clone())])
-            .and_then([TxnOp::put(key.clone(), codec::encode(manifest)?)]);
+            .and_then([TxnOp::put(key.clone(), envelope::encode(manifest)?)]);
         if self.store.txn(txn).await?.succeeded {
             return Ok(());
         }
@@ -225,7 +225,7 @@ impl TranslatorRegistry {
     ) -> Result<TranslatorManifest, TranslatorError> {
         let key = self.keys.translator_version(producer, consumer, version)?;
         match self.store.get(&key).await? {
-            Some(kv) => Ok(codec::decode(&kv.key, &kv.value)?),
+            Some(kv) => Ok(envelope::decode(&kv.key, &kv.value)?),
             None => Err(TranslatorError::UnknownVersion {
                 producer: producer.into(),
                 consumer: consumer.into(),
@@ -247,7 +247,7 @@ impl TranslatorRegistry {
             .kvs
             .iter()
             .filter(|kv| kv.key != active && Keys::id_under(&prefix, &kv.key).is_some())
-            .map(|kv| codec::decode(&kv.key, &kv.value).map_err(TranslatorError::from))
+            .map(|kv| envelope::decode(&kv.key, &kv.value).map_err(TranslatorError::from))
             .collect()
     }
 
@@ -259,7 +259,7 @@ impl TranslatorRegistry {
     ) -> Result<Option<ActiveTranslator>, TranslatorError> {
         let key = self.keys.translator_active(producer, consumer)?;
         match self.store.get(&key).await? {
-            Some(kv) => Ok(Some(codec::decode(&kv.key, &kv.value)?)),
+            Some(kv) => Ok(Some(envelope::decode(&kv.key, &kv.value)?)),
             None => Ok(None),
         }
     }
@@ -334,9 +334,9 @@ impl TranslatorRegistry {
                     versions: Vec::new(),
                 });
             if name == crate::keys::ACTIVE {
-                pair.active = Some(codec::decode(&kv.key, &kv.value)?);
+                pair.active = Some(envelope::decode(&kv.key, &kv.value)?);
             } else {
-                pair.versions.push(codec::decode(&kv.key, &kv.value)?);
+                pair.versions.push(envelope::decode(&kv.key, &kv.value)?);
             }
         }
         Ok(pairs.into_values().collect())
@@ -374,14 +374,14 @@ impl TranslatorRegistry {
             let Some(kv) = self.store.get(&key).await? else {
                 return Ok(false);
             };
-            let mut active: ActiveTranslator = codec::decode(&kv.key, &kv.value)?;
+            let mut active: ActiveTranslator = envelope::decode(&kv.key, &kv.value)?;
             if active.content_hash != content_hash || active.degraded.is_some() {
                 return Ok(false);
             }
             active.degraded = Some(degraded.clone());
             let txn = Txn::new()
                 .when([Compare::mod_revision(key.clone(), kv.mod_revision)])
-                .and_then([TxnOp::put(key.clone(), codec::encode(&active)?)]);
+                .and_then([TxnOp::put(key.clone(), envelope::encode(&active)?)]);
             if self.store.txn(txn).await?.succeeded {
                 tracing::warn!(
                     producer,
@@ -413,7 +413,7 @@ impl TranslatorRegistry {
         for attempt in 0..CAS_ATTEMPTS {
             let current_kv = self.store.get(&active_key).await?;
             let current: Option<ActiveTranslator> = match &current_kv {
-                Some(kv) => Some(codec::decode(&kv.key, &kv.value)?),
+                Some(kv) => Some(envelope::decode(&kv.key, &kv.value)?),
                 None => None,
             };
             let (version, history) = match decide(current)? {
@@ -428,7 +428,8 @@ impl TranslatorRegistry {
                     version,
                 });
             };
-            let manifest: TranslatorManifest = codec::decode(&manifest_kv.key, &manifest_kv.value)?;
+            let manifest: TranslatorManifest =
+                envelope::decode(&manifest_kv.key, &manifest_kv.value)?;
             let next = ActiveTranslator {
                 version,
                 content_hash: manifest.content_hash,
@@ -444,7 +445,7 @@ impl TranslatorRegistry {
                     ),
                     Compare::mod_revision(version_key, manifest_kv.mod_revision),
                 ])
-                .and_then([TxnOp::put(active_key.clone(), codec::encode(&next)?)]);
+                .and_then([TxnOp::put(active_key.clone(), envelope::encode(&next)?)]);
             if self.store.txn(txn).await?.succeeded {
                 tracing::info!(
                     producer,
@@ -558,7 +559,7 @@ async fn read_active(
 ) -> Result<(Option<ActiveTranslator>, i64), TranslatorError> {
     let listing = store.get_prefix(key).await?;
     let active = match listing.kvs.iter().find(|kv| kv.key == key) {
-        Some(kv) => Some(codec::decode(&kv.key, &kv.value)?),
+        Some(kv) => Some(envelope::decode(&kv.key, &kv.value)?),
         None => None,
     };
     Ok((active, listing.revision))
@@ -579,7 +580,7 @@ async fn follow_active(
                 }
                 match event.kind {
                     EventKind::Put => {
-                        match codec::decode::<ActiveTranslator>(&event.kv.key, &event.kv.value) {
+                        match envelope::decode::<ActiveTranslator>(&event.kv.key, &event.kv.value) {
                             Ok(active) => {
                                 tx.send_replace(Some(active));
                             }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use crate::client::ClientError;
 use crate::follow::{Following, Progress, Shown};
-use crate::node::work::{check_prompt, Work};
+use crate::node::jobs::{check_prompt, Work};
 use scd_models::Sampling;
 use scd_scheduler::jobs::JobError as RecordError;
 use scd_scheduler::{

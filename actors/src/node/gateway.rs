@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 
 use crate::client::ClientError;
 use crate::follow::{Following, Progress, Shown};
-use crate::node::work::{check_prompt, Work};
+use crate::node::jobs::{check_prompt, Work};
 
 /// Longest a request body may be.
 const MAX_BODY: usize = 4 << 20;

@@ -4,7 +4,7 @@
 //! A node binds its QUIC endpoint, registers in the store under a lease (as producer of its
 //! base model and consumer of its experts, with its capacity and load), publishes the model
 //! records, runs a scheduler replica if its roles say so, starts the actors of its roles, and
-//! then follows the job records ([`work`]): it prefills the jobs assigned to it as producer and
+//! then follows the job records ([`jobs`]): it prefills the jobs assigned to it as producer and
 //! decodes the job streams that reach it as consumer.
 //!
 //! [`Node::shutdown`] drains: the node stops taking work and advertises nothing to serve, lets
@@ -15,16 +15,16 @@
 //! - `translators`: the translator version of each expert, following the cluster's live one.
 //! - `supervisor`: the actor that starts the node's actors and starts a new one in place of
 //!   any that fails; the node reaches them through its table.
-//! - `work`: the node's share of the jobs, from the records and the streams.
+//! - `jobs`: the node's share of the jobs, from the records and the streams.
 //! - `admin`: the admin endpoint (submit, watch, cancel) for clients with an admin
 //!   certificate.
 
 mod admin;
 mod gateway;
+mod jobs;
 pub mod served;
 mod supervisor;
 mod translators;
-mod work;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -53,11 +53,11 @@ use crate::metrics::{NodeMetrics, QueueLabels, StateLabels};
 use crate::prefix_cache::PrefixCache;
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
+use jobs::Work;
 pub use served::{ServeError, Served, ServedExpert};
 use supervisor::{ActorTable, Actors, SupervisorArgs, SupervisorMsg};
 use translators::NodeTranslators;
 pub use translators::VersionError;
-use work::Work;
 
 /// Errors starting or stopping a node.
 #[derive(Debug, thiserror::Error)]
@@ -216,7 +216,7 @@ impl Node {
                 tracing::warn!(error = %e, "listing the compiled documents failed; announcing none");
                 Vec::new()
             });
-            held.truncate(work::MAX_ANNOUNCED_DOCUMENTS);
+            held.truncate(jobs::MAX_ANNOUNCED_DOCUMENTS);
             info.documents = held;
         }
         let registration = Arc::new(
@@ -322,7 +322,7 @@ impl Node {
         tasks.extend([
             tokio::spawn(accept_connections(work.clone())),
             tokio::spawn(take_streams(work.clone(), new_streams)),
-            tokio::spawn(work::follow_jobs(work.clone())),
+            tokio::spawn(jobs::follow_jobs(work.clone())),
             tokio::spawn(report_load(registration.clone(), load_rx, cancel.clone())),
         ]);
         if let Some(cache) = &work.prefix_cache {

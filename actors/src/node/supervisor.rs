@@ -19,9 +19,9 @@ use tokio_util::sync::CancellationToken;
 use crate::decode_loop::DecodeLoop;
 use crate::decoder::{Decoder, DecoderArgs, DecoderMsg};
 use crate::encoder::{Encoder, EncoderMsg};
+use crate::halves::ProducerActors;
 use crate::node::served::Served;
 use crate::producer::{Producer, ProducerArgs, ProducerMsg};
-use crate::stages::ProducerActors;
 use crate::transfer::{TransferIn, TransferInArgs, TransferInMsg, TransferOut, TransferOutMsg};
 
 /// The node's actors as they are now.

@@ -11,7 +11,7 @@ use scd_types::JobState;
 use super::{read_pools, PoolRecord, ReconcileReport, SchedulerConfig, SchedulerError};
 use crate::admission;
 use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
-use crate::codec;
+use crate::envelope;
 use crate::jobs::{now_ms, Blame, JobError, JobRecord, JobStore, ModeFallback};
 use crate::keys::Keys;
 use crate::leader::LeaderGuard;
@@ -71,7 +71,7 @@ async fn write_changed_pools(
         };
         let txn = Txn::new()
             .when([guard.compare()])
-            .and_then([TxnOp::put(keys.pool(expert)?, codec::encode(&record)?)]);
+            .and_then([TxnOp::put(keys.pool(expert)?, envelope::encode(&record)?)]);
         if !store.txn(txn).await?.succeeded {
             return Err(SchedulerError::NotLeader);
         }
@@ -400,7 +400,7 @@ async fn stored_node(
 ) -> Result<Option<NodeInfo>, SchedulerError> {
     let key = keys.node(node)?;
     match store.get(&key).await? {
-        Some(kv) => Ok(Some(codec::decode(&key, &kv.value)?)),
+        Some(kv) => Ok(Some(envelope::decode(&key, &kv.value)?)),
         None => Ok(None),
     }
 }

@@ -43,6 +43,7 @@ use tokio::sync::{mpsc, watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
 use crate::decoder::DecoderMsg;
+use crate::halves::{self, cause, ConsumerJob};
 use crate::job::JobCodec;
 use crate::job::{JobError, PipelineOptions};
 pub(crate) use crate::lifecycle::Refusal;
@@ -53,7 +54,6 @@ use crate::metrics::{JobKindLabels, NodeMetrics, SideLabels};
 use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
 use crate::node::translators::NodeTranslators;
-use crate::stages::{self, cause, ConsumerJob};
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
 use opentelemetry::KeyValue;
@@ -271,7 +271,7 @@ impl Work {
         &self,
         half: &ProducerHalf,
         job: &JobRecord,
-        done: stages::ProducerDone,
+        done: halves::ProducerDone,
         started: Instant,
     ) {
         let id = job.id;
@@ -371,7 +371,7 @@ impl Work {
         &self,
         job: &JobRecord,
         cancel: &CancellationToken,
-    ) -> Result<stages::ProducerReplies, Refusal> {
+    ) -> Result<halves::ProducerReplies, Refusal> {
         let request = self.check_request(job)?;
         let codec = self.codec(job, &job.expert).await?;
         let consumer = job
@@ -459,7 +459,7 @@ impl Work {
     async fn read_node(&self, node: &str) -> Option<scd_scheduler::NodeInfo> {
         let key = self.keys.node(node).ok()?;
         let kv = self.store.get(&key).await.ok()??;
-        scd_scheduler::codec::decode(&kv.key, &kv.value).ok()
+        scd_scheduler::envelope::decode(&kv.key, &kv.value).ok()
     }
 
     /// A job stream nobody expected: the consumer half of a job, if the record says so.
@@ -589,7 +589,7 @@ impl Work {
             shadow: shadow_tx,
         };
         let (decoded, mut tokens_rx) =
-            match stages::start_decode(&decoder, decode, &self.queues, &cancel) {
+            match halves::start_decode(&decoder, decode, &self.queues, &cancel) {
                 Ok(d) => d,
                 Err(e) => {
                     let action = half.handle(ConsumerEvent::NotStarted(&e.to_string()));
@@ -607,7 +607,7 @@ impl Work {
                 shadow: None,
             };
             let (decoded, mut tokens) =
-                match stages::start_decode(&decoder, part, &self.queues, &cancel) {
+                match halves::start_decode(&decoder, part, &self.queues, &cancel) {
                     Ok(d) => d,
                     Err(e) => {
                         let cause = format!("fan-out to {expert}: {e}");
@@ -621,7 +621,7 @@ impl Work {
                 while let Some(t) = tokens.recv().await {
                     out.push(t);
                 }
-                let report = stages::settle(decoded, "decoder", &cancel).await;
+                let report = halves::settle(decoded, "decoder", &cancel).await;
                 (expert, report.map(|r| (r, out)))
             }));
         }
@@ -657,7 +657,7 @@ impl Work {
         }
         let mut result = match early {
             Some(r) => r,
-            None => stages::settle(decoded, "decoder", &cancel).await,
+            None => halves::settle(decoded, "decoder", &cancel).await,
         };
         let mut outputs = std::collections::BTreeMap::new();
         let mut fan_out_first = Vec::new();
@@ -1101,7 +1101,7 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
             }
         };
         for kv in &listing.kvs {
-            if let Ok(job) = scd_scheduler::codec::decode::<JobRecord>(&kv.key, &kv.value) {
+            if let Ok(job) = scd_scheduler::envelope::decode::<JobRecord>(&kv.key, &kv.value) {
                 work.on_record(job);
             }
         }
@@ -1120,8 +1120,10 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
             };
             match event {
                 Some(Ok(event)) if event.kind == scd_scheduler::store::EventKind::Put => {
-                    match scd_scheduler::codec::decode::<JobRecord>(&event.kv.key, &event.kv.value)
-                    {
+                    match scd_scheduler::envelope::decode::<JobRecord>(
+                        &event.kv.key,
+                        &event.kv.value,
+                    ) {
                         Ok(job) => work.on_record(job),
                         Err(e) => tracing::warn!(error = %e, "unreadable job record"),
                     }

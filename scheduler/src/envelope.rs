@@ -9,7 +9,7 @@ pub const SCHEMA_VERSION: u32 = 1;
 
 /// A stored value that could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum CodecError {
+pub enum EnvelopeError {
     /// Not the JSON this release expects.
     #[error("malformed record at {key}: {source}")]
     Malformed {
@@ -49,34 +49,34 @@ struct SchemaOnly {
 }
 
 /// Serialises a value with the current schema version.
-pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, EnvelopeError> {
     serde_json::to_vec(&EnvelopeOut {
         schema: SCHEMA_VERSION,
         data: value,
     })
-    .map_err(CodecError::Serialise)
+    .map_err(EnvelopeError::Serialise)
 }
 
 /// Reads a value written by [`encode`], refusing other schema versions.
-pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, CodecError> {
+pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, EnvelopeError> {
     // Check the version first so a newer layout reports "schema", not a confusing field error.
     let head: SchemaOnly =
-        serde_json::from_slice(bytes).map_err(|source| CodecError::Malformed {
+        serde_json::from_slice(bytes).map_err(|source| EnvelopeError::Malformed {
             key: key.to_string(),
             source,
         })?;
     if head.schema != SCHEMA_VERSION {
-        return Err(CodecError::Schema {
+        return Err(EnvelopeError::Schema {
             key: key.to_string(),
             found: head.schema,
         });
     }
     let envelope: EnvelopeIn<T> =
-        serde_json::from_slice(bytes).map_err(|source| CodecError::Malformed {
+        serde_json::from_slice(bytes).map_err(|source| EnvelopeError::Malformed {
             key: key.to_string(),
             source,
         })?;
-    envelope.data.ok_or_else(|| CodecError::Malformed {
+    envelope.data.ok_or_else(|| EnvelopeError::Malformed {
         key: key.to_string(),
         source: serde::de::Error::missing_field("data"),
     })
@@ -93,11 +93,11 @@ mod tests {
         let other = br#"{"schema":2,"data":{"new":"layout"}}"#;
         assert!(matches!(
             decode::<Vec<u32>>("k", other),
-            Err(CodecError::Schema { found: 2, .. })
+            Err(EnvelopeError::Schema { found: 2, .. })
         ));
         assert!(matches!(
             decode::<Vec<u32>>("k", b"nope"),
-            Err(CodecError::Malformed { .. })
+            Err(EnvelopeError::Malformed { .. })
         ));
     }
 }
