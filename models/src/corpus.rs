@@ -43,7 +43,7 @@ pub const NAMED: [(&str, &str); 4] = [
 #[derive(Debug, thiserror::Error)]
 pub enum CorpusError {
     /// A file could not be read.
-    #[error("cannot read {path}: {source} (named corpora come from ops/fetch-corpora.sh, WikiText-2 and SQuAD from the shared data folder)")]
+    #[error("cannot read {path}: {source} (named corpora come from ops/fetch-corpora.sh, WikiText-2 and SQuAD from the evaluation data folder (data/ in the repository, or --eval-data))")]
     Io {
         /// The file.
         path: PathBuf,
@@ -73,10 +73,10 @@ pub enum CorpusError {
     },
 }
 
-/// Where WikiText-2's validation split sits inside the shared data folder.
+/// Where WikiText-2's validation split sits inside the evaluation data folder (data/).
 pub const WIKITEXT2_VALID: &str = "wikitext-2/valid.txt";
 
-/// Where the SQuAD 2.0 dev part sits inside the shared data folder.
+/// Where the SQuAD 2.0 dev part sits inside the evaluation data folder (data/).
 pub const SQUAD_PART: &str = "squad/dev-v2.0-part.json";
 
 /// Hex SHA-256 of bytes.

@@ -4,8 +4,8 @@
 //! A node binds one [`Endpoint`] that both serves and connects; an admin client binds a
 //! client-only one. Both sides present a certificate signed by the cluster CA and trust nothing
 //! else ([`crate::tls`]), so a stranger is refused in the TLS handshake, before any stream is
-//! accepted. ALPN carries the protocol version (`scd/1`): a peer speaking another version fails
-//! the handshake with [`ConnectError::VersionMismatch`]. The hello exchange that follows is
+//! accepted. ALPN carries the protocol version (`scd/<version>`, from
+//! [`crate::wire::PROTOCOL_VERSION`]): a peer speaking another version fails the handshake with [`ConnectError::VersionMismatch`]. The hello exchange that follows is
 //! [`crate::handshake`]'s; its result is a [`Connection`].
 
 use std::net::SocketAddr;
