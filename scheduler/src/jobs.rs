@@ -123,6 +123,18 @@ pub struct JobRecord {
     /// Consumer node, once assigned.
     #[serde(default)]
     pub consumer: Option<String>,
+    /// The registration epoch ([`crate::NodeInfo::epoch`]) of the current attempt's producer,
+    /// as the scheduler saw it when assigning (`None`: unknown). The same id under another
+    /// epoch is a restarted node, which lost the attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub producer_epoch: Option<u64>,
+    /// The same for the current attempt's consumer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer_epoch: Option<u64>,
+    /// When the current attempt must have ended, in ms since the Unix epoch on the scheduler's
+    /// clock (`None`: no deadline); past it the scheduler abandons the attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt_deadline_ms: Option<u64>,
     /// Assignments so far (the first is attempt 1).
     pub attempts: u32,
     /// Assignments allowed before the job fails.
@@ -293,6 +305,9 @@ impl JobRecord {
             trace: TraceContext::new(),
             producer: None,
             consumer: None,
+            producer_epoch: None,
+            consumer_epoch: None,
+            attempt_deadline_ms: None,
             attempts: 0,
             max_attempts: max_attempts.max(1),
             failed_producers: Vec::new(),
@@ -377,6 +392,10 @@ impl JobRecord {
         }
         self.producer = Some(producer.to_string());
         self.consumer = Some(consumer.to_string());
+        // The caller stamps the new attempt's epochs and deadline, if it knows them.
+        self.producer_epoch = None;
+        self.consumer_epoch = None;
+        self.attempt_deadline_ms = None;
         self.attempts += 1;
         self.transition(JobState::Assigned, at_ms)
     }
@@ -402,6 +421,9 @@ impl JobRecord {
                 self.failed_consumers.push(c);
             }
         }
+        self.producer_epoch = None;
+        self.consumer_epoch = None;
+        self.attempt_deadline_ms = None;
         self.error = Some(reason.to_string());
         if self.attempts >= self.max_attempts {
             let reason = format!("{reason}; gave up after {} attempts", self.attempts);
