@@ -46,6 +46,34 @@ async fn prefix_reads_are_scoped_and_sorted(b: Backend) {
     assert!(s.get_prefix("/nothing/").await.unwrap().kvs.is_empty());
 }
 
+/// A listing larger than one page of the etcd store (256 keys) and than the client's 4 MiB
+/// receive limit comes back whole, sorted and scoped, at one revision (issue R1 §1).
+async fn large_listings_come_back_whole(b: Backend) {
+    let s = &b.store;
+    const KEYS: usize = 600;
+    // 600 values of 10 KiB: about 6 MiB, so both the page count and the byte limit are passed.
+    let value = vec![b'x'; 10 << 10];
+    let mut last = 0;
+    for i in 0..KEYS {
+        last = s
+            .put(&format!("/t/big/{i:04}"), value.clone(), None)
+            .await
+            .unwrap();
+    }
+    // Keys just outside the prefix, on both sides.
+    s.put("/t/bif", b"before".to_vec(), None).await.unwrap();
+    let after = s.put("/t/big0", b"after".to_vec(), None).await.unwrap();
+    let listing = within("a 6 MiB listing", s.get_prefix("/t/big/"))
+        .await
+        .unwrap();
+    assert_eq!(listing.kvs.len(), KEYS);
+    let expected: Vec<String> = (0..KEYS).map(|i| format!("/t/big/{i:04}")).collect();
+    let keys: Vec<&str> = listing.kvs.iter().map(|kv| kv.key.as_str()).collect();
+    assert_eq!(keys, expected);
+    assert!(listing.kvs.iter().all(|kv| kv.value == value));
+    assert!(listing.revision >= after && after > last);
+}
+
 async fn create_if_absent_has_one_winner(b: Backend) {
     let s = &b.store;
     let k = "/t/once";
@@ -316,6 +344,7 @@ async fn dropping_a_watch_stops_it(b: Backend) {
 on_both_stores!(
     put_get_delete_and_revisions,
     prefix_reads_are_scoped_and_sorted,
+    large_listings_come_back_whole,
     create_if_absent_has_one_winner,
     compare_and_swap_on_revision_value_and_creation,
     concurrent_cas_increments_lose_nothing,

@@ -19,6 +19,10 @@ use super::{
 
 /// Deadline of one unary request.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Keys asked for in one page of a listing (halved while a page outgrows a response).
+const FIRST_PAGE_KEYS: i64 = 256;
+/// Times a listing starts again after the revision it was pinned to was compacted.
+const LISTING_RESTARTS: u32 = 3;
 /// Backoff between attempts to re-create a broken watch.
 const WATCH_RETRY_MIN: Duration = Duration::from_millis(50);
 const WATCH_RETRY_MAX: Duration = Duration::from_secs(2);
@@ -58,6 +62,52 @@ impl EtcdStore {
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
     }
+
+    /// Every key under `prefix`, read page by page at the revision of the first page. A page
+    /// that does not fit one response is asked for again at half the size.
+    async fn list_pages(&self, prefix: &str) -> Result<Listing, StoreError> {
+        let end = prefix_end(prefix.as_bytes());
+        let mut start = prefix.as_bytes().to_vec();
+        let mut revision = 0;
+        let mut limit = FIRST_PAGE_KEYS;
+        let mut kvs = Vec::new();
+        loop {
+            let mut options = GetOptions::new().with_range(end.clone()).with_limit(limit);
+            if revision > 0 {
+                options = options.with_revision(revision);
+            }
+            let mut client = self.client.clone();
+            let resp = match deadline("get_prefix", client.get(start.clone(), Some(options))).await
+            {
+                Ok(resp) => resp,
+                Err(e) if is_too_large(&e) && limit > 1 => {
+                    limit = (limit / 2).max(1);
+                    continue;
+                }
+                Err(e) if is_compacted(&e) => {
+                    return Err(StoreError::Compacted {
+                        requested: revision,
+                        compact_revision: revision,
+                    })
+                }
+                Err(e) => return Err(e),
+            };
+            if revision == 0 {
+                revision = resp.header().map_or(0, |h| h.revision());
+            }
+            for kv in resp.kvs() {
+                kvs.push(convert_kv(kv)?);
+            }
+            match resp.kvs().last() {
+                Some(last) if resp.more() => {
+                    // The next page starts just after the last key read.
+                    start = last.key().to_vec();
+                    start.push(0);
+                }
+                _ => return Ok(Listing { kvs, revision }),
+            }
+        }
+    }
 }
 
 async fn deadline<T>(
@@ -86,6 +136,37 @@ fn is_lease_not_found(e: &StoreError) -> bool {
         } => m.contains("lease not found"),
         _ => false,
     }
+}
+
+/// The end of the range of keys starting with `prefix` (etcd's convention: the prefix with
+/// its last byte below 0xff incremented; `\0` for every key).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+/// tonic refusing a response over the client's receive limit.
+fn is_too_large(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Etcd { source: EtcdError::GRpcStatus(s), .. }
+            if s.message().contains("message length too large")
+    )
+}
+
+/// etcd refusing a read at a compacted revision.
+fn is_compacted(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Etcd { source: EtcdError::GRpcStatus(s), .. }
+            if s.message().contains("compacted")
+    )
 }
 
 fn convert_kv(kv: &etcd_client::KeyValue) -> Result<KeyValue, StoreError> {
@@ -157,19 +238,17 @@ impl MetaStore for EtcdStore {
     }
 
     async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
-        let mut client = self.client.clone();
-        let resp = deadline(
-            "get_prefix",
-            client.get(prefix, Some(GetOptions::new().with_prefix())),
-        )
-        .await?;
-        let kvs = resp
-            .kvs()
-            .iter()
-            .map(convert_kv)
-            .collect::<Result<Vec<_>, _>>()?;
-        let revision = resp.header().map_or(0, |h| h.revision());
-        Ok(Listing { kvs, revision })
+        // A listing is read in pages, all at the first page's revision: one unpaginated range
+        // of a large prefix outgrows the client's 4 MiB message limit. Compaction of that
+        // revision between pages (rare: it would have to land within the listing) starts the
+        // listing again at the newest revision.
+        let mut restarts = 0;
+        loop {
+            match self.list_pages(prefix).await {
+                Err(StoreError::Compacted { .. }) if restarts < LISTING_RESTARTS => restarts += 1,
+                other => return other,
+            }
+        }
     }
 
     async fn put(

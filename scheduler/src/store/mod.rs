@@ -323,7 +323,10 @@ pub trait MetaStore: Send + Sync + fmt::Debug {
     /// Reads one key.
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError>;
 
-    /// Reads every key under a prefix, with the revision of the read.
+    /// Reads every key under a prefix, with the revision of the read. The listing is
+    /// consistent (every key as of that one revision) however large it is: etcd's is read in
+    /// pages pinned to the first page's revision, so no response outgrows the client's 4 MiB
+    /// receive limit.
     async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError>;
 
     /// Writes a key, optionally under a lease; returns the new revision.
