@@ -513,19 +513,30 @@ impl JobStore {
             .await
     }
 
-    /// Reads a job, waiting out a brief store outage.
+    /// Reads a job, live or archived, waiting out a brief store outage.
     pub async fn get(&self, id: JobId) -> Result<Option<JobRecord>, JobError> {
-        let key = self.keys.job(id);
-        match patiently(|| self.store.get(&key)).await? {
-            Some(kv) => Ok(Some(envelope::decode(&kv.key, &kv.value)?)),
-            None => Ok(None),
+        for key in [self.keys.job(id), self.keys.archived_job(id)] {
+            if let Some(kv) = patiently(|| self.store.get(&key)).await? {
+                return Ok(Some(envelope::decode(&kv.key, &kv.value)?));
+            }
         }
+        Ok(None)
     }
 
-    /// Every job with its modification revision (unreadable records are skipped and logged).
+    /// Every live job (unfinished, or finished and not archived yet) with its modification
+    /// revision (unreadable records are skipped and logged).
     pub async fn list(&self) -> Result<Vec<(JobRecord, i64)>, JobError> {
-        let prefix = self.keys.jobs_prefix();
-        let listing = self.store.get_prefix(&prefix).await?;
+        self.list_under(&self.keys.jobs_prefix()).await
+    }
+
+    /// Every archived job with its modification revision (unreadable records are skipped and
+    /// logged).
+    pub async fn list_archived(&self) -> Result<Vec<(JobRecord, i64)>, JobError> {
+        self.list_under(&self.keys.archived_jobs_prefix()).await
+    }
+
+    async fn list_under(&self, prefix: &str) -> Result<Vec<(JobRecord, i64)>, JobError> {
+        let listing = self.store.get_prefix(prefix).await?;
         let mut jobs = Vec::with_capacity(listing.kvs.len());
         for kv in listing.kvs {
             match envelope::decode::<JobRecord>(&kv.key, &kv.value) {
@@ -534,6 +545,119 @@ impl JobStore {
             }
         }
         Ok(jobs)
+    }
+
+    /// Moves a finished record, as listed at `revision`, from the live prefix to the archive
+    /// in one transaction (fenced by `guard` when given). Returns whether it moved: `false`
+    /// when the record changed since (or, with a guard, leadership was lost); nothing is
+    /// written then.
+    pub async fn archive(
+        &self,
+        job: &JobRecord,
+        revision: i64,
+        guard: Option<&LeaderGuard>,
+    ) -> Result<bool, JobError> {
+        if !job.state.is_finished() {
+            return Ok(false);
+        }
+        let key = self.keys.job(job.id);
+        let mut compares = vec![Compare::mod_revision(key.clone(), revision)];
+        compares.extend(guard.map(LeaderGuard::compare));
+        let txn = Txn::new().when(compares).and_then([
+            TxnOp::put(self.keys.archived_job(job.id), envelope::encode(job)?),
+            TxnOp::delete(key),
+        ]);
+        Ok(self.store.txn(txn).await?.succeeded)
+    }
+
+    /// Removes a live record, as listed at `revision` (fenced by `guard` when given). Returns
+    /// whether it went.
+    async fn remove_live(
+        &self,
+        id: JobId,
+        revision: i64,
+        guard: Option<&LeaderGuard>,
+    ) -> Result<bool, JobError> {
+        let key = self.keys.job(id);
+        let mut compares = vec![Compare::mod_revision(key.clone(), revision)];
+        compares.extend(guard.map(LeaderGuard::compare));
+        let txn = Txn::new().when(compares).and_then([TxnOp::delete(key)]);
+        Ok(self.store.txn(txn).await?.succeeded)
+    }
+
+    /// One finished live record's step of the retention ([`ArchiveConfig`]): removed once
+    /// older than `max_age`, else moved to the archive once `archive.after` has passed since
+    /// it finished. Unfinished records are left alone.
+    pub async fn retire(
+        &self,
+        job: &JobRecord,
+        revision: i64,
+        now_ms: u64,
+        max_age: Duration,
+        archive: &ArchiveConfig,
+        guard: Option<&LeaderGuard>,
+    ) -> Result<Retired, JobError> {
+        if !job.state.is_finished() {
+            return Ok(Retired::Kept);
+        }
+        if older_than(job, max_age, now_ms) {
+            if self.remove_live(job.id, revision, guard).await? {
+                return Ok(Retired::Removed);
+            }
+        } else if older_than(job, archive.after, now_ms)
+            && self.archive(job, revision, guard).await?
+        {
+            return Ok(Retired::Archived);
+        }
+        Ok(Retired::Kept)
+    }
+
+    /// Applies the retention to the archive: removes the records older than `max_age` (since
+    /// their last update) and, past `max_records`, the oldest. Unreadable archived records go
+    /// too. Deletes are batched, each batch fenced by `guard` when given; returns how many
+    /// records went.
+    pub async fn sweep_archive(
+        &self,
+        now_ms: u64,
+        max_age: Duration,
+        max_records: usize,
+        guard: Option<&LeaderGuard>,
+    ) -> Result<usize, JobError> {
+        let listing = self
+            .store
+            .get_prefix(&self.keys.archived_jobs_prefix())
+            .await?;
+        let mut kept = Vec::with_capacity(listing.kvs.len());
+        let mut doomed = Vec::new();
+        for kv in listing.kvs {
+            match envelope::decode::<JobRecord>(&kv.key, &kv.value) {
+                Ok(job) if !older_than(&job, max_age, now_ms) => {
+                    kept.push((job.updated_at_ms, kv.key))
+                }
+                Ok(_) => doomed.push(kv.key),
+                Err(e) => {
+                    tracing::warn!(error = %e, "removing an unreadable archived job record");
+                    doomed.push(kv.key);
+                }
+            }
+        }
+        if kept.len() > max_records {
+            // Newest first; the tail past the bound goes.
+            kept.sort_by(|a, b| b.cmp(a));
+            doomed.extend(kept.drain(max_records..).map(|(_, key)| key));
+        }
+        let mut removed = 0;
+        for batch in doomed.chunks(SWEEP_BATCH) {
+            let txn = Txn::new()
+                .when(guard.map(LeaderGuard::compare))
+                .and_then(batch.iter().map(|key| TxnOp::delete(key.clone())));
+            if !self.store.txn(txn).await?.succeeded {
+                // Only the fence can fail: this replica no longer leads.
+                break;
+            }
+            removed += batch.len();
+        }
+        Ok(removed)
     }
 
     /// Applies `change` by compare-and-swap, retrying on conflicts with capped backoff. `change`
@@ -625,27 +749,73 @@ impl JobStore {
             .is_some_and(|kv| kv.create_revision == guard.create_revision))
     }
 
-    /// Removes finished jobs last updated more than `retention` before `now_ms`; returns how
-    /// many went. A record updated meanwhile is left for the next sweep.
+    /// Removes finished jobs, live or archived, last updated more than `retention` before
+    /// `now_ms`; returns how many went. A live record updated meanwhile is left for the next
+    /// sweep.
     pub async fn sweep_finished(
         &self,
         now_ms: u64,
         retention: Duration,
     ) -> Result<usize, JobError> {
-        let retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
         let mut removed = 0;
         for (job, revision) in self.list().await? {
-            if job.state.is_finished() && job.updated_at_ms.saturating_add(retention_ms) <= now_ms {
-                let key = self.keys.job(job.id);
-                let txn = Txn::new()
-                    .when([Compare::mod_revision(key.clone(), revision)])
-                    .and_then([TxnOp::delete(key)]);
-                if self.store.txn(txn).await?.succeeded {
-                    removed += 1;
-                }
+            if job.state.is_finished()
+                && older_than(&job, retention, now_ms)
+                && self.remove_live(job.id, revision, None).await?
+            {
+                removed += 1;
             }
         }
+        removed += self
+            .sweep_archive(now_ms, retention, usize::MAX, None)
+            .await?;
         Ok(removed)
+    }
+}
+
+/// Deletes in one transaction of an archive sweep (etcd allows 128 operations by default).
+const SWEEP_BATCH: usize = 64;
+
+/// Whether `job` was last updated at least `age` before `now_ms`.
+fn older_than(job: &JobRecord, age: Duration, now_ms: u64) -> bool {
+    let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+    job.updated_at_ms.saturating_add(age_ms) <= now_ms
+}
+
+/// What [`JobStore::retire`] did with a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retired {
+    /// Nothing: unfinished, too recent, or changed since it was listed.
+    Kept,
+    /// Moved to the archive.
+    Archived,
+    /// Removed: past the retention's age.
+    Removed,
+}
+
+/// Where finished job records go and how many are kept. Records finished within `after` stay
+/// among the live ones (`<root>/jobs/`), where clients following a job and the nodes' job
+/// followers see them end; then they move to `<root>/archive/jobs/`, which every job
+/// listing of the scheduler and the nodes leaves out. The archive holds at most
+/// `max_records`, and no record past the scheduler's retention age.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArchiveConfig {
+    /// How long a finished record stays live before it is archived. Default 60 s.
+    pub after: Duration,
+    /// Most archived records kept; the oldest go first. Default 10 000.
+    pub max_records: usize,
+    /// How often the leader sweeps the archive (at least as often as the retention age).
+    /// Default 60 s.
+    pub sweep_every: Duration,
+}
+
+impl Default for ArchiveConfig {
+    fn default() -> Self {
+        Self {
+            after: Duration::from_secs(60),
+            max_records: 10_000,
+            sweep_every: Duration::from_secs(60),
+        }
     }
 }
 

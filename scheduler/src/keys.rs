@@ -154,6 +154,17 @@ impl Keys {
         format!("{}{job_id}", self.jobs_prefix())
     }
 
+    /// `<root>/archive/jobs/`: finished job records moved out of the live prefix, kept for the
+    /// retention (age and count).
+    pub fn archived_jobs_prefix(&self) -> String {
+        format!("{}/archive/jobs/", self.root)
+    }
+
+    /// `<root>/archive/jobs/<job-id>`
+    pub fn archived_job(&self, job_id: JobId) -> String {
+        format!("{}{job_id}", self.archived_jobs_prefix())
+    }
+
     /// `<root>/documents/`
     pub fn documents_prefix(&self) -> String {
         format!("{}/documents/", self.root)
@@ -205,6 +216,12 @@ mod tests {
             k.job(JobId::from_u128(0xa1)),
             "/scd/v1/jobs/000000000000000000000000000000a1"
         );
+        assert_eq!(
+            k.archived_job(JobId::from_u128(0xa1)),
+            "/scd/v1/archive/jobs/000000000000000000000000000000a1"
+        );
+        // The live prefix does not hold the archive.
+        assert!(!k.archived_jobs_prefix().starts_with(&k.jobs_prefix()));
         assert_eq!(
             k.election("scheduler").unwrap(),
             "/scd/v1/election/scheduler"

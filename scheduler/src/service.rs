@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 
 use crate::assign::{ExpertSpec, Pools};
 use crate::envelope::{self, EnvelopeError};
-use crate::jobs::JobError;
+use crate::jobs::{ArchiveConfig, JobError, JobStore};
 use crate::keys::{InvalidId, Keys};
 use crate::leader::{Candidate, ElectionConfig, ElectionError, Leadership};
 use crate::membership::{LiveNodes, MembershipError};
@@ -49,8 +49,10 @@ pub struct SchedulerConfig {
     pub default_pool_size: usize,
     /// Reconcile at least this often.
     pub reconcile_every: Duration,
-    /// How long finished job records are kept.
+    /// How long finished job records are kept (live or archived), since their last update.
     pub retention: Duration,
+    /// When finished records move to the archive, and how many it keeps.
+    pub archive: ArchiveConfig,
     /// The bound on unfinished jobs in the cluster (see [`crate::admission`]).
     pub max_unfinished_jobs: u64,
     /// How long a queued job may wait while no live node hosts its expert before it fails
@@ -70,6 +72,7 @@ impl Default for SchedulerConfig {
             default_pool_size: 2,
             reconcile_every: Duration::from_secs(2),
             retention: Duration::from_secs(24 * 3600),
+            archive: ArchiveConfig::default(),
             max_unfinished_jobs: crate::admission::DEFAULT_LIMIT,
             orphan_grace: Duration::from_secs(30),
             election: ElectionConfig::default(),
@@ -125,6 +128,8 @@ pub struct ReconcileReport {
     pub jobs_failed: usize,
     /// Finished records removed.
     pub jobs_swept: usize,
+    /// Finished records moved to the archive.
+    pub jobs_archived: usize,
 }
 
 /// Reads every pool.
@@ -229,6 +234,11 @@ async fn run(
     let mut leadership = candidate.subscribe();
     let mut members = nodes.subscribe();
     let mut job_events = None;
+    let jobs = JobStore::new(store.clone(), keys.clone());
+    // The archive is swept on the first pass as leader, then every `sweep_every` (sooner when
+    // the retention age is shorter); a failed sweep is tried again on the next pass.
+    let sweep_every = config.archive.sweep_every.min(config.retention);
+    let mut last_sweep: Option<tokio::time::Instant> = None;
     loop {
         let current = leadership.borrow_and_update().clone();
         let guard = match current {
@@ -256,6 +266,25 @@ async fn run(
             Ok(_) => {}
             Err(SchedulerError::NotLeader) => tracing::info!("lost leadership during a pass"),
             Err(e) => tracing::warn!(error = %e, "reconciliation failed; retrying"),
+        }
+        if last_sweep.is_none_or(|at| at.elapsed() >= sweep_every) {
+            let swept = jobs
+                .sweep_archive(
+                    crate::jobs::now_ms(),
+                    config.retention,
+                    config.archive.max_records,
+                    Some(&guard),
+                )
+                .await;
+            match swept {
+                Ok(n) => {
+                    last_sweep = Some(tokio::time::Instant::now());
+                    if n > 0 {
+                        tracing::info!(removed = n, "archived job records past the retention");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "sweeping the job archive failed; retrying"),
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(config.reconcile_every) => {}

@@ -313,6 +313,7 @@ fn scheduler_config(retention: Duration) -> SchedulerConfig {
         default_pool_size: 2,
         reconcile_every: Duration::from_millis(200),
         retention,
+        archive: Default::default(),
         max_unfinished_jobs: 256,
         orphan_grace: Duration::from_secs(30),
         election: ElectionConfig { ttl: TTL },

@@ -12,7 +12,7 @@ use super::{read_pools, PoolRecord, ReconcileReport, SchedulerConfig, SchedulerE
 use crate::admission;
 use crate::assign::{choose_consumer, choose_producer, compute_pools, ExpertSpec, Pools};
 use crate::envelope;
-use crate::jobs::{now_ms, Blame, JobError, JobRecord, JobStore, ModeFallback};
+use crate::jobs::{now_ms, Blame, JobError, JobRecord, JobStore, ModeFallback, Retired};
 use crate::keys::Keys;
 use crate::leader::LeaderGuard;
 use crate::membership::{NodeInfo, NodeMap};
@@ -24,8 +24,10 @@ use crate::translators::TranslatorRegistry;
 ///
 /// The pass's steps, in order: the pools (written where they changed, removed where their
 /// expert is gone); the job listing, with the admission count recounted from it; each listed
-/// job in turn (a lost attempt abandoned, an orphan failed, a queued job assigned); the
-/// finished records past their retention.
+/// job in turn (a lost attempt abandoned, an orphan failed, a queued job assigned); each
+/// listed finished record moved to the archive once `config.archive.after` has passed, or
+/// removed past the retention age ([`JobStore::retire`]). The archive itself is swept by the
+/// replica's loop, not by a pass ([`JobStore::sweep_archive`]).
 pub async fn reconcile(
     store: &Arc<dyn MetaStore>,
     keys: &Keys,
@@ -43,11 +45,25 @@ pub async fn reconcile(
 
     let mut pass = JobPass::new(store, keys, guard, nodes, experts, config);
     let listing = pass.list_and_recount().await?;
-    for (job, _) in listing {
+    for (job, revision) in listing {
         pass.reconcile_job(&job, &pools, &mut report).await?;
+        let retired = pass
+            .jobs
+            .retire(
+                &job,
+                revision,
+                now_ms(),
+                config.retention,
+                &config.archive,
+                Some(guard),
+            )
+            .await?;
+        match retired {
+            Retired::Archived => report.jobs_archived += 1,
+            Retired::Removed => report.jobs_swept += 1,
+            Retired::Kept => {}
+        }
     }
-
-    report.jobs_swept = pass.jobs.sweep_finished(now_ms(), config.retention).await?;
     Ok(report)
 }
 
