@@ -21,7 +21,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::fmt;
 use std::fs;
 use std::net::SocketAddr;
-use std::num::NonZeroUsize;
+use std::num::{NonZeroU64, NonZeroUsize};
 use std::path::{Path, PathBuf};
 
 use scd_models::expert::ADAPTER_FILE;
@@ -471,6 +471,16 @@ pub struct Limits {
     /// a retry hint. Read by the scheduler role (the leader's value is the one in force).
     /// Default 256.
     pub unfinished_jobs: NonZeroUsize,
+    /// Seconds a finished job's record stays among the live ones (where clients following it
+    /// and the nodes see it end) before the scheduler moves it to the archive, which no job
+    /// listing of the scheduler or the nodes reads. Read by the scheduler role. Default 60.
+    pub archive_finished_after_s: u64,
+    /// Hours a finished job's record is kept at all, live or archived. Read by the scheduler
+    /// role. Default 24.
+    pub finished_jobs_max_age_h: NonZeroU64,
+    /// Archived job records kept at most; the oldest go first. Read by the scheduler role.
+    /// Default 10000.
+    pub archived_jobs_max: usize,
 }
 
 impl Default for Limits {
@@ -482,6 +492,9 @@ impl Default for Limits {
             frames_in_flight: nonzero(TransportOptions::default().send_queue_frames),
             prefix_cache_mib: 256,
             unfinished_jobs: nonzero(256),
+            archive_finished_after_s: 60,
+            finished_jobs_max_age_h: NonZeroU64::new(24).unwrap_or(NonZeroU64::MIN),
+            archived_jobs_max: 10_000,
         }
     }
 }

@@ -232,6 +232,14 @@ impl Node {
                     &id,
                     SchedulerConfig {
                         max_unfinished_jobs: config.limits.unfinished_jobs.get() as u64,
+                        retention: Duration::from_secs(
+                            config.limits.finished_jobs_max_age_h.get().saturating_mul(3600),
+                        ),
+                        archive: scd_scheduler::ArchiveConfig {
+                            after: Duration::from_secs(config.limits.archive_finished_after_s),
+                            max_records: config.limits.archived_jobs_max,
+                            ..scd_scheduler::ArchiveConfig::default()
+                        },
                         ..SchedulerConfig::default()
                     },
                 )
