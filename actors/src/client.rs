@@ -350,7 +350,11 @@ impl ClusterClient {
         let wait = async {
             loop {
                 let Some(kv) = self.store.get(&key).await? else {
-                    return Err(ClientError::Gone(id));
+                    // A finished job's record moves to the archive after a while.
+                    return match self.jobs.get(id).await? {
+                        Some(job) if job.state.is_finished() => Ok(job),
+                        _ => Err(ClientError::Gone(id)),
+                    };
                 };
                 let job: JobRecord = scd_scheduler::envelope::decode(&kv.key, &kv.value)
                     .map_err(RecordError::from)?;
@@ -393,7 +397,14 @@ impl ClusterClient {
         };
         loop {
             let Some(kv) = self.store.get(&key).await? else {
-                return Err(ClientError::Gone(id));
+                // A finished job's record moves to the archive after a while.
+                return match self.jobs.get(id).await? {
+                    Some(job) if job.state.is_finished() => {
+                        on_change(&job);
+                        Ok(job)
+                    }
+                    _ => Err(ClientError::Gone(id)),
+                };
             };
             let job = read(&kv)?;
             on_change(&job);

@@ -2,13 +2,18 @@
 //! (`/metrics`): the jobs this node finished per side and outcome, the jobs it works on, time
 //! to first token per mode and expert, stage latencies, code bytes sent and received, actor
 //! restarts, the translator versions it serves (and those it could not load), the producer's
-//! prefix cache (lookups by result, tokens reused, size), the work waiting on it, and the cluster's jobs by state as the store
-//! has them when scraped.
+//! prefix cache (lookups by result, tokens reused, size), the work waiting on it, and the
+//! cluster's live jobs by state. A scrape lists nothing from the store: the cluster's jobs come
+//! from [`ClusterJobs`], the index the node's job follower keeps from its listing and watch.
 //!
 //! The types and the encoding are those of `prometheus-client`, the official Rust client; this
 //! file only names the metrics and records into them.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
+use scd_scheduler::{JobId, JobRecord, JobState};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -131,6 +136,9 @@ pub struct NodeMetrics {
     pub shadow_checks: Family<ExpertLabels, Counter>,
     /// The drift guard's mean KL over its window, per expert and translator version.
     pub shadow_kl: Family<TranslatorLabels, Gauge<f64, AtomicU64>>,
+    /// The cluster's live jobs as the job follower sees them (what `cluster_jobs` and `queues`
+    /// are set from at a scrape).
+    pub cluster: ClusterJobs,
     restarts: Gauge<u64, AtomicU64>,
     decode_steps: Gauge<u64, AtomicU64>,
     decode_rows: Gauge<u64, AtomicU64>,
@@ -197,7 +205,7 @@ impl NodeMetrics {
         let cluster_jobs = Family::<StateLabels, Gauge>::default();
         registry.register(
             "cluster_jobs",
-            "Job records in the cluster's store by state, when scraped",
+            "Live job records in the cluster's store by state (archived ones not counted), as this node's job follower last saw them",
             cluster_jobs.clone(),
         );
         let translator_load_failures = Counter::default();
@@ -302,7 +310,23 @@ impl NodeMetrics {
             decodes,
             shadow_checks,
             shadow_kl,
+            cluster: ClusterJobs::default(),
             restarts,
+        }
+    }
+
+    /// Sets `cluster_jobs` from the job follower's index.
+    pub fn set_cluster_jobs(&self) {
+        let counts = self.cluster.by_state();
+        self.cluster_jobs.clear();
+        for state in JobState::ALL {
+            let labels = StateLabels {
+                state: state.to_string(),
+            };
+            let n = counts.get(&state).copied().unwrap_or(0);
+            self.cluster_jobs
+                .get_or_create(&labels)
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 
@@ -404,4 +428,76 @@ impl NodeMetrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+/// The cluster's live job records as a node's job follower sees them: its listing, then every
+/// change its watch reports. Only what the metrics need is kept (the prompt, outputs and
+/// timings are dropped), so a scrape neither reads the store nor holds whole records.
+#[derive(Debug, Default)]
+pub struct ClusterJobs {
+    jobs: Mutex<HashMap<JobId, JobRecord>>,
+}
+
+impl ClusterJobs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, JobRecord>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets everything (before a fresh listing is put in).
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// A record written (created or changed).
+    pub fn put(&self, job: &JobRecord) {
+        self.lock().insert(job.id, slim(job));
+    }
+
+    /// A record deleted from the live prefix (archived or removed), by its key.
+    pub fn remove_key(&self, key: &str) {
+        let id = key
+            .rsplit('/')
+            .next()
+            .and_then(|id| id.parse::<JobId>().ok());
+        if let Some(id) = id {
+            self.lock().remove(&id);
+        }
+    }
+
+    /// How many live records are in each state.
+    pub fn by_state(&self) -> BTreeMap<JobState, usize> {
+        let mut counts = BTreeMap::new();
+        for job in self.lock().values() {
+            *counts.entry(job.state).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// The kept records (slimmed), for counts such as the work waiting on this node.
+    pub fn records(&self) -> Vec<JobRecord> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// How many records it holds.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A record with only the fields the counts read.
+fn slim(job: &JobRecord) -> JobRecord {
+    let mut slim = JobRecord::new(job.id, job.expert.clone(), job.mode, job.max_attempts);
+    slim.state = job.state;
+    slim.producer = job.producer.clone();
+    slim.consumer = job.consumer.clone();
+    slim.attempts = job.attempts;
+    slim.history.clear();
+    slim.created_at_ms = job.created_at_ms;
+    slim.updated_at_ms = job.updated_at_ms;
+    slim
 }

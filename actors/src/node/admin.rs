@@ -198,7 +198,7 @@ async fn cancel(
     .await
 }
 
-/// Most jobs an `Inspect` of `jobs` lists (the newest first).
+/// Most jobs an `Inspect` of `jobs` lists (the newest first, live and archived).
 const MAX_LISTED_JOBS: usize = 200;
 
 /// Reads the cluster's state for an operator: `nodes`, `pools`, `jobs` (newest first, with
@@ -227,6 +227,7 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
             serde_json::to_value(pools).map_err(|e| internal(e.to_string()))?
         }
         "jobs" => {
+            // The live records, then the archived ones (both listed in pages).
             let mut jobs: Vec<JobRecord> = work
                 .jobs
                 .list()
@@ -235,6 +236,12 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
                 .into_iter()
                 .map(|(j, _)| j)
                 .collect();
+            let archived = work
+                .jobs
+                .list_archived()
+                .await
+                .map_err(|e| internal(e.to_string()))?;
+            jobs.extend(archived.into_iter().map(|(j, _)| j));
             jobs.sort_by_key(|j| std::cmp::Reverse(j.created_at_ms));
             jobs.truncate(MAX_LISTED_JOBS);
             let list: Vec<serde_json::Value> = jobs

@@ -1100,8 +1100,10 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
                 continue;
             }
         };
+        work.metrics.cluster.clear();
         for kv in &listing.kvs {
             if let Ok(job) = scd_scheduler::envelope::decode::<JobRecord>(&kv.key, &kv.value) {
+                work.metrics.cluster.put(&job);
                 work.on_record(job);
             }
         }
@@ -1124,11 +1126,15 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
                         &event.kv.key,
                         &event.kv.value,
                     ) {
-                        Ok(job) => work.on_record(job),
+                        Ok(job) => {
+                            work.metrics.cluster.put(&job);
+                            work.on_record(job)
+                        }
                         Err(e) => tracing::warn!(error = %e, "unreadable job record"),
                     }
                 }
-                Some(Ok(_)) => {}
+                // Archived or removed: gone from the live jobs the metrics count.
+                Some(Ok(event)) => work.metrics.cluster.remove_key(&event.kv.key),
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "the job watch failed; listing again");
                     break;

@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{NodeConfig, NodeRole};
 use crate::decode_loop::DecodeLoop;
 use crate::job::PipelineOptions;
-use crate::metrics::{NodeMetrics, QueueLabels, StateLabels};
+use crate::metrics::{NodeMetrics, QueueLabels};
 use crate::prefix_cache::PrefixCache;
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
@@ -233,7 +233,11 @@ impl Node {
                     SchedulerConfig {
                         max_unfinished_jobs: config.limits.unfinished_jobs.get() as u64,
                         retention: Duration::from_secs(
-                            config.limits.finished_jobs_max_age_h.get().saturating_mul(3600),
+                            config
+                                .limits
+                                .finished_jobs_max_age_h
+                                .get()
+                                .saturating_mul(3600),
                         ),
                         archive: scd_scheduler::ArchiveConfig {
                             after: Duration::from_secs(config.limits.archive_finished_after_s),
@@ -643,8 +647,9 @@ fn readiness(work: &Work) -> Result<String, String> {
     ))
 }
 
-/// Serves `/metrics` until the node stops; each scrape counts the cluster's jobs by state
-/// first. Beside it, the probes: `/livez` (200 while the node runs) and `/readyz` (200 when
+/// Serves `/metrics` until the node stops; each scrape sets the cluster's jobs by state from
+/// the job follower's index, never listing the store. Beside it, the probes: `/livez` (200
+/// while the node runs) and `/readyz` (200 when
 /// [`readiness`] says so, else 503 with the reason).
 async fn serve_metrics(
     work: Arc<Work>,
@@ -660,33 +665,23 @@ async fn serve_metrics(
         async move {
             let m = &work.metrics;
             m.set_restarts(restarts.load(Ordering::SeqCst));
-            match work.jobs.list().await {
-                Ok(jobs) => {
-                    m.cluster_jobs.clear();
-                    for state in scd_scheduler::JobState::ALL {
-                        let n = jobs.iter().filter(|(j, _)| j.state == state).count();
-                        let labels = StateLabels {
-                            state: state.to_string(),
-                        };
-                        m.cluster_jobs.get_or_create(&labels).set(n as i64);
-                    }
-                    if let Some(cache) = &work.prefix_cache {
-                        let s = cache.stats();
-                        m.prefix_cache_bytes.set(s.bytes as i64);
-                        m.prefix_cache_blocks.set(s.blocks as i64);
-                    }
-                    if let Some(decode) = &work.decode_loop {
-                        m.set_decode(decode.stats());
-                    }
-                    let (producer, consumer) = work.waiting(jobs.iter().map(|(j, _)| j));
-                    for (queue, n) in [("producer", producer), ("consumer", consumer)] {
-                        let labels = QueueLabels {
-                            queue: queue.into(),
-                        };
-                        m.queues.get_or_create(&labels).set(n as i64);
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "counting the cluster's jobs failed"),
+            // No listing here: the counts come from the job follower's index.
+            m.set_cluster_jobs();
+            if let Some(cache) = &work.prefix_cache {
+                let s = cache.stats();
+                m.prefix_cache_bytes.set(s.bytes as i64);
+                m.prefix_cache_blocks.set(s.blocks as i64);
+            }
+            if let Some(decode) = &work.decode_loop {
+                m.set_decode(decode.stats());
+            }
+            let jobs = m.cluster.records();
+            let (producer, consumer) = work.waiting(jobs.iter());
+            for (queue, n) in [("producer", producer), ("consumer", consumer)] {
+                let labels = QueueLabels {
+                    queue: queue.into(),
+                };
+                m.queues.get_or_create(&labels).set(n as i64);
             }
             (
                 [(
