@@ -70,7 +70,12 @@ pub struct EtcdServer {
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
+    compaction_retention: String,
 }
+
+/// The history the test etcd keeps: auto-compaction as in every shipped etcd config
+/// (`--auto-compaction-mode=periodic`), so a long run's database stays bounded.
+pub const COMPACTION_RETENTION: &str = "5m";
 
 /// How long to wait for etcd to answer after starting it.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -87,6 +92,21 @@ impl EtcdServer {
     /// Starts etcd on the given loopback ports and waits until it answers. Fails with
     /// [`EtcdServerError::Foreign`] if another etcd answers on `client_port`.
     pub async fn start_on(client_port: u16, peer_port: u16) -> Result<Self, EtcdServerError> {
+        Self::start_with(client_port, peer_port, COMPACTION_RETENTION).await
+    }
+
+    /// Starts etcd on free loopback ports, compacting its history periodically down to the
+    /// last `retention` (etcd's duration syntax, such as `1m`; below an hour etcd compacts
+    /// every `retention`).
+    pub async fn start_compacting(retention: &str) -> Result<Self, EtcdServerError> {
+        Self::start_with(free_port()?, free_port()?, retention).await
+    }
+
+    async fn start_with(
+        client_port: u16,
+        peer_port: u16,
+        retention: &str,
+    ) -> Result<Self, EtcdServerError> {
         let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
         let dir = tempfile::Builder::new().prefix("scd-etcd-").tempdir()?;
         let mut server = Self {
@@ -96,6 +116,7 @@ impl EtcdServer {
             client_port,
             peer_port,
             child: None,
+            compaction_retention: retention.to_string(),
         };
         server.spawn().await?;
         Ok(server)
@@ -190,6 +211,10 @@ impl EtcdServer {
             .arg(format!("{}={peer}", self.name))
             .arg("--initial-cluster-state")
             .arg("new")
+            .arg("--auto-compaction-mode")
+            .arg("periodic")
+            .arg("--auto-compaction-retention")
+            .arg(&self.compaction_retention)
             .arg("--logger")
             .arg("zap")
             .arg("--log-level")
