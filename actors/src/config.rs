@@ -481,6 +481,13 @@ pub struct Limits {
     /// Archived job records kept at most; the oldest go first. Read by the scheduler role.
     /// Default 10000.
     pub archived_jobs_max: usize,
+    /// The deadline of a job's attempt, before its tokens, in seconds: past
+    /// `attempt_base_s + attempt_ms_per_token × max_tokens` from its assignment the scheduler
+    /// abandons the attempt (back to the queue, or failed once out of attempts). Read by the
+    /// scheduler role. Default 300.
+    pub attempt_base_s: u64,
+    /// Milliseconds an attempt's deadline grows per token the job may generate. Default 1000.
+    pub attempt_ms_per_token: u64,
 }
 
 impl Default for Limits {
@@ -495,6 +502,8 @@ impl Default for Limits {
             archive_finished_after_s: 60,
             finished_jobs_max_age_h: NonZeroU64::new(24).unwrap_or(NonZeroU64::MIN),
             archived_jobs_max: 10_000,
+            attempt_base_s: 300,
+            attempt_ms_per_token: 1000,
         }
     }
 }

@@ -65,7 +65,7 @@ pub use models::{ModelRecord, ModelRegistry};
 pub use scd_types::{
     JobId, JobRequest, JobResult, JobState, Mode, Ranks, StageSpan, TraceContext, TranslatorHash,
 };
-pub use service::{Scheduler, SchedulerConfig, SchedulerError};
+pub use service::{AttemptDeadline, Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
 pub use translators::{
     check_translator, ActiveTranslator, Degraded, PairTranslators, StaleTranslator,

@@ -46,6 +46,16 @@ pub struct NodeInfo {
     /// Ids of the documents it holds compiled by that writer version.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub documents: Vec<String>,
+    /// This incarnation of the node: stamped by [`Registration::register`] (the id of the
+    /// first lease it was granted) and kept across its re-registrations, so a node restarted
+    /// under the same id within the old lease's TTL shows a new epoch, and the jobs recorded
+    /// under the old one are known to be lost. `0`: unknown (a record from before epochs).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl NodeInfo {
@@ -61,6 +71,7 @@ impl NodeInfo {
             prefix_hashes: Vec::new(),
             document_writer: None,
             documents: Vec::new(),
+            epoch: 0,
         }
     }
 }
@@ -166,15 +177,21 @@ impl std::fmt::Debug for Registration {
 }
 
 impl Registration {
-    /// Grants a lease, writes the node key under it and starts renewing.
+    /// Grants a lease, writes the node key under it and starts renewing. An `info` without an
+    /// [`NodeInfo::epoch`] gets the lease's id as its epoch: each call is a new incarnation
+    /// (re-registrations after a lost lease keep the epoch).
     pub async fn register(
         store: Arc<dyn MetaStore>,
         keys: &Keys,
-        info: NodeInfo,
+        mut info: NodeInfo,
         config: RegistrationConfig,
     ) -> Result<Self, MembershipError> {
         let key = keys.node(&info.id)?;
         let lease = store.grant_lease(config.ttl).await?;
+        if info.epoch == 0 {
+            // Lease ids are unique while the store lives and never 0 (0 is "no lease").
+            info.epoch = lease.id.unsigned_abs().max(1);
+        }
         let (lease_tx, _) = watch::channel(lease.id);
         let (events, _) = broadcast::channel(64);
         let shared = Arc::new(RegShared {
@@ -196,6 +213,11 @@ impl Registration {
     /// The node id.
     pub fn node_id(&self) -> String {
         self.shared.info().id
+    }
+
+    /// This incarnation's epoch ([`NodeInfo::epoch`]).
+    pub fn epoch(&self) -> u64 {
+        self.shared.info().epoch
     }
 
     /// The lease the node key is under now.
@@ -223,10 +245,11 @@ impl Registration {
     pub async fn update(&self, change: impl FnOnce(&mut NodeInfo)) -> Result<(), MembershipError> {
         {
             let mut info = self.shared.info.lock().unwrap_or_else(|p| p.into_inner());
-            let id = info.id.clone();
+            let (id, epoch) = (info.id.clone(), info.epoch);
             change(&mut info);
-            // The key is derived from the id; it cannot move.
+            // The key is derived from the id; it cannot move. The epoch is the incarnation's.
             info.id = id;
+            info.epoch = epoch;
         }
         match self.shared.write(self.lease()).await {
             // The renewal task notices the loss and re-registers with the new info.

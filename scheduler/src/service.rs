@@ -63,6 +63,40 @@ pub struct SchedulerConfig {
     /// The mode a `reuse` / `scd` job runs in while its pair's live translator is marked
     /// degraded (the drift guard).
     pub degraded_fallback: Mode,
+    /// How long an attempt may run before the scheduler abandons it.
+    pub attempt_deadline: AttemptDeadline,
+}
+
+/// The bound on one attempt of a job, from its assignment: `base` plus `per_token` for each
+/// token the job may generate. Past it the scheduler abandons the attempt (handed back to the
+/// queue, or failed once out of attempts), so an attempt whose nodes went silent, or whose
+/// final write was lost, cannot hold its admission slot for ever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttemptDeadline {
+    /// Time for everything before the tokens: the claim, the prefill, the transfer, the wait
+    /// for a decoder.
+    pub base: Duration,
+    /// Time per token of the job's `max_tokens`.
+    pub per_token: Duration,
+}
+
+impl AttemptDeadline {
+    /// The bound for an attempt that may generate `max_tokens` tokens.
+    pub fn for_tokens(&self, max_tokens: u32) -> Duration {
+        self.base
+            .saturating_add(self.per_token.saturating_mul(max_tokens))
+    }
+}
+
+impl Default for AttemptDeadline {
+    /// 300 s plus 1 s per token: generous for a CPU model decoding a few tokens a second under
+    /// load, and still a bound.
+    fn default() -> Self {
+        Self {
+            base: Duration::from_secs(300),
+            per_token: Duration::from_secs(1),
+        }
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -77,6 +111,7 @@ impl Default for SchedulerConfig {
             orphan_grace: Duration::from_secs(30),
             election: ElectionConfig::default(),
             degraded_fallback: Mode::Raw,
+            attempt_deadline: AttemptDeadline::default(),
         }
     }
 }
@@ -130,6 +165,9 @@ pub struct ReconcileReport {
     pub jobs_swept: usize,
     /// Finished records moved to the archive.
     pub jobs_archived: usize,
+    /// Attempts abandoned because they passed their deadline (also counted as retried or
+    /// failed).
+    pub attempts_expired: usize,
 }
 
 /// Reads every pool.

@@ -318,6 +318,7 @@ fn scheduler_config(retention: Duration) -> SchedulerConfig {
         orphan_grace: Duration::from_secs(30),
         election: ElectionConfig { ttl: TTL },
         degraded_fallback: Mode::Raw,
+        attempt_deadline: Default::default(),
     }
 }
 

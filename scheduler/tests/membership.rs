@@ -38,7 +38,9 @@ async fn nodes_and_updates_are_seen(b: Backend) {
     let r1 = register(&b, "n1").await;
     let r2 = register(&b, "n2").await;
     live.wait_for(|m| m.len() == 2).await;
-    assert_eq!(live.snapshot()["n1"], node("n1"));
+    assert_eq!(live.snapshot()["n1"], r1.info());
+    assert_ne!(r1.epoch(), 0);
+    assert_ne!(r1.epoch(), r2.epoch());
     r2.update(|n| {
         n.load = 3;
         n.prefix_hashes = vec!["h0".into()];

@@ -237,36 +237,30 @@ impl<'a> JobPass<'a> {
         self.assign(job, pool, fallback, report).await
     }
 
-    /// If `job`'s attempt cannot finish because its producer or consumer left
-    /// ([`lost_party`], checked again on the fresh record), sends it back to the queue or, out
-    /// of attempts, fails it, and counts which. Returns whether the job is queued now (the
-    /// listing's state where nothing was lost).
+    /// If `job`'s attempt cannot finish ([`lost_attempt`]: its producer or consumer left or
+    /// restarted, or it passed its deadline; checked again on the fresh record), sends it back
+    /// to the queue or, out of attempts, fails it, and counts which. Returns whether the job is
+    /// queued now (the listing's state where nothing was lost).
     async fn abandon_lost_attempt(
         &self,
         job: &JobRecord,
         report: &mut ReconcileReport,
     ) -> Result<bool, SchedulerError> {
         let nodes = self.nodes;
-        let lost = lost_party(
-            &job.state,
-            job.producer.as_deref(),
-            job.consumer.as_deref(),
-            nodes,
-        );
-        let Some((reason, _)) = lost else {
+        let Some(lost) = lost_attempt(job, nodes, now_ms()) else {
             return Ok(job.state == JobState::Queued);
         };
+        let mut expired = false;
         let updated = self
             .jobs
             .update_as_leader(job.id, self.guard, |j| {
                 // Re-check on the fresh record: someone may have moved it on meanwhile.
-                match lost_party(
-                    &j.state,
-                    j.producer.as_deref(),
-                    j.consumer.as_deref(),
-                    nodes,
-                ) {
-                    Some((reason, blame)) => j.retry(&reason, blame, now_ms()),
+                expired = false;
+                match lost_attempt(j, nodes, now_ms()) {
+                    Some(lost) => {
+                        expired = lost.expired;
+                        j.retry(&lost.reason, lost.blame, now_ms())
+                    }
                     None => Ok(()),
                 }
             })
@@ -277,7 +271,10 @@ impl<'a> JobPass<'a> {
             JobState::Failed => report.jobs_failed += 1,
             _ => {}
         }
-        tracing::info!(job = %job.id, reason, state = %updated.state, "job attempt abandoned");
+        if expired {
+            report.attempts_expired += 1;
+        }
+        tracing::info!(job = %job.id, reason = lost.reason, state = %updated.state, "job attempt abandoned");
         Ok(updated.state == JobState::Queued)
     }
 
@@ -385,10 +382,22 @@ impl<'a> JobPass<'a> {
                     Vec::new()
                 };
                 let documents = j.request.as_ref().map_or(&[][..], |r| &r.documents[..]);
-                match choose_producer(pool, view, &j.prefix_hashes, documents, &excluded) {
-                    Some(choice) => j.assign(&choice.producer, &consumer, now_ms()),
-                    None => Ok(()),
-                }
+                let Some(choice) =
+                    choose_producer(pool, view, &j.prefix_hashes, documents, &excluded)
+                else {
+                    return Ok(());
+                };
+                let now = now_ms();
+                j.assign(&choice.producer, &consumer, now)?;
+                // The incarnations this attempt is given to, and how long it may take.
+                let epoch = |id: &str| view.get(id).map(|n| n.epoch).filter(|e| *e != 0);
+                j.producer_epoch = epoch(&choice.producer);
+                j.consumer_epoch = epoch(&consumer);
+                let max_tokens = j.request.as_ref().map_or(0, |r| r.max_tokens);
+                let bound = config.attempt_deadline.for_tokens(max_tokens);
+                j.attempt_deadline_ms =
+                    Some(now.saturating_add(u64::try_from(bound.as_millis()).unwrap_or(u64::MAX)));
+                Ok(())
             })
             .await
             .map_err(leader_only)?;
@@ -454,31 +463,86 @@ async fn degraded_pair(
     Ok(reason)
 }
 
-/// Why a running job's attempt cannot finish, if it cannot, and which node is to blame.
-fn lost_party(
-    state: &JobState,
-    producer: Option<&str>,
-    consumer: Option<&str>,
-    nodes: &NodeMap,
-) -> Option<(String, Blame)> {
+/// Why a running job's attempt cannot finish, and which node is to blame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LostAttempt {
+    /// As the record shows it.
+    reason: String,
+    /// Whose fault.
+    blame: Blame,
+    /// Whether the attempt passed its deadline (rather than losing a node).
+    expired: bool,
+}
+
+/// Why `job`'s running attempt cannot finish, if it cannot: a party it still needs is not
+/// among `nodes`, or is there under another epoch than the one the attempt was given to (it
+/// restarted under the same id: its new incarnation knows nothing of the attempt), or the
+/// attempt is past its deadline at `now_ms`.
+fn lost_attempt(job: &JobRecord, nodes: &NodeMap, now_ms: u64) -> Option<LostAttempt> {
+    let lost = |reason: String, blame| {
+        Some(LostAttempt {
+            reason,
+            blame,
+            expired: false,
+        })
+    };
     // Once decoding, the consumer holds everything: the producer no longer matters.
     let needs_producer = matches!(
-        state,
+        job.state,
         JobState::Assigned | JobState::Prefilling | JobState::Transferring
     );
-    if needs_producer {
-        match producer {
-            Some(p) if nodes.contains_key(p) => {}
-            Some(p) => return Some((format!("producer {p} left the cluster"), Blame::Producer)),
-            None => return Some(("no producer recorded".to_string(), Blame::Nobody)),
+    let parties = [
+        (
+            needs_producer,
+            "producer",
+            &job.producer,
+            job.producer_epoch,
+            Blame::Producer,
+        ),
+        (
+            job.state.is_running(),
+            "consumer",
+            &job.consumer,
+            job.consumer_epoch,
+            Blame::Consumer,
+        ),
+    ];
+    for (needed, side, node, epoch, blame) in parties {
+        if !needed {
+            continue;
+        }
+        let Some(id) = node else {
+            return lost(format!("no {side} recorded"), Blame::Nobody);
+        };
+        match (nodes.get(id), epoch) {
+            (None, _) => return lost(format!("{side} {id} left the cluster"), blame),
+            (Some(n), Some(e)) if n.epoch != 0 && n.epoch != e => {
+                return lost(
+                    format!("{side} {id} restarted (epoch {e}, now {})", n.epoch),
+                    blame,
+                )
+            }
+            _ => {}
         }
     }
-    if state.is_running() {
-        match consumer {
-            Some(c) if nodes.contains_key(c) => {}
-            Some(c) => return Some((format!("consumer {c} left the cluster"), Blame::Consumer)),
-            None => return Some(("no consumer recorded".to_string(), Blame::Nobody)),
-        }
+    let deadline = job.attempt_deadline_ms.filter(|_| job.state.is_running())?;
+    if now_ms < deadline {
+        return None;
     }
-    None
+    let blame = match job.state {
+        JobState::Assigned | JobState::Prefilling => Blame::Producer,
+        JobState::Decoding => Blame::Consumer,
+        _ => Blame::Nobody,
+    };
+    let over = Duration::from_millis(now_ms.saturating_sub(deadline));
+    Some(LostAttempt {
+        reason: format!(
+            "attempt {} passed its deadline in state {} ({}s over)",
+            job.attempts,
+            job.state,
+            over.as_secs()
+        ),
+        blame,
+        expired: true,
+    })
 }
