@@ -5,7 +5,7 @@
 //! ([`Attempt::hand_back`], [`ProducerHalf::claim`], ...) are pure functions over a
 //! [`JobRecord`], applied by the caller as one compare-and-swap.
 //!
-//! The node's async driver (`node::work`) feeds every event it sees here and carries out the
+//! The node's async driver (`node::jobs`) feeds every event it sees here and carries out the
 //! action it gets back; it decides nothing itself. That keeps the rules testable without a
 //! runtime, a store or a socket (the tests below), as `scd_transport::session` does for the job
 //! stream.
@@ -25,6 +25,32 @@ pub const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 /// before it hands the attempt back (a consumer records within milliseconds; this only delays
 /// the retry of a job whose consumer never took it).
 pub const CONSUMER_GRACE: Duration = Duration::from_secs(10);
+
+/// The first wait before a final write that did not land is tried again ([`retry_final_write`]).
+pub const FINAL_WRITE_FIRST_WAIT: Duration = Duration::from_millis(250);
+
+/// The longest wait between two tries of a final write.
+pub const FINAL_WRITE_MAX_WAIT: Duration = Duration::from_secs(5);
+
+/// Whether a half's final write (its report, a hand-back, a failure) that failed with `error`
+/// after `failures` failed tries is tried again, and after how long: while the store is away
+/// or contended the write is kept (doubling waits from [`FINAL_WRITE_FIRST_WAIT`], at most
+/// [`FINAL_WRITE_MAX_WAIT`]) until it lands; an error that waiting does not cure (no such
+/// record, an unreadable one, a change the state machine refuses) ends it. A write that finds
+/// the attempt fenced (handed to a newer attempt, or ended) changes nothing and lands at once,
+/// so retrying never writes over someone else's attempt.
+pub fn retry_final_write(error: &RecordError, failures: u32) -> Option<Duration> {
+    let curable = match error {
+        RecordError::Store(e) => e.is_transient(),
+        RecordError::Contention { .. } => true,
+        _ => false,
+    };
+    curable.then(|| {
+        FINAL_WRITE_FIRST_WAIT
+            .saturating_mul(1 << failures.min(8))
+            .min(FINAL_WRITE_MAX_WAIT)
+    })
+}
 
 /// Why a job's half could not start on this node.
 #[derive(Debug, thiserror::Error)]
@@ -966,5 +992,39 @@ mod tests {
                 reason: "consumer node-a: this node does not serve expert nope".into()
             }
         );
+    }
+
+    #[test]
+    fn final_writes_are_retried_while_the_store_is_away_and_only_then() {
+        use scd_scheduler::StoreError;
+        let away = RecordError::Store(StoreError::Timeout {
+            op: "txn",
+            after: Duration::from_secs(5),
+        });
+        let waits: Vec<_> = (0..8).map(|n| retry_final_write(&away, n)).collect();
+        assert_eq!(waits[0], Some(FINAL_WRITE_FIRST_WAIT));
+        assert_eq!(waits[1], Some(FINAL_WRITE_FIRST_WAIT * 2));
+        assert!(waits.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(waits[7], Some(FINAL_WRITE_MAX_WAIT));
+        assert_eq!(
+            retry_final_write(&away, u32::MAX),
+            Some(FINAL_WRITE_MAX_WAIT)
+        );
+        let contended = RecordError::Contention {
+            id: JobId::from_u128(1),
+            attempts: 64,
+        };
+        assert!(retry_final_write(&contended, 0).is_some());
+        for hopeless in [
+            RecordError::NotFound(JobId::from_u128(1)),
+            RecordError::InvalidTransition {
+                id: JobId::from_u128(1),
+                from: JobState::Done,
+                to: JobState::Failed,
+            },
+            RecordError::Store(StoreError::Invalid("bad key".into())),
+        ] {
+            assert_eq!(retry_final_write(&hopeless, 0), None, "{hopeless}");
+        }
     }
 }

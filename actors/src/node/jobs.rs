@@ -117,6 +117,36 @@ fn side_labels(side: Side) -> SideLabels {
     }
 }
 
+/// Applies a half's final change (its report, a hand-back, a failure) to `job`'s record, and
+/// keeps trying while the store is away or contended ([`lifecycle::retry_final_write`]) until
+/// it lands, the change finds the attempt fenced (it then writes nothing), or `stop` fires (the
+/// node shutting down: the scheduler's attempt deadline then ends the attempt). Before, a write
+/// that outlasted the job store's own patience was logged and dropped, and the job stayed
+/// running.
+pub(crate) async fn write_final(
+    jobs: &JobStore,
+    job: JobId,
+    stop: &CancellationToken,
+    mut change: impl FnMut(&mut JobRecord) -> Result<(), scd_scheduler::JobError>,
+) -> Result<JobRecord, scd_scheduler::JobError> {
+    let mut failures = 0u32;
+    loop {
+        let error = match jobs.update(job, &mut change).await {
+            Ok(record) => return Ok(record),
+            Err(e) => e,
+        };
+        let Some(wait) = lifecycle::retry_final_write(&error, failures) else {
+            return Err(error);
+        };
+        failures = failures.saturating_add(1);
+        tracing::warn!(%job, error = %error, retry_in = ?wait, failures, "a job's final write did not land; trying again");
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.cancelled() => return Err(error),
+        }
+    }
+}
+
 /// The most document ids a node announces holding (the newest kept): the registration is
 /// rewritten at every change, so it stays small.
 pub(crate) const MAX_ANNOUNCED_DOCUMENTS: usize = 4096;
@@ -336,17 +366,15 @@ impl Work {
                 compiled: d.compiled.clone(),
                 hits: d.hits as u32,
             });
-        let written = self
-            .jobs
-            .update(id, |j| {
-                half.report(j, &report, now_ms(), |j| {
-                    j.layer_bytes = layer_bytes.clone();
-                    j.payload_bytes = report.wire_bytes;
-                    j.cached_prefix_tokens = cached_tokens;
-                    j.documents = documents.clone();
-                })
+        let written = write_final(&self.jobs, id, &self.cancel, |j| {
+            half.report(j, &report, now_ms(), |j| {
+                j.layer_bytes = layer_bytes.clone();
+                j.payload_bytes = report.wire_bytes;
+                j.cached_prefix_tokens = cached_tokens;
+                j.documents = documents.clone();
             })
-            .await;
+        })
+        .await;
         if let Err(e) = written {
             tracing::warn!(job = %id, error = %e, "recording the producer's timings failed");
         }
@@ -742,14 +770,11 @@ impl Work {
             stop: stop_name(&decoded.stop),
         };
         let mut ttft_ms = None;
-        let done = self
-            .jobs
-            .update(id, |j| {
-                ttft_ms =
-                    half.finish(j, &report, &output, &outputs, since_first_token, now_ms())?;
-                Ok(())
-            })
-            .await;
+        let done = write_final(&self.jobs, id, &self.cancel, |j| {
+            ttft_ms = half.finish(j, &report, &output, &outputs, since_first_token, now_ms())?;
+            Ok(())
+        })
+        .await;
         if let Err(e) = done {
             tracing::warn!(job = %id, error = %e, "recording a finished job failed");
         }
@@ -950,17 +975,19 @@ impl Work {
                 tracing::warn!(%job, reason, "job handed back to the queue");
                 self.metrics.finished(side, "handed_back");
                 let now = now_ms();
-                self.jobs
-                    .update(job, |j| attempt.hand_back(j, &reason, blame, now))
-                    .await
+                write_final(&self.jobs, job, &self.cancel, |j| {
+                    attempt.hand_back(j, &reason, blame, now)
+                })
+                .await
             }
             Action::Fail { reason } => {
                 tracing::warn!(%job, reason, "job failed");
                 self.metrics.finished(side, "failed");
                 let now = now_ms();
-                self.jobs
-                    .update(job, |j| attempt.fail(j, &reason, now))
-                    .await
+                write_final(&self.jobs, job, &self.cancel, |j| {
+                    attempt.fail(j, &reason, now)
+                })
+                .await
             }
             other => {
                 tracing::debug!(%job, side, action = ?other, "half ended");
@@ -1017,7 +1044,7 @@ impl Work {
 
 /// The one request check ([`JobRequest::check`]) against the base model this node serves.
 pub(crate) fn check_prompt(served: &Served, request: &JobRequest) -> Result<(), Refusal> {
-    let cfg = served.base.config();
+    let cfg = &served.config;
     let limits = scd_types::ModelLimits {
         context_length: cfg.context_length,
         vocab_size: cfg.vocab_size,
@@ -1142,5 +1169,204 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
                 None => break,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Final writes against a store that refuses writes for a while (a wrapper over the
+    //! embedded store; the real-etcd outage is `tests/faults.rs`). Time is paused: the waits
+    //! pass at once and the test reads the same on any machine.
+
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use scd_scheduler::jobs::Blame;
+    use scd_scheduler::store::{KeyValue, Txn};
+    use scd_scheduler::store::{Lease, LeaseId, Listing, TxnOutcome, WatchStream};
+    use scd_scheduler::{EmbeddedStore, JobError as RecordError, Mode, StoreError};
+    use tokio::time::Instant;
+
+    use super::*;
+
+    /// A store whose transactions fail as if etcd were away until `until`.
+    #[derive(Debug)]
+    struct AwayUntil {
+        inner: Arc<dyn MetaStore>,
+        until: StdMutex<Instant>,
+    }
+
+    #[async_trait]
+    impl MetaStore for AwayUntil {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
+            self.inner.get_prefix(prefix).await
+        }
+        async fn put(
+            &self,
+            key: &str,
+            value: Vec<u8>,
+            lease: Option<LeaseId>,
+        ) -> Result<i64, StoreError> {
+            self.inner.put(key, value, lease).await
+        }
+        async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+            self.inner.delete(key).await
+        }
+        async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
+            let until = *self.until.lock().unwrap_or_else(|p| p.into_inner());
+            if Instant::now() < until {
+                return Err(StoreError::Timeout {
+                    op: "txn",
+                    after: Duration::from_secs(1),
+                });
+            }
+            self.inner.txn(txn).await
+        }
+        async fn grant_lease(&self, ttl: Duration) -> Result<Lease, StoreError> {
+            self.inner.grant_lease(ttl).await
+        }
+        async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, StoreError> {
+            self.inner.keep_alive(lease).await
+        }
+        async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+            self.inner.revoke_lease(lease).await
+        }
+        async fn watch_prefix(
+            &self,
+            prefix: &str,
+            from_revision: i64,
+        ) -> Result<WatchStream, StoreError> {
+            self.inner.watch_prefix(prefix, from_revision).await
+        }
+        async fn compact(&self, revision: i64) -> Result<(), StoreError> {
+            self.inner.compact(revision).await
+        }
+    }
+
+    /// A job in `decoding` on attempt 1 (p1 to c1), the consumer's [`Attempt`] of it, the
+    /// store as everyone else sees it and the job store of a node behind an outage of
+    /// `outage`.
+    async fn decoding_job(outage: Duration) -> (JobId, Attempt, JobStore, JobStore) {
+        let keys = Keys::new("/t");
+        let inner: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
+        let others = JobStore::new(inner.clone(), keys.clone());
+        let id = JobId::from_u128(7);
+        let mut job = JobRecord::new(id, "sotu", Mode::Raw, 3);
+        job.assign("p1", "c1", 1).unwrap();
+        for s in [
+            JobState::Prefilling,
+            JobState::Transferring,
+            JobState::Decoding,
+        ] {
+            job.transition(s, 2).unwrap();
+        }
+        others.create(&job).await.unwrap();
+        let away = Arc::new(AwayUntil {
+            inner,
+            until: StdMutex::new(Instant::now() + outage),
+        });
+        let attempt = Attempt {
+            job: id,
+            attempt: 1,
+            side: Side::Consumer,
+            node: "c1".into(),
+        };
+        (id, attempt, others, JobStore::new(away, keys))
+    }
+
+    /// A minute-long outage outlasts the job store's own patience (about 13 s); the hand-back
+    /// is kept and lands once the store is back.
+    #[tokio::test(start_paused = true)]
+    async fn a_final_write_outlasts_a_long_outage() {
+        let (id, attempt, others, node) = decoding_job(Duration::from_secs(60)).await;
+        let stop = CancellationToken::new();
+        // What the node's job store alone does: it gives up.
+        let dropped = node
+            .update(id, |j| {
+                attempt.hand_back(j, "consumer c1: gone", Blame::Consumer, 3)
+            })
+            .await;
+        assert!(matches!(dropped, Err(RecordError::Store(_))), "{dropped:?}");
+        let started = Instant::now();
+        let landed = write_final(&node, id, &stop, |j| {
+            attempt.hand_back(j, "consumer c1: gone", Blame::Consumer, 3)
+        })
+        .await
+        .unwrap();
+        assert!(started.elapsed() > Duration::ZERO);
+        assert_eq!(landed.state, JobState::Queued);
+        let stored = others.get(id).await.unwrap().unwrap();
+        assert_eq!(
+            (stored.state, stored.failed_consumers),
+            (JobState::Queued, vec!["c1".to_string()])
+        );
+    }
+
+    /// While the node cannot write, the scheduler hands the attempt to another one; the node's
+    /// late write then finds the attempt fenced and changes nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_final_write_leaves_a_newer_attempt_alone() {
+        let (id, attempt, others, node) = decoding_job(Duration::from_secs(60)).await;
+        others
+            .update(id, |j| {
+                j.retry("attempt 1 passed its deadline", Blame::Consumer, 4)?;
+                j.assign("p1", "c2", 5)
+            })
+            .await
+            .unwrap();
+        let newer = others.get(id).await.unwrap().unwrap();
+        let stop = CancellationToken::new();
+        let tokens = JobResult {
+            tokens: vec![1, 2, 3],
+            stop: "length".into(),
+        };
+        let landed = write_final(&node, id, &stop, |j| {
+            if attempt.holds(j) {
+                j.output = Some(tokens.clone());
+                j.transition(JobState::Done, 6)?;
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+        assert_eq!(landed, newer);
+        assert_eq!(others.get(id).await.unwrap().unwrap(), newer);
+    }
+
+    /// A node shutting down stops trying; the scheduler's attempt deadline ends the attempt.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopped_node_stops_trying() {
+        let (id, attempt, others, node) = decoding_job(Duration::from_secs(24 * 3600)).await;
+        let stop = CancellationToken::new();
+        let stopper = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(120)).await;
+            stopper.cancel();
+        });
+        let given_up = write_final(&node, id, &stop, |j| attempt.fail(j, "why", 3)).await;
+        assert!(
+            matches!(given_up, Err(RecordError::Store(_))),
+            "{given_up:?}"
+        );
+        assert_eq!(
+            others.get(id).await.unwrap().unwrap().state,
+            JobState::Decoding
+        );
+    }
+
+    /// An error that waiting does not cure is not retried.
+    #[tokio::test(start_paused = true)]
+    async fn a_hopeless_final_write_is_not_retried() {
+        let (_, attempt, _, node) = decoding_job(Duration::ZERO).await;
+        let stop = CancellationToken::new();
+        let missing = JobId::from_u128(8);
+        let result = write_final(&node, missing, &stop, |j| attempt.fail(j, "why", 3)).await;
+        assert!(
+            matches!(result, Err(RecordError::NotFound(_))),
+            "{result:?}"
+        );
     }
 }
