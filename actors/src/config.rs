@@ -865,24 +865,19 @@ impl NodeConfig {
     fn check_models(&self) -> Result<(), ConfigError> {
         let consumer = self.has_role(NodeRole::Consumer);
         let runs_models = consumer || self.has_role(NodeRole::Producer);
-        let base = self.models.base.is_some();
-        if runs_models && !base {
+        if self.models.base.is_none() {
             return Err(required(
                 "models.base",
-                "by the producer and consumer roles: producers prefill with the base model, \
-                 consumers run each expert on it",
-            ));
-        }
-        if !runs_models && base {
-            return Err(unused(
-                "models.base",
-                "only producers and consumers load models",
+                "by every node: producers prefill with the base model and consumers run each \
+                 expert on it; a node without those roles (gateway, admin, scheduler) reads only \
+                 its tokenizer and hyperparameters, none of its weights",
             ));
         }
         if !runs_models && !self.experts.is_empty() {
             return Err(unused(
                 "experts",
-                "only producers and consumers serve experts",
+                "only producers and consumers serve experts (a gateway, admin or scheduler \
+                 node reads only the base model's tokenizer)",
             ));
         }
         if consumer && self.experts.is_empty() {
@@ -1466,6 +1461,17 @@ frames_in_flight = 16
             "roles = [\"producer\"]",
         );
         parse(&producer_only).unwrap();
+        // The HTTP API alone, in front of a cluster: the base model for its tokenizer.
+        let gateway = no_experts.replace(
+            "roles = [\"producer\", \"consumer\"]",
+            "roles = [\"gateway\", \"admin\"]\nhttp_listen = \"127.0.0.1:8080\"",
+        );
+        let front = parse(&gateway).unwrap();
+        assert_eq!(
+            front.models.base.as_deref(),
+            Some(Path::new("/cfg/models/base.gguf"))
+        );
+        assert!(front.experts.is_empty() && !front.has_role(NodeRole::Producer));
         let cases = [
             (no_experts.clone(), "experts", "required"),
             (
@@ -1504,22 +1510,43 @@ frames_in_flight = 16
                 "node.http_listen",
                 "unused",
             ),
+            // Every node names the base model: the front roles read its tokenizer.
             (
-                VALID.replace("[\"producer\", \"consumer\"]", "[\"scheduler\"]"),
+                no_experts.replace("[\"producer\", \"consumer\"]", "[\"scheduler\"]"),
+                "",
+                "ok",
+            ),
+            (
+                no_experts.replace("[\"producer\", \"consumer\"]", "[\"admin\"]"),
+                "",
+                "ok",
+            ),
+            (gateway.clone(), "", "ok"),
+            (
+                gateway.replace("base = \"models/base.gguf\"", ""),
                 "models.base",
-                "unused",
+                "required",
             ),
             (
                 no_experts
                     .replace("[\"producer\", \"consumer\"]", "[\"admin\"]")
                     .replace("base = \"models/base.gguf\"", ""),
-                "",
-                "ok",
+                "models.base",
+                "required",
+            ),
+            // ... and serves no expert.
+            (
+                VALID.replace("[\"producer\", \"consumer\"]", "[\"admin\"]"),
+                "experts",
+                "unused",
             ),
             (
-                VALID
-                    .replace("[\"producer\", \"consumer\"]", "[\"admin\"]")
-                    .replace("base = \"models/base.gguf\"", ""),
+                gateway.replace("[store]", &format!("{MAIL}\n[store]")),
+                "experts",
+                "unused",
+            ),
+            (
+                VALID.replace("[\"producer\", \"consumer\"]", "[\"scheduler\"]"),
                 "experts",
                 "unused",
             ),

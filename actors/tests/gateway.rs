@@ -274,3 +274,97 @@ async fn each_node_serves_metrics_a_prometheus_parser_reads() {
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
 }
+
+/// POSTs `body` (JSON) to `path` on `addr` over plain HTTP/1.1: the status and the body.
+async fn post(addr: std::net::SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).await.unwrap();
+    let reply = String::from_utf8(reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// The gateway on a node of its own (issue M12): it reads the base model's tokenizer and limits,
+/// not its weights, and answers a chat as a producer+consumer cluster behind it computes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gateway_only_node_answers_for_the_cluster_behind_it() {
+    let cluster = Cluster::new();
+    let front = config_with(
+        "front-0",
+        "\"gateway\", \"admin\"",
+        false,
+        &repo().join("experts/mail/translator"),
+        &format!("http_listen = \"127.0.0.1:0\"\n\n[gateway]\napi_keys = [\"{KEY}\"]\n"),
+    );
+    // What it loads: the header, none of the weights.
+    let served = scd_actors::node::Served::load(&front, scd_models::KernelChoice::best()).unwrap();
+    let m = common::models();
+    assert!(served.base.is_none() && served.experts.is_empty());
+    assert!(matches!(
+        served.model(),
+        Err(scd_actors::node::ServeError::NoWeights)
+    ));
+    assert_eq!(served.config, *m.base.config());
+    assert_eq!(served.base_id, common::MODEL_FILE);
+    assert_eq!(served.base_sha256, m.base.identity().sha256);
+
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+        .await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let gateway = cluster.start(&front).await;
+    let addr = gateway.http_addr().expect("the gateway's address");
+    let chat = serde_json::json!({
+        "model": "mail",
+        "messages": [{"role": "user", "content": "Is the mail server down on Friday?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    });
+    let (status, reply) = post(addr, "/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{reply}");
+
+    let jobs = scd_scheduler::JobStore::new(cluster.store.clone(), scd_scheduler::Keys::default())
+        .list()
+        .await
+        .unwrap();
+    let [(job, _)] = &jobs[..] else {
+        panic!("one job, not {}", jobs.len())
+    };
+    assert_eq!(job.state, scd_scheduler::JobState::Done, "{:?}", job.error);
+    assert_eq!(
+        (job.producer.as_deref(), job.consumer.as_deref()),
+        (Some("prefill-0"), Some("mail-0"))
+    );
+    let request = job.request.as_ref().unwrap();
+    let reference = common::reference_for(m, job.mode, &request.prompt);
+    let tokens = &job.output.as_ref().unwrap().tokens;
+    assert!(!tokens.is_empty() && tokens.len() <= reference.len());
+    assert_eq!(tokens[..], reference[..tokens.len()], "{}", job.id);
+    assert_eq!(
+        reply["choices"][0]["message"]["content"],
+        m.tok.decode(tokens, true).unwrap(),
+        "{reply}"
+    );
+    assert_eq!(reply["usage"]["prompt_tokens"], request.prompt.len());
+    // A prompt past the base model's context is refused by the gateway from the header's limits.
+    let long = "mail ".repeat(m.base.config().context_length);
+    let too_long = serde_json::json!({"model": "mail", "prompt": long, "max_tokens": 4});
+    let (status, reply) = post(addr, "/v1/completions", &too_long).await;
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["code"], "context_length_exceeded", "{reply}");
+
+    gateway.shutdown(Duration::ZERO).await;
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}

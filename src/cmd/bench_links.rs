@@ -130,7 +130,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
             expert_dir.join("translator").display()
         );
     }
-    let base = served.base.clone();
+    let base = served.model()?.clone();
     let expert = loaded
         .model
         .clone()

@@ -153,7 +153,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                 boundary: None,
                 wire: scd_actors::config::DocumentWire::Bf16,
             };
-            let server = scd_actors::documents::DocumentServer::load(&config, &served.base)
+            let server = scd_actors::documents::DocumentServer::load(&config, served.model()?)
                 .context("loading the SemPIC writer")?;
             served.documents = Some(Arc::new(server));
             Some(dir)

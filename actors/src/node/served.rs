@@ -2,6 +2,10 @@
 //! consumer builds its experts on it), each expert's model (consumer role) and each expert's
 //! translator, checked against the models it names before the node joins the cluster; and a
 //! producer's compiled documents ([`crate::documents`]).
+//!
+//! A node that runs no model (only the gateway, admin or scheduler roles) reads the base
+//! model's file for its tokenizer (with the chat template), its hyperparameters (the prompt
+//! limits) and its hash (checked against the cluster's record), and loads none of its weights.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,7 +14,7 @@ use std::sync::Arc;
 use scd_models::tokenizer::{Tokenizer, TokenizerError};
 use scd_models::translator::{Translator, TranslatorError};
 use scd_models::{
-    AdapterError, AdapterMode, GgufFile, KernelChoice, Llama, LoadError, LoraAdapter,
+    AdapterError, AdapterMode, GgufFile, KernelChoice, Llama, LlamaConfig, LoadError, LoraAdapter,
 };
 use scd_scheduler::ModelRecord;
 
@@ -20,8 +24,12 @@ use crate::config::{AdapterModeConfig, NodeConfig, NodeRole};
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     /// The config names no base model.
-    #[error("models.base is not set: every node needs the base model (a producer prefills with it, a consumer's experts are built on it)")]
+    #[error("models.base is not set: every node needs the base model (a producer prefills with it, a consumer's experts are built on it, the gateway and admin roles tokenize with its tokenizer)")]
     NoBase,
+    /// The base model's weights were asked for on a node that loaded only its header (no
+    /// producer or consumer role).
+    #[error("the base model's weights are not loaded on this node: only the producer and consumer roles load them")]
+    NoWeights,
     /// The base model could not be loaded.
     #[error("loading the base model {path}: {source}")]
     Base {
@@ -95,8 +103,13 @@ pub struct ServedExpert {
 pub struct Served {
     /// The base model's id in the cluster: its file name.
     pub base_id: String,
-    /// The base model.
-    pub base: Arc<Llama>,
+    /// The base model: loaded on a node that runs models (producer or consumer role); `None`
+    /// on a node of the other roles only, which reads the file's header and no weights.
+    pub base: Option<Arc<Llama>>,
+    /// Hex SHA-256 of the base model's file (its record in the cluster).
+    pub base_sha256: String,
+    /// The base model's hyperparameters (a request's limits: context length, vocabulary).
+    pub config: LlamaConfig,
     /// The base model's tokenizer (experts share it).
     pub tokenizer: Tokenizer,
     /// The experts, by name.
@@ -109,7 +122,9 @@ pub struct Served {
 }
 
 impl Served {
-    /// Loads what `config`'s roles need, on `kernels`.
+    /// Loads what `config`'s roles need, on `kernels`: the base model's weights, experts and
+    /// documents on a producer or consumer; on a node of the other roles only the base model's
+    /// tokenizer and hyperparameters (its file is read once for its hash, none of it kept).
     pub fn load(config: &NodeConfig, kernels: KernelChoice) -> Result<Self, ServeError> {
         let path = config.models.base.as_ref().ok_or(ServeError::NoBase)?;
         let base_err = |source| ServeError::Base {
@@ -122,9 +137,22 @@ impl Served {
                 path: path.clone(),
                 source: Box::new(source),
             })?;
+        let consumer = config.has_role(NodeRole::Consumer);
+        if !consumer && !config.has_role(NodeRole::Producer) {
+            // The front roles (gateway, admin, scheduler): the header only.
+            return Ok(Self {
+                base_id: file_model_id(file.path()),
+                base: None,
+                base_sha256: file.sha256().to_owned(),
+                config: file.config().map_err(base_err)?,
+                tokenizer,
+                experts: BTreeMap::new(),
+                documents: None,
+                kernels,
+            });
+        }
         let base = file.load_model_with(kernels).map_err(base_err)?;
         let base = Arc::new(base);
-        let consumer = config.has_role(NodeRole::Consumer);
         let mode = match config.models.adapter_mode {
             AdapterModeConfig::Merge => AdapterMode::Merge,
             AdapterModeConfig::OnTheFly => AdapterMode::OnTheFly,
@@ -157,12 +185,20 @@ impl Served {
         };
         Ok(Self {
             base_id: model_id(&base),
-            base,
+            base_sha256: base.identity().sha256.clone(),
+            config: base.config().clone(),
+            base: Some(base),
             tokenizer,
             experts,
             documents,
             kernels,
         })
+    }
+
+    /// The base model's weights: there on a producer or consumer, [`ServeError::NoWeights`]
+    /// on a node of the other roles only.
+    pub fn model(&self) -> Result<&Arc<Llama>, ServeError> {
+        self.base.as_ref().ok_or(ServeError::NoWeights)
     }
 
     /// The cluster's records of these models: the base, and each expert this node has the
@@ -171,7 +207,7 @@ impl Served {
         let mut records = vec![ModelRecord {
             id: self.base_id.clone(),
             architecture: "llama".into(),
-            weights_hash: self.base.identity().sha256.clone(),
+            weights_hash: self.base_sha256.clone(),
             base: None,
         }];
         for e in self.experts.values() {
@@ -196,10 +232,12 @@ impl Served {
 /// A model's id in the cluster: the name of its weight file, which every node of the cluster
 /// loads (the records carry the content hash that says it is the same file).
 pub fn model_id(model: &Llama) -> String {
-    model
-        .identity()
-        .source
-        .file_name()
+    file_model_id(&model.identity().source)
+}
+
+/// [`model_id`] of the model in the file `path`.
+fn file_model_id(path: &Path) -> String {
+    path.file_name()
         .map(|f| f.to_string_lossy().replace(char::is_whitespace, "_"))
         .unwrap_or_else(|| "base".into())
 }

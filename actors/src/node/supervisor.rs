@@ -120,8 +120,14 @@ impl SupervisorState {
         let me = myself.clone();
         let cell = match &child {
             Child::Producer => {
+                // A producer's node loaded the weights (Served::load); were they missing, the
+                // child fails to start and the node with it.
+                let model = a
+                    .served
+                    .model()
+                    .map_err(|e| SpawnErr::StartupFailed(Box::new(e)))?;
                 let args = ProducerArgs {
-                    model: a.served.base.clone(),
+                    model: model.clone(),
                     prefix_cache: a.prefix_cache.clone(),
                     documents: a.served.documents.clone(),
                 };

@@ -106,6 +106,14 @@ pub enum VersionError {
     /// The node serves no such expert.
     #[error("this node has no translator for expert {0}")]
     NoExpert(String),
+    /// The node serves experts without the base model's weights (it loaded only its header).
+    #[error("expert {expert}: {source}")]
+    NoModel {
+        /// The expert.
+        expert: String,
+        /// Why.
+        source: Box<ServeError>,
+    },
 }
 
 struct ExpertVersions {
@@ -122,7 +130,8 @@ struct ExpertVersions {
 pub(crate) struct NodeTranslators {
     experts: BTreeMap<String, Arc<ExpertVersions>>,
     registry: TranslatorRegistry,
-    base: Arc<Llama>,
+    /// The base model where the node loaded it (producer or consumer role).
+    base: Option<Arc<Llama>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -148,6 +157,11 @@ impl NodeTranslators {
         let mut experts = BTreeMap::new();
         let mut tasks = Vec::new();
         for (name, e) in &served.experts {
+            // Served::load loads the weights wherever it loads experts.
+            let base = served.model().map_err(|source| VersionError::NoModel {
+                expert: name.clone(),
+                source: Box::new(source),
+            })?;
             let reg_err = |source| VersionError::Registry {
                 base: base_id.clone(),
                 expert: name.clone(),
@@ -173,7 +187,7 @@ impl NodeTranslators {
                 kept: Mutex::new(VecDeque::new()),
             });
             if live.content_hash != entry.current().hash() {
-                let version = entry.load(&served.base, &live).await?;
+                let version = entry.load(base, &live).await?;
                 entry.switch(version, &metrics);
             } else {
                 entry.show(&metrics, None);
@@ -183,7 +197,7 @@ impl NodeTranslators {
                 .map_err(reg_err)?;
             tasks.push(tokio::spawn(follow(
                 entry.clone(),
-                served.base.clone(),
+                base.clone(),
                 watcher,
                 metrics.clone(),
             )));
@@ -237,7 +251,11 @@ impl NodeTranslators {
             history: Vec::new(),
             degraded: None,
         };
-        let version = entry.load(&self.base, &live).await?;
+        let base = self.base.as_ref().ok_or_else(|| VersionError::NoModel {
+            expert: expert.to_owned(),
+            source: Box::new(ServeError::NoWeights),
+        })?;
+        let version = entry.load(base, &live).await?;
         entry.keep(version.clone());
         Ok(version)
     }
@@ -258,8 +276,12 @@ impl NodeTranslators {
         blob: &str,
     ) -> Result<TranslatorManifest, VersionError> {
         let dir = PathBuf::from(blob.strip_prefix("file://").unwrap_or(blob));
-        let (base, name, path) = (self.base.clone(), consumer.to_owned(), dir.clone());
-        let ours = crate::node::served::model_id(&self.base) == producer;
+        let (name, path) = (consumer.to_owned(), dir.clone());
+        // Checked against the producer's model where this node runs it.
+        let ours = self
+            .base
+            .clone()
+            .filter(|base| crate::node::served::model_id(base) == producer);
         let load_err = |source| VersionError::Load {
             expert: consumer.to_owned(),
             version: version.unwrap_or("(its label)").to_owned(),
@@ -268,8 +290,8 @@ impl NodeTranslators {
             source: Box::new(source),
         };
         let translator = tokio::task::spawn_blocking(move || match ours {
-            true => load_translator(&name, &path, &base, None).map(|(t, _)| t),
-            false => {
+            Some(base) => load_translator(&name, &path, &base, None).map(|(t, _)| t),
+            None => {
                 Translator::load(&path)
                     .map(Arc::new)
                     .map_err(|source| ServeError::Translator {
