@@ -117,6 +117,56 @@ fn side_labels(side: Side) -> SideLabels {
     }
 }
 
+/// Test hooks that stop a node's work at a chosen point, for the restart tests (issue R1 §2).
+/// Nothing outside tests sets them; unset, each costs one lock per job.
+#[doc(hidden)]
+pub mod failpoints {
+    use std::collections::BTreeSet;
+    use std::sync::Mutex;
+
+    static HOLD_AFTER_CLAIM: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+    /// With `on`, producer node `node` claims the jobs assigned to it and then holds them
+    /// (until the attempt is stopped) instead of opening their streams: a crash between the
+    /// claim and the stream, once the node is killed.
+    pub fn hold_after_claim(node: &str, on: bool) {
+        let mut held = HOLD_AFTER_CLAIM.lock().unwrap_or_else(|p| p.into_inner());
+        match on {
+            true => held.insert(node.to_owned()),
+            false => held.remove(node),
+        };
+    }
+
+    pub(crate) fn holds_after_claim(node: &str) -> bool {
+        let held = HOLD_AFTER_CLAIM.lock().unwrap_or_else(|p| p.into_inner());
+        !held.is_empty() && held.contains(node)
+    }
+
+    static SILENCED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+    /// With `on`, node `node` writes nothing more to job records (no progress, report,
+    /// hand-back or failure): with [`crate::node::Node::kill`], a process killed with
+    /// SIGKILL, which cannot say anything as it goes.
+    pub fn silence(node: &str, on: bool) {
+        let mut silenced = SILENCED.lock().unwrap_or_else(|p| p.into_inner());
+        match on {
+            true => silenced.insert(node.to_owned()),
+            false => silenced.remove(node),
+        };
+    }
+
+    pub(crate) fn silenced(node: &str) -> bool {
+        let silenced = SILENCED.lock().unwrap_or_else(|p| p.into_inner());
+        !silenced.is_empty() && silenced.contains(node)
+    }
+
+    pub(crate) fn silenced_error() -> scd_scheduler::JobError {
+        scd_scheduler::JobError::Store(scd_scheduler::StoreError::Invalid(
+            "failpoint: this node is silenced".into(),
+        ))
+    }
+}
+
 /// Applies a half's final change (its report, a hand-back, a failure) to `job`'s record, and
 /// keeps trying while the store is away or contended ([`lifecycle::retry_final_write`]) until
 /// it lands, the change finds the attempt fenced (it then writes nothing), or `stop` fires (the
@@ -125,12 +175,16 @@ fn side_labels(side: Side) -> SideLabels {
 /// running.
 pub(crate) async fn write_final(
     jobs: &JobStore,
+    node: &str,
     job: JobId,
     stop: &CancellationToken,
     mut change: impl FnMut(&mut JobRecord) -> Result<(), scd_scheduler::JobError>,
 ) -> Result<JobRecord, scd_scheduler::JobError> {
     let mut failures = 0u32;
     loop {
+        if failpoints::silenced(node) {
+            return Err(failpoints::silenced_error());
+        }
         let error = match jobs.update(job, &mut change).await {
             Ok(record) => return Ok(record),
             Err(e) => e,
@@ -259,6 +313,11 @@ impl Work {
         let (Action::Start, Ok(job)) = (action, claimed) else {
             return;
         };
+        if failpoints::holds_after_claim(&self.id) {
+            // A test's stand-in for a crash between the claim and the stream.
+            tracing::warn!(job = %job.id, "failpoint: holding the claimed job");
+            return cancel.cancelled().await;
+        }
         let started = Instant::now();
         // The stages' own token: the first stage to fail cancels the others through it, so that
         // `cancel` still tells whether the job was stopped from outside (cancelled by its user,
@@ -366,7 +425,7 @@ impl Work {
                 compiled: d.compiled.clone(),
                 hits: d.hits as u32,
             });
-        let written = write_final(&self.jobs, id, &self.cancel, |j| {
+        let written = write_final(&self.jobs, &self.id, id, &self.cancel, |j| {
             half.report(j, &report, now_ms(), |j| {
                 j.layer_bytes = layer_bytes.clone();
                 j.payload_bytes = report.wire_bytes;
@@ -770,7 +829,7 @@ impl Work {
             stop: stop_name(&decoded.stop),
         };
         let mut ttft_ms = None;
-        let done = write_final(&self.jobs, id, &self.cancel, |j| {
+        let done = write_final(&self.jobs, &self.id, id, &self.cancel, |j| {
             ttft_ms = half.finish(j, &report, &output, &outputs, since_first_token, now_ms())?;
             Ok(())
         })
@@ -868,6 +927,9 @@ impl Work {
     /// Writes the tokens so far into the record of a job still decoding here.
     async fn progress(&self, half: &ConsumerHalf) {
         let job = half.attempt().job;
+        if failpoints::silenced(&self.id) {
+            return;
+        }
         let written = self.jobs.update(job, |j| half.progress(j, now_ms())).await;
         if let Err(e) = written {
             tracing::debug!(%job, error = %e, "recording progress failed");
@@ -975,7 +1037,7 @@ impl Work {
                 tracing::warn!(%job, reason, "job handed back to the queue");
                 self.metrics.finished(side, "handed_back");
                 let now = now_ms();
-                write_final(&self.jobs, job, &self.cancel, |j| {
+                write_final(&self.jobs, &self.id, job, &self.cancel, |j| {
                     attempt.hand_back(j, &reason, blame, now)
                 })
                 .await
@@ -984,7 +1046,7 @@ impl Work {
                 tracing::warn!(%job, reason, "job failed");
                 self.metrics.finished(side, "failed");
                 let now = now_ms();
-                write_final(&self.jobs, job, &self.cancel, |j| {
+                write_final(&self.jobs, &self.id, job, &self.cancel, |j| {
                     attempt.fail(j, &reason, now)
                 })
                 .await
@@ -1291,7 +1353,7 @@ mod tests {
             .await;
         assert!(matches!(dropped, Err(RecordError::Store(_))), "{dropped:?}");
         let started = Instant::now();
-        let landed = write_final(&node, id, &stop, |j| {
+        let landed = write_final(&node, "c1", id, &stop, |j| {
             attempt.hand_back(j, "consumer c1: gone", Blame::Consumer, 3)
         })
         .await
@@ -1323,7 +1385,7 @@ mod tests {
             tokens: vec![1, 2, 3],
             stop: "length".into(),
         };
-        let landed = write_final(&node, id, &stop, |j| {
+        let landed = write_final(&node, "c1", id, &stop, |j| {
             if attempt.holds(j) {
                 j.output = Some(tokens.clone());
                 j.transition(JobState::Done, 6)?;
@@ -1346,7 +1408,7 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(120)).await;
             stopper.cancel();
         });
-        let given_up = write_final(&node, id, &stop, |j| attempt.fail(j, "why", 3)).await;
+        let given_up = write_final(&node, "c1", id, &stop, |j| attempt.fail(j, "why", 3)).await;
         assert!(
             matches!(given_up, Err(RecordError::Store(_))),
             "{given_up:?}"
@@ -1363,7 +1425,7 @@ mod tests {
         let (_, attempt, _, node) = decoding_job(Duration::ZERO).await;
         let stop = CancellationToken::new();
         let missing = JobId::from_u128(8);
-        let result = write_final(&node, missing, &stop, |j| attempt.fail(j, "why", 3)).await;
+        let result = write_final(&node, "c1", missing, &stop, |j| attempt.fail(j, "why", 3)).await;
         assert!(
             matches!(result, Err(RecordError::NotFound(_))),
             "{result:?}"

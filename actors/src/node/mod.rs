@@ -22,6 +22,8 @@
 mod admin;
 mod gateway;
 mod jobs;
+#[doc(hidden)]
+pub use jobs::failpoints;
 pub mod served;
 mod supervisor;
 mod translators;

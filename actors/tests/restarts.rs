@@ -1,0 +1,135 @@
+//! Nodes killed and started again under the same id at once (issue R1 §2), in one process on
+//! the embedded store: `Node::kill` stops a node as a crash would (no drain, its lease left to
+//! expire) and a new `Node` with the same id registers over its key while the old lease still
+//! lives. The scheduler must take the new incarnation as the old one leaving: the job the old
+//! one held is handed back and runs to the end once, and the admission count comes back to the
+//! number of unfinished jobs. An in-process restart stands in for `kill -9` and a new process.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{config, models, prompt, request, Cluster, WAIT};
+use scd_actors::node::failpoints;
+use scd_scheduler::{admission, JobId, JobRecord, JobState, Keys, Mode};
+
+/// Polls `id`'s record until `ready` holds of it (bounded by [`WAIT`]).
+async fn until(cluster: &Cluster, id: JobId, what: &str, ready: impl Fn(&JobRecord) -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let job = cluster.client.get(id).await.unwrap();
+        if ready(&job) {
+            return;
+        }
+        assert!(!job.state.is_finished(), "{what}: ended first: {job:?}");
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The job ended done once, and nothing is left counted against admission.
+async fn done_once_and_nothing_held(cluster: &Cluster, job: &JobRecord, tokens: usize) {
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    assert_eq!(job.output.as_ref().map(|o| o.tokens.len()), Some(tokens));
+    let dones = job
+        .history
+        .iter()
+        .filter(|h| h.state == JobState::Done)
+        .count();
+    assert_eq!(dones, 1, "{:?}", job.history);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let held = admission::current(cluster.store.as_ref(), &Keys::default())
+            .await
+            .unwrap()
+            .unfinished;
+        if held == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "admission still counts {held} jobs"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_killed_while_decoding_and_restarted_under_its_id_loses_no_job() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let scheduler = cluster
+        .start(&config("sched-0", "\"scheduler\"", false))
+        .await;
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\"", true))
+        .await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 160))
+        .await
+        .unwrap();
+    until(&cluster, id, "decoding on mail-0", |j| {
+        j.state == JobState::Decoding && j.consumer.as_deref() == Some("mail-0")
+    })
+    .await;
+    // SIGKILL: the node says nothing more.
+    failpoints::silence("mail-0", true);
+    consumer.kill().await;
+    failpoints::silence("mail-0", false);
+    let again = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.attempts, 2, "{:?}", job.history);
+    assert_eq!(job.failed_consumers, vec!["mail-0".to_string()]);
+    assert!(job.failed_producers.is_empty());
+    assert_eq!(job.consumer.as_deref(), Some("mail-0"));
+    done_once_and_nothing_held(&cluster, &job, 160).await;
+    for node in [again, producer, scheduler] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_producer_killed_between_claim_and_stream_and_restarted_under_its_id_loses_no_job() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let scheduler = cluster
+        .start(&config("sched-0", "\"scheduler\"", false))
+        .await;
+    failpoints::hold_after_claim("prefill-r", true);
+    let producer = cluster
+        .start(&config("prefill-r", "\"producer\"", true))
+        .await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 24))
+        .await
+        .unwrap();
+    until(&cluster, id, "claimed by prefill-r", |j| {
+        j.state == JobState::Prefilling && j.producer.as_deref() == Some("prefill-r")
+    })
+    .await;
+    failpoints::silence("prefill-r", true);
+    producer.kill().await;
+    failpoints::silence("prefill-r", false);
+    failpoints::hold_after_claim("prefill-r", false);
+    let again = cluster
+        .start(&config("prefill-r", "\"producer\"", true))
+        .await;
+
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.attempts, 2, "{:?}", job.history);
+    assert_eq!(job.failed_producers, vec!["prefill-r".to_string()]);
+    assert!(job.failed_consumers.is_empty());
+    done_once_and_nothing_held(&cluster, &job, 24).await;
+    for node in [again, consumer, scheduler] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}
