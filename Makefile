@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export SCD_MODEL_DIR ?= $(CURDIR)/.cache/models
 export SCD_DATA_DIR ?= $(CURDIR)/.cache/data
 
-.PHONY: demo test test-amx test-avx512bf16 test-avx512f test-avx2 test-netns test-smoke setup model data build lint fmt bench
+.PHONY: demo test soak test-amx test-avx512bf16 test-avx512f test-avx2 test-netns test-smoke setup model data build lint fmt bench
 
 setup:
 	ops/setup.sh
@@ -45,6 +45,13 @@ test: setup model data
 	else echo "netns tests not run: needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2 (ip, tc): $${why#netns-link: }"; fi
 	cargo check --manifest-path transport/fuzz/Cargo.toml
 	$(MAKE) --no-print-directory test-deploy
+
+# The control plane's soak (issue R1 §1; minutes, so not part of `make test`): a real etcd
+# compacting every minute, over 10 MiB of finished job records in the live prefix, then 2,000
+# small jobs through a scheduler and simulated nodes. It prints jobs/s, the live and archived
+# records and etcd's database size every 5 s; BENCHMARKS.md records a run.
+soak: setup
+	cargo test -p scd-scheduler --test soak -- --ignored --nocapture
 
 # $(call cpu_feature_tests,GROUP,FLAGS,NAME[,NOTE]): `make test-GROUP` where /proc/cpuinfo lists
 # every one of FLAGS, else a line saying that the NAME tests did not run and why.
