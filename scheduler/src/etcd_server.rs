@@ -71,6 +71,8 @@ pub struct EtcdServer {
     peer_port: u16,
     child: Option<Child>,
     compaction_retention: String,
+    /// `--quota-backend-bytes`, where set (etcd's default, 2 GiB, otherwise).
+    quota_backend_bytes: Option<u64>,
 }
 
 /// The history the test etcd keeps: auto-compaction as in every shipped etcd config
@@ -92,20 +94,33 @@ impl EtcdServer {
     /// Starts etcd on the given loopback ports and waits until it answers. Fails with
     /// [`EtcdServerError::Foreign`] if another etcd answers on `client_port`.
     pub async fn start_on(client_port: u16, peer_port: u16) -> Result<Self, EtcdServerError> {
-        Self::start_with(client_port, peer_port, COMPACTION_RETENTION).await
+        Self::start_with(client_port, peer_port, COMPACTION_RETENTION, None).await
     }
 
     /// Starts etcd on free loopback ports, compacting its history periodically down to the
     /// last `retention` (etcd's duration syntax, such as `1m`; below an hour etcd compacts
     /// every `retention`).
     pub async fn start_compacting(retention: &str) -> Result<Self, EtcdServerError> {
-        Self::start_with(free_port()?, free_port()?, retention).await
+        Self::start_with(free_port()?, free_port()?, retention, None).await
+    }
+
+    /// Starts etcd on free loopback ports with a backend quota of `bytes`: past it etcd raises
+    /// its NOSPACE alarm and refuses writes until the alarm is disarmed (the fault tests).
+    pub async fn start_with_quota(bytes: u64) -> Result<Self, EtcdServerError> {
+        Self::start_with(
+            free_port()?,
+            free_port()?,
+            COMPACTION_RETENTION,
+            Some(bytes),
+        )
+        .await
     }
 
     async fn start_with(
         client_port: u16,
         peer_port: u16,
         retention: &str,
+        quota_backend_bytes: Option<u64>,
     ) -> Result<Self, EtcdServerError> {
         let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
         let dir = tempfile::Builder::new().prefix("scd-etcd-").tempdir()?;
@@ -117,6 +132,7 @@ impl EtcdServer {
             peer_port,
             child: None,
             compaction_retention: retention.to_string(),
+            quota_backend_bytes,
         };
         server.spawn().await?;
         Ok(server)
@@ -215,6 +231,10 @@ impl EtcdServer {
             .arg("periodic")
             .arg("--auto-compaction-retention")
             .arg(&self.compaction_retention)
+            .args(
+                self.quota_backend_bytes
+                    .map(|b| format!("--quota-backend-bytes={b}")),
+            )
             .arg("--logger")
             .arg("zap")
             .arg("--log-level")
