@@ -498,6 +498,25 @@ def check_node(p, where, wname, w, pod, node, configmaps, services, by_kind, tmp
     if "http_listen" in n:
         p.check("http" in ports and port_of(n["http_listen"]) == ports["http"]["containerPort"],
                 where, f"{wname}: http_listen {n['http_listen']} is not the http port")
+    # The HTTP API: a pod with an http port runs the gateway role, and a gateway is behind a
+    # Service of that port. A node without the producer or consumer role loads no weights and
+    # serves no experts, so it mounts no experts either (issue M12).
+    roles = set(n.get("roles", []))
+    if "http" in ports:
+        p.check("gateway" in roles and "http_listen" in n, where,
+                f"{wname}: an http port, but roles {sorted(roles)} without the gateway's http_listen")
+    if "gateway" in roles:
+        labels = pod["metadata"].get("labels", {})
+        behind = [s for s in services.values()
+                  if s["spec"].get("clusterIP") != "None"
+                  and selects(s["spec"].get("selector", {}), labels)
+                  and any(pt.get("targetPort") in ("http", ports.get("http", {}).get("containerPort"))
+                          for pt in s["spec"]["ports"])]
+        p.check(behind, where, f"{wname}: a gateway, but no Service sends HTTP to it")
+    if not roles & {"producer", "consumer"}:
+        p.check(not cfg.get("experts"), where, f"{wname}: experts on a node that runs no model")
+        p.check("/scd/experts" not in {m["mountPath"] for m in node.get("volumeMounts", [])},
+                where, f"{wname}: mounts the experts but runs no model")
     if w["kind"] == "StatefulSet":
         ns = w["metadata"]["namespace"]
         want = f"{pod_name}.{w['spec']['serviceName']}.{ns}.svc:{ports['quic']['containerPort']}"

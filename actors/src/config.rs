@@ -1689,7 +1689,7 @@ frames_in_flight = 16
     #[test]
     fn the_compose_configs_parse_and_advertise_their_service_names() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster-config/compose");
-        for id in ["producer", "consumer-a", "consumer-b"] {
+        for id in ["producer", "consumer-a", "consumer-b", "gateway"] {
             let path = dir.join(format!("{id}.toml"));
             let text = fs::read_to_string(&path).unwrap();
             let config = NodeConfig::parse(&text, &dir).unwrap_or_else(|e| panic!("{id}: {e}"));
@@ -1704,6 +1704,18 @@ frames_in_flight = 16
                 Some("http://jaeger:4318")
             );
         }
+        // The HTTP API on a node of its own, the producer without it (issue M12).
+        let gateway =
+            NodeConfig::parse(&fs::read_to_string(dir.join("gateway.toml")).unwrap(), &dir)
+                .unwrap();
+        assert!(gateway.has_role(NodeRole::Gateway) && gateway.experts.is_empty());
+        assert_eq!(gateway.node.roles.len(), 1);
+        let producer = NodeConfig::parse(
+            &fs::read_to_string(dir.join("producer.toml")).unwrap(),
+            &dir,
+        )
+        .unwrap();
+        assert!(!producer.has_role(NodeRole::Gateway));
         let bad = VALID.replace("roles = [", "advertise = \"no-port\"\nroles = [");
         let err = NodeConfig::parse(&bad, Path::new(".")).unwrap_err();
         assert!(err.to_string().contains("node.advertise"), "{err}");

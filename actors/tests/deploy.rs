@@ -665,35 +665,57 @@ fn the_k8s_node_config_templates_are_valid_configs_once_filled_in() {
     };
     let members: Vec<String> = etcd.split(',').map(String::from).collect();
 
-    let producer = |keys: &str| {
-        parse(
-            "producer.toml",
-            &[
-                ("NODE_ID", "producer-0"),
-                ("ADVERTISE", "producer-0.producer.scd.svc:7101"),
-                ("ETCD_ENDPOINTS", etcd),
-                ("API_KEYS", keys),
-            ],
-        )
-    };
-    let p = producer("key-1, key-2");
+    let p = parse(
+        "producer.toml",
+        &[
+            ("NODE_ID", "producer-0"),
+            ("ADVERTISE", "producer-0.producer.scd.svc:7101"),
+            ("ETCD_ENDPOINTS", etcd),
+        ],
+    );
     assert_eq!(p.node.id, "producer-0");
     assert_eq!(
         p.node.advertise.as_deref(),
         Some("producer-0.producer.scd.svc:7101")
     );
-    for role in [NodeRole::Producer, NodeRole::Admin, NodeRole::Gateway] {
+    for role in [NodeRole::Producer, NodeRole::Scheduler, NodeRole::Admin] {
         assert!(p.has_role(role), "{role}");
     }
-    // The ports the manifests name: QUIC 7101 (UDP), the probes and /metrics on 9100, the
-    // HTTP API on 8080.
-    assert_eq!(ports(&p), (7101, Some(9100), Some(8080)));
-    assert_eq!(p.gateway.api_keys, ["key-1", "key-2"]);
-    assert!(producer("").gateway.api_keys.is_empty());
+    assert!(!p.has_role(NodeRole::Gateway));
+    // The ports the manifests name: QUIC 7101 (UDP), the probes and /metrics on 9100.
+    assert_eq!(ports(&p), (7101, Some(9100), None));
     assert_eq!(endpoints(&p), members);
     assert!(p.tls.cert.ends_with("producer-0.pem"));
     // Traces go where $OTEL_EXPORTER_OTLP_ENDPOINT says (the ConfigMap scd-otel).
     assert_eq!(p.tracing.otlp_endpoint, None);
+
+    // The HTTP API on pods of its own (issue M12): the gateway role alone, the base model for
+    // its tokenizer, no experts; the HTTP API on 8080.
+    let gateway = |keys: &str| {
+        parse(
+            "gateway.toml",
+            &[
+                ("NODE_ID", "gateway-1"),
+                ("ADVERTISE", "gateway-1.gateway-pods.scd.svc:7101"),
+                ("ETCD_ENDPOINTS", etcd),
+                ("API_KEYS", keys),
+            ],
+        )
+    };
+    let g = gateway("key-1, key-2");
+    assert_eq!(g.node.id, "gateway-1");
+    assert_eq!(
+        g.node.roles.iter().copied().collect::<Vec<_>>(),
+        [NodeRole::Gateway]
+    );
+    assert_eq!(ports(&g), (7101, Some(9100), Some(8080)));
+    assert_eq!(g.models.base, p.models.base);
+    assert!(g.experts.is_empty());
+    assert_eq!(g.gateway.api_keys, ["key-1", "key-2"]);
+    assert!(gateway("").gateway.api_keys.is_empty());
+    assert_eq!(endpoints(&g), members);
+    assert!(g.tls.cert.ends_with("gateway-1.pem"));
+    assert_eq!(g.tracing.otlp_endpoint, None);
 
     for expert in ["mail", "sotu"] {
         let id = format!("consumer-{expert}-1");
@@ -731,7 +753,6 @@ fn the_k8s_node_config_templates_are_valid_configs_once_filled_in() {
             ("NODE_ID", "Producer_0"),
             ("ADVERTISE", "producer-0:7101"),
             ("ETCD_ENDPOINTS", etcd),
-            ("API_KEYS", ""),
         ],
     );
     assert!(NodeConfig::parse(&bad, Path::new("/")).is_err());
