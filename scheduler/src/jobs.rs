@@ -535,6 +535,26 @@ impl JobStore {
         self.list_under(&self.keys.archived_jobs_prefix()).await
     }
 
+    /// The newest jobs, newest first by creation, at most `limit`: every live record, and of
+    /// the archive only the `limit` records archived last (etcd sorts them; the rest of the
+    /// archive is not read). What `scd jobs list` shows.
+    pub async fn list_newest(&self, limit: usize) -> Result<Vec<JobRecord>, JobError> {
+        let mut jobs: Vec<JobRecord> = self.list().await?.into_iter().map(|(j, _)| j).collect();
+        let archived = self
+            .store
+            .get_prefix_newest(&self.keys.archived_jobs_prefix(), limit)
+            .await?;
+        for kv in archived.kvs {
+            match envelope::decode::<JobRecord>(&kv.key, &kv.value) {
+                Ok(job) => jobs.push(job),
+                Err(e) => tracing::warn!(error = %e, "skipping unreadable job record"),
+            }
+        }
+        jobs.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then(b.id.cmp(&a.id)));
+        jobs.truncate(limit);
+        Ok(jobs)
+    }
+
     async fn list_under(&self, prefix: &str) -> Result<Vec<(JobRecord, i64)>, JobError> {
         let listing = self.store.get_prefix(prefix).await?;
         let mut jobs = Vec::with_capacity(listing.kvs.len());

@@ -97,6 +97,11 @@ async fn finished_records_move_to_the_archive_and_stay_readable(b: Backend) {
         jobs.get(failed).await.unwrap().unwrap().state,
         JobState::Failed
     );
+    // `scd jobs list` reads the live records and the newest archived ones.
+    assert_eq!(jobs.list_newest(10).await.unwrap().len(), 3);
+    let newest = jobs.list_newest(2).await.unwrap();
+    assert_eq!(newest.len(), 2);
+    assert!(newest[0].created_at_ms >= newest[1].created_at_ms);
     // A record listed before a change does not move: the change wins.
     let (listed, revision) = jobs.list().await.unwrap().remove(0);
     jobs.cancel(running, "user").await.unwrap();

@@ -74,6 +74,28 @@ async fn large_listings_come_back_whole(b: Backend) {
     assert!(listing.revision >= after && after > last);
 }
 
+/// The newest keys of a prefix, by creation, without reading the rest; a rewrite does not make a
+/// key newer.
+async fn newest_keys_by_creation(b: Backend) {
+    let s = &b.store;
+    for k in ["/t/n/c", "/t/n/a", "/t/n/d", "/t/n/b"] {
+        s.put(k, k.as_bytes().to_vec(), None).await.unwrap();
+    }
+    s.put("/t/n/c", b"again".to_vec(), None).await.unwrap();
+    let last = s.put("/t/o", b"outside".to_vec(), None).await.unwrap();
+    let listing = s.get_prefix_newest("/t/n/", 3).await.unwrap();
+    let keys: Vec<&str> = listing.kvs.iter().map(|kv| kv.key.as_str()).collect();
+    assert_eq!(keys, ["/t/n/b", "/t/n/d", "/t/n/a"]);
+    assert!(listing.revision >= last);
+    assert_eq!(s.get_prefix_newest("/t/n/", 10).await.unwrap().kvs.len(), 4);
+    assert!(s
+        .get_prefix_newest("/t/n/", 0)
+        .await
+        .unwrap()
+        .kvs
+        .is_empty());
+}
+
 async fn create_if_absent_has_one_winner(b: Backend) {
     let s = &b.store;
     let k = "/t/once";
@@ -345,6 +367,7 @@ on_both_stores!(
     put_get_delete_and_revisions,
     prefix_reads_are_scoped_and_sorted,
     large_listings_come_back_whole,
+    newest_keys_by_creation,
     create_if_absent_has_one_winner,
     compare_and_swap_on_revision_value_and_creation,
     concurrent_cas_increments_lose_nothing,

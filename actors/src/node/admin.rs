@@ -227,23 +227,13 @@ async fn inspect(work: &Work, topic: &str, replies: &mut AdminReplies) -> Result
             serde_json::to_value(pools).map_err(|e| internal(e.to_string()))?
         }
         "jobs" => {
-            // The live records, then the archived ones (both listed in pages).
-            let mut jobs: Vec<JobRecord> = work
+            // The live records and the newest archived ones; the rest of the archive is not
+            // read.
+            let jobs = work
                 .jobs
-                .list()
-                .await
-                .map_err(|e| internal(e.to_string()))?
-                .into_iter()
-                .map(|(j, _)| j)
-                .collect();
-            let archived = work
-                .jobs
-                .list_archived()
+                .list_newest(MAX_LISTED_JOBS)
                 .await
                 .map_err(|e| internal(e.to_string()))?;
-            jobs.extend(archived.into_iter().map(|(j, _)| j));
-            jobs.sort_by_key(|j| std::cmp::Reverse(j.created_at_ms));
-            jobs.truncate(MAX_LISTED_JOBS);
             let list: Vec<serde_json::Value> = jobs
                 .iter()
                 .map(|j| {

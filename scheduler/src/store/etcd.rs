@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{
     Client, CompactionOptions, Compare as EtcdCompare, CompareOp, ConnectOptions,
-    Error as EtcdError, EventType, GetOptions, LeaseGrantOptions, PutOptions, Txn as EtcdTxn,
-    TxnOp as EtcdTxnOp, WatchOptions,
+    Error as EtcdError, EventType, GetOptions, LeaseGrantOptions, PutOptions, SortOrder,
+    SortTarget, Txn as EtcdTxn, TxnOp as EtcdTxnOp, WatchOptions,
 };
 use tokio::sync::mpsc;
 
@@ -247,6 +247,37 @@ impl MetaStore for EtcdStore {
             match self.list_pages(prefix).await {
                 Err(StoreError::Compacted { .. }) if restarts < LISTING_RESTARTS => restarts += 1,
                 other => return other,
+            }
+        }
+    }
+
+    async fn get_prefix_newest(&self, prefix: &str, limit: usize) -> Result<Listing, StoreError> {
+        // etcd sorts the range by creation revision and returns the first `limit`: one
+        // response, halved while it outgrows the client's receive limit.
+        let mut limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        loop {
+            let options = GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Descend);
+            // etcd reads a limit of 0 as "no limit": ask for the count alone then.
+            let options = if limit == 0 {
+                options.with_count_only()
+            } else {
+                options.with_limit(limit)
+            };
+            let mut client = self.client.clone();
+            match deadline("get_prefix_newest", client.get(prefix, Some(options))).await {
+                Ok(resp) => {
+                    let kvs = resp
+                        .kvs()
+                        .iter()
+                        .map(convert_kv)
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let revision = resp.header().map_or(0, |h| h.revision());
+                    return Ok(Listing { kvs, revision });
+                }
+                Err(e) if is_too_large(&e) && limit > 1 => limit /= 2,
+                Err(e) => return Err(e),
             }
         }
     }

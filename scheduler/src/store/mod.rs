@@ -329,6 +329,18 @@ pub trait MetaStore: Send + Sync + fmt::Debug {
     /// receive limit.
     async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError>;
 
+    /// The at most `limit` keys under a prefix created last (highest creation revision), newest
+    /// first, with the revision of the read: what a "latest N" view needs without reading the
+    /// whole prefix. etcd's may return fewer when `limit` keys would not fit one response.
+    async fn get_prefix_newest(&self, prefix: &str, limit: usize) -> Result<Listing, StoreError> {
+        let mut listing = self.get_prefix(prefix).await?;
+        listing
+            .kvs
+            .sort_by(|a, b| b.create_revision.cmp(&a.create_revision));
+        listing.kvs.truncate(limit);
+        Ok(listing)
+    }
+
     /// Writes a key, optionally under a lease; returns the new revision.
     async fn put(
         &self,
