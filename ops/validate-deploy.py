@@ -297,7 +297,8 @@ def fill_config(p, where, obj, pod, init, configmaps, tmp):
     """Runs the init container's script as the pod would, returns the node config (TOML)."""
     name = obj["metadata"]["name"]
     ns = obj["metadata"].get("namespace", "default")
-    pod_name = f"{name}-0" if obj["kind"] == "StatefulSet" else name
+    # A StatefulSet's pods are <name>-0, ...; a Deployment's get a hash and a random suffix.
+    pod_name = f"{name}-0" if obj["kind"] == "StatefulSet" else f"{name}-7c9d8f6b5-x2x9z"
     env = {"PATH": "/usr/bin:/bin"}
     for e in init.get("env", []):
         if "value" in e:
@@ -522,8 +523,15 @@ def check_node(p, where, wname, w, pod, node, configmaps, services, by_kind, tmp
         want = f"{pod_name}.{w['spec']['serviceName']}.{ns}.svc:{ports['quic']['containerPort']}"
         p.check(n.get("advertise") == want, where,
                 f"{wname}: advertises {n.get('advertise')}, the pod is {want}")
-    p.check(cfg["tls"]["cert"] == f"/scd/pki/{pod_name}.pem", where,
-            f"{wname}: certificate {cfg['tls']['cert']} is not the pod's")
+    # A certificate is issued to the node's id, a pod's stable name; a Deployment's pods have
+    # no stable name, so they share one through tls.name (a node nothing dials: the config
+    # loader refuses it elsewhere).
+    cert_name = cfg["tls"].get("name", pod_name)
+    if w["kind"] != "StatefulSet":
+        p.check("name" in cfg["tls"], where,
+                f"{wname}: a {w['kind']}'s pods have no stable names; its node config needs tls.name")
+    p.check(cfg["tls"]["cert"] == f"/scd/pki/{cert_name}.pem", where,
+            f"{wname}: certificate {cfg['tls']['cert']} is not the pod's ({cert_name})")
     mounts = {m["mountPath"]: m for m in node.get("volumeMounts", [])}
     for key in ("ca", "cert", "key"):
         p.check(str(pathlib.Path(cfg["tls"][key]).parent) in mounts, where,

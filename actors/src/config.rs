@@ -430,6 +430,12 @@ pub struct TlsConfig {
     pub cert: PathBuf,
     /// This node's private key (`<id>.key`).
     pub key: PathBuf,
+    /// The name `cert` is issued to, where it is not `node.id`: the replicas of a gateway
+    /// Deployment share one certificate while each registers under its own pod name. Only on
+    /// a node that nothing dials (no role but gateway and scheduler): producers, consumers and
+    /// admin endpoints are reached, and checked, by their id. Default: `node.id`.
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// `[tracing]`: where spans go.
@@ -592,11 +598,11 @@ pub enum ConfigError {
         source: Box<PkiError>,
     },
     /// The node certificate is another node's, or an admin's.
-    #[error("tls.cert {}: {problem}, but node.id is {id:?}: issue one with `scd cert issue --dir <folder of tls.ca> --name {id} --role node`", cert.display())]
+    #[error("tls.cert {}: {problem}, but the node's name is {id:?} (tls.name, else node.id): issue one with `scd cert issue --dir <folder of tls.ca> --name {id} --role node`", cert.display())]
     WrongIdentity {
         /// `tls.cert`.
         cert: PathBuf,
-        /// `node.id`.
+        /// The name it should be issued to: `tls.name`, else `node.id`.
         id: String,
         /// Whom the certificate names instead.
         problem: String,
@@ -718,9 +724,10 @@ impl NodeConfig {
                 source: Box::new(source),
             }
         })?;
+        let name = tls.name.as_deref().unwrap_or(&self.node.id);
         let wrong = |problem: String| ConfigError::WrongIdentity {
             cert: tls.cert.clone(),
-            id: self.node.id.clone(),
+            id: name.to_owned(),
             problem,
         };
         let peer = identity
@@ -729,7 +736,7 @@ impl NodeConfig {
             .ok_or_else(|| "no certificate".to_owned())
             .and_then(|leaf| pki::peer_identity(leaf))
             .map_err(wrong)?;
-        if peer.name != self.node.id || peer.role != Role::Node {
+        if peer.name != name || peer.role != Role::Node {
             return Err(wrong(format!("issued to {:?} as {}", peer.name, peer.role)));
         }
         Ok(identity)
@@ -752,6 +759,25 @@ impl NodeConfig {
                 return Err(invalid(
                     "node.advertise",
                     format!("{a:?} is not host:port, e.g. \"producer:7101\""),
+                ));
+            }
+        }
+        if let Some(name) = &self.tls.name {
+            pki::validate_name(name).map_err(|e| invalid("tls.name", e))?;
+            let dialed = self
+                .node
+                .roles
+                .iter()
+                .any(|r| !matches!(r, NodeRole::Gateway | NodeRole::Scheduler));
+            if dialed && *name != self.node.id {
+                return Err(invalid(
+                    "tls.name",
+                    format!(
+                        "{name:?} is not node.id {:?}: only a node with no role but gateway and \
+                         scheduler may use a certificate issued to another name (nothing dials \
+                         it); producers, consumers and admin endpoints are checked by their id",
+                        self.node.id
+                    ),
                 ));
             }
         }
@@ -1428,6 +1454,42 @@ frames_in_flight = 16
             let path = dir.path().join(file).display().to_string();
             assert!(message.contains(&path), "{message}");
         }
+    }
+
+    #[test]
+    fn gateway_replicas_share_a_certificate_by_tls_name() {
+        let (dir, file) = fixture();
+        issue_in_dir(&dir.path().join("pki"), "gateway", Role::Node).unwrap();
+        let no_experts = VALID.split("[[experts]]").next().unwrap().to_owned()
+            + &VALID[VALID.find("[store]").unwrap()..];
+        let gateway = no_experts
+            .replace("id = \"node-a\"", "id = \"gateway-7c9d8f6b5-x2x9z\"")
+            .replace(
+                "roles = [\"producer\", \"consumer\"]",
+                "roles = [\"gateway\"]\nhttp_listen = \"127.0.0.1:8080\"",
+            )
+            .replace("pki/node-a.", "pki/gateway.")
+            .replace("[tls]\n", "[tls]\nname = \"gateway\"\n");
+        fs::write(&file, &gateway).unwrap();
+        let config = NodeConfig::load(&file).unwrap();
+        assert_eq!(config.node.id, "gateway-7c9d8f6b5-x2x9z");
+        assert_eq!(config.tls.name.as_deref(), Some("gateway"));
+        // Without tls.name the certificate is another node's.
+        fs::write(&file, gateway.replace("name = \"gateway\"\n", "")).unwrap();
+        let err = NodeConfig::load(&file).unwrap_err();
+        assert!(matches!(err, ConfigError::WrongIdentity { .. }), "{err}");
+        // A node that is dialed by its id may not use another name.
+        for roles in ["\"gateway\", \"admin\"", "\"gateway\", \"producer\""] {
+            let text = gateway.replace("roles = [\"gateway\"]", &format!("roles = [{roles}]"));
+            match parse(&text) {
+                Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "tls.name", "{roles}"),
+                other => panic!("{roles}: {:?}", other.map(drop)),
+            }
+        }
+        // The same name as node.id is fine anywhere.
+        parse(&VALID.replace("[tls]\n", "[tls]\nname = \"node-a\"\n")).unwrap();
+        let bad = gateway.replace("name = \"gateway\"", "name = \"Gateway\"");
+        assert!(matches!(parse(&bad), Err(ConfigError::Invalid { key, .. }) if key == "tls.name"));
     }
 
     #[test]

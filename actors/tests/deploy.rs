@@ -690,20 +690,21 @@ fn the_k8s_node_config_templates_are_valid_configs_once_filled_in() {
     assert_eq!(p.tracing.otlp_endpoint, None);
 
     // The HTTP API on pods of its own (issue M12): the gateway role alone, the base model for
-    // its tokenizer, no experts; the HTTP API on 8080.
+    // its tokenizer, no experts; the HTTP API on 8080. A Deployment's pods share the
+    // certificate issued to `gateway`, each registered under its pod's name.
     let gateway = |keys: &str| {
         parse(
             "gateway.toml",
             &[
-                ("NODE_ID", "gateway-1"),
-                ("ADVERTISE", "gateway-1.gateway-pods.scd.svc:7101"),
+                ("NODE_ID", "gateway-7c9d8f6b5-x2x9z"),
+                ("ADVERTISE", "10.1.2.3:7101"),
                 ("ETCD_ENDPOINTS", etcd),
                 ("API_KEYS", keys),
             ],
         )
     };
     let g = gateway("key-1, key-2");
-    assert_eq!(g.node.id, "gateway-1");
+    assert_eq!(g.node.id, "gateway-7c9d8f6b5-x2x9z");
     assert_eq!(
         g.node.roles.iter().copied().collect::<Vec<_>>(),
         [NodeRole::Gateway]
@@ -714,7 +715,8 @@ fn the_k8s_node_config_templates_are_valid_configs_once_filled_in() {
     assert_eq!(g.gateway.api_keys, ["key-1", "key-2"]);
     assert!(gateway("").gateway.api_keys.is_empty());
     assert_eq!(endpoints(&g), members);
-    assert!(g.tls.cert.ends_with("gateway-1.pem"));
+    assert!(g.tls.cert.ends_with("gateway.pem"));
+    assert_eq!(g.tls.name.as_deref(), Some("gateway"));
     assert_eq!(g.tracing.otlp_endpoint, None);
 
     for expert in ["mail", "sotu"] {
