@@ -106,6 +106,40 @@ async fn the_openai_client_streams_and_gets_openai_shaped_errors() {
     assert_eq!(with_doc.mode, scd_scheduler::Mode::Oracle);
     assert_eq!(with_doc.documents.as_ref().unwrap().compiled, [doc]);
 
+    // The replies are the model's: each scd chat job's tokens (the streamed and the plain one,
+    // both greedy) are the in-process greedy reference of scd on the prompt the gateway built,
+    // and the plain reply's text is those tokens decoded.
+    let chats: Vec<_> = jobs
+        .iter()
+        .map(|(j, _)| j)
+        .filter(|j| {
+            // The chats ask for 12 tokens; the text completion for 8.
+            j.mode == scd_scheduler::Mode::Scd
+                && j.request.as_ref().is_some_and(|r| r.max_tokens == 12)
+        })
+        .collect();
+    assert_eq!(chats.len(), 2, "the streamed and the plain chat");
+    let reference = common::reference_for(
+        m,
+        scd_scheduler::Mode::Scd,
+        &chats[0].request.as_ref().unwrap().prompt,
+    );
+    let mut texts = Vec::new();
+    for job in &chats {
+        assert_eq!(job.state, scd_scheduler::JobState::Done, "{:?}", job.error);
+        let request = job.request.as_ref().unwrap();
+        assert_eq!(request.prompt, chats[0].request.as_ref().unwrap().prompt);
+        let tokens = &job.output.as_ref().unwrap().tokens;
+        assert!(!tokens.is_empty() && tokens.len() <= reference.len());
+        assert_eq!(tokens[..], reference[..tokens.len()], "{}", job.id);
+        texts.push(m.tok.decode(tokens, true).unwrap());
+    }
+    assert!(
+        texts.iter().any(|t| t == chat["text"].as_str().unwrap()),
+        "{texts:?} against {}",
+        chat["text"]
+    );
+
     let error = |name: &str, status: u64, code: &str| {
         let e = &r[name];
         assert_eq!(e["status"], status, "{name}: {e}");

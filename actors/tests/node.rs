@@ -743,6 +743,71 @@ async fn a_translator_whose_shadow_checks_drift_is_marked_and_its_jobs_fall_back
     producer.shutdown(Duration::ZERO).await;
 }
 
+/// The drift guard with the bound it ships with (`DriftConfig::default().kl_bound`) and every job
+/// checked: the shipped mail translator passes its checks and stays live, scd jobs keep running
+/// as scd, and the mean shadow KL it reports sits under the bound. The counterpart of the test
+/// above, so that the guard is shown to tell a good translator from a bad bound, not only to trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_translator_within_the_shipped_drift_bound_stays_live() {
+    let m = models();
+    let prompt = prompt(m);
+    let shipped = m.translator.0.hash();
+    let cluster = Cluster::new();
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+        .await;
+    let bound = scd_actors::config::DriftConfig::default().kl_bound;
+    let mut consumer_config = config("mail-0", "\"consumer\"", true);
+    consumer_config.drift = Some(scd_actors::config::DriftConfig {
+        shadow_share: 1.0,
+        kl_bound: bound,
+        window: 4,
+        min_jobs: 2,
+    });
+    let consumer = cluster.start(&consumer_config).await;
+    let checks = "scd_shadow_checks_total{expert=\"mail\"}";
+    const JOBS: usize = 3;
+    for _ in 0..JOBS {
+        let job = cluster.run_mail(Mode::Scd, &prompt, 4).await;
+        assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+        assert_eq!(
+            (job.mode, job.fallback, job.translator),
+            (Mode::Scd, None, Some(shipped))
+        );
+    }
+    // The checks run after the jobs answer: wait (bounded) until all of them are counted.
+    let mut waited = 0;
+    while metric(&consumer.metrics_text(), checks) < JOBS as f64 {
+        waited += 1;
+        assert!(waited < 3000, "the consumer never checked its {JOBS} jobs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let text = consumer.metrics_text();
+    let mean_kl = text
+        .lines()
+        .find_map(|l| {
+            let rest = l.strip_prefix("scd_shadow_kl{")?;
+            rest.contains("expert=\"mail\"")
+                .then(|| rest.rsplit(' ').next()?.parse::<f64>().ok())?
+        })
+        .expect("a shadow KL gauge for mail");
+    assert!(
+        mean_kl > 0.0 && mean_kl < bound,
+        "mean shadow KL {mean_kl} against the shipped bound {bound}"
+    );
+    let registry = TranslatorRegistry::new(cluster.store.clone(), Keys::default());
+    let active = registry
+        .active(common::MODEL_FILE, "mail")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(active.degraded, None, "marked degraded under {bound}");
+    let job = cluster.run_mail(Mode::Scd, &prompt, 4).await;
+    assert_eq!((job.mode, job.fallback), (Mode::Scd, None));
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
+
 /// Each of `experts` alone on `prompt` in `mode`: their tokens by expert, and one job's payload.
 async fn each_alone(
     cluster: &Cluster,
