@@ -78,11 +78,23 @@ impl Rig {
         let prompt = prompt(models());
         let mut ids = Vec::new();
         for _ in 0..n {
-            let id = self
-                .client
-                .submit("mail", Mode::Raw, request(&prompt, TOKENS))
-                .await
-                .unwrap();
+            // Right after healing a submission may be refused (the consumer re-registering
+            // after its lease lapsed): a client tries again, within the bound.
+            let deadline = Instant::now() + BOUND;
+            let id = loop {
+                match self
+                    .client
+                    .submit("mail", Mode::Raw, request(&prompt, TOKENS))
+                    .await
+                {
+                    Ok(id) => break id,
+                    Err(e) if Instant::now() < deadline => {
+                        println!("  submit refused, retrying: {e}");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => panic!("no submission accepted within {BOUND:?}: {e}"),
+                }
+            };
             ids.push(id);
         }
         ids
@@ -282,13 +294,30 @@ async fn etcd_out_of_space_loses_and_doubles_nothing() {
     let physical = etcd_client::CompactionOptions::new().with_physical();
     etcd.compact(revision, Some(physical)).await.unwrap();
     etcd.defragment().await.unwrap();
-    etcd.alarm(
-        etcd_client::AlarmAction::Deactivate,
-        etcd_client::AlarmType::Nospace,
-        None,
-    )
-    .await
-    .unwrap();
+    // Each member's alarm by its id (member 0 matches none).
+    for alarm in alarms.alarms() {
+        let mut member = etcd_client::AlarmOptions::new();
+        member.with_member(alarm.member_id());
+        etcd.alarm(
+            etcd_client::AlarmAction::Deactivate,
+            etcd_client::AlarmType::Nospace,
+            Some(member),
+        )
+        .await
+        .unwrap();
+    }
+    let left = etcd
+        .alarm(
+            etcd_client::AlarmAction::Get,
+            etcd_client::AlarmType::None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(
+        left.alarms().is_empty(),
+        "NOSPACE still raised after disarming"
+    );
     let healed = Instant::now();
     ids.extend(rig.submit(AFTER).await);
     let tally = rig
