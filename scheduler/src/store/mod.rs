@@ -336,7 +336,7 @@ pub trait MetaStore: Send + Sync + fmt::Debug {
         let mut listing = self.get_prefix(prefix).await?;
         listing
             .kvs
-            .sort_by(|a, b| b.create_revision.cmp(&a.create_revision));
+            .sort_by_key(|kv| std::cmp::Reverse(kv.create_revision));
         listing.kvs.truncate(limit);
         Ok(listing)
     }
