@@ -4,6 +4,7 @@
 //! operator-facing messages with `anyhow` context; `report` prints the one that ends a command.
 
 mod cmd;
+mod cost_model;
 mod kernels;
 mod paths;
 mod progress;

@@ -1,7 +1,8 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
 use super::{
-    bench_decode, bench_docs, bench_fanout, bench_links, bench_memory, bench_model, bench_transport,
+    bench_decode, bench_docs, bench_fanout, bench_links, bench_memory, bench_model,
+    bench_transport, bench_ttft,
 };
 use scd_models::KernelChoice;
 
@@ -14,7 +15,8 @@ use scd_models::KernelChoice;
     scd bench decode --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --jobs 1,2,4,8 --experts 1,3\n  \
     scd bench docs --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --docs 4,8,16\n  \
     scd bench links --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --links 50,500,5000\n  \
-    scd bench fanout --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --experts mail,sotu,melville")]
+    scd bench fanout --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --experts mail,sotu,melville\n  \
+    scd bench ttft --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --lengths 256,1024 --links 50,500,5000,loopback")]
 pub struct Args {
     #[command(subcommand)]
     command: Command,
@@ -57,6 +59,13 @@ enum Command {
     #[command(after_help = "Example:\n  \
         scd bench fanout --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --experts mail,sotu,melville")]
     Fanout(bench_fanout::Args),
+    /// Time to first token of every transfer mode over a grid of links and prompt lengths,
+    /// cold and warm, through real nodes, with each mode's quality beside it; `--project`
+    /// fits the cost model to such a run, projects it to 7B / 32B pairs and draws the plots.
+    #[command(after_help = "Examples:\n  \
+        scd bench ttft --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --lengths 256,1024 --links 50,500,5000,loopback --out docs/m8/ttft.json\n  \
+        scd bench ttft --project docs/m8/ttft.json --plots docs/m8")]
+    Ttft(bench_ttft::Args),
 }
 
 pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
@@ -68,5 +77,6 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         Command::Docs(a) => bench_docs::run(a, kernels),
         Command::Links(a) => bench_links::run(a, kernels),
         Command::Fanout(a) => bench_fanout::run(a, kernels),
+        Command::Ttft(a) => bench_ttft::run(a, kernels),
     }
 }

@@ -9,6 +9,7 @@ pub mod bench_links;
 pub mod bench_memory;
 pub mod bench_model;
 pub mod bench_transport;
+pub mod bench_ttft;
 pub mod calibrate;
 pub mod cert;
 pub mod demo;

@@ -1,0 +1,563 @@
+//! `scd bench ttft` (issue M8 §1): time to first token of every transfer mode over a grid of
+//! links and prompt lengths, through real nodes (an in-process cluster on the embedded store,
+//! QUIC between the nodes, links emulated by the producer's pacing, `[links] pace_mbit`), cold
+//! (the producer prefills the prompt) and warm (the producer holds the prompt's prefix in its
+//! prefix cache, the paper's setting: only encode, transfer and rebuild are left). Per cell:
+//! payload, TTFT median and p95 with bootstrap intervals over the repeats, speed-up against the
+//! oracle of the same link and cache state in the same run, each stage's median, and the mode's
+//! quality on held-out WikiText-2 from the eval harness (`scd_models::eval::evaluate`: KL to
+//! the oracle, greedy agreement). Writes JSON that `scd bench ttft --project` reads to fit the
+//! cost model (`crate::cost_model`), project it and draw the plots.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use scd_actors::Served;
+use scd_models::codec::{codec_with, Codec, CodecOptions};
+use scd_models::corpus;
+use scd_models::eval::{self, EvalConfig, EvalData, Pair};
+use scd_models::KernelChoice;
+use scd_types::Mode;
+use serde::{Deserialize, Serialize};
+
+use crate::cmd::local_cluster::{config, median, models_section, Cluster};
+use crate::paths::DataDirs;
+
+/// Arguments of `scd bench ttft`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The base model (GGUF). Required unless --project.
+    #[arg(long, env = "SCD_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The expert: a folder under --experts with adapter.safetensors and translator/.
+    #[arg(long, default_value = "sotu")]
+    pub expert: String,
+    /// Where the shipped experts are.
+    #[arg(long, default_value = "experts")]
+    pub experts: PathBuf,
+    #[command(flatten)]
+    pub dirs: DataDirs,
+    /// Transfer modes, comma-separated (oracle is always run: the speed-ups are against it).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "oracle,raw,q4,droidspeak,reuse,scd"
+    )]
+    pub modes: Vec<Mode>,
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    pub lengths: Vec<usize>,
+    /// Links from the producer to the consumer: Mbit/s, or `loopback` (unpaced).
+    #[arg(long, value_delimiter = ',', default_value = "50,500,loopback")]
+    pub links: Vec<String>,
+    /// Cache states: `cold` (the producer prefills) and/or `warm` (the producer holds the
+    /// prefix in its prefix cache).
+    #[arg(long, value_delimiter = ',', default_value = "cold,warm")]
+    pub cache: Vec<String>,
+    /// Jobs per cell (each on its own WikiText-2 window).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Element type of the codes the producer sends (`[codec] code_dtype`): i8-rows or f16.
+    #[arg(long, default_value = "i8-rows")]
+    pub code_dtype: String,
+    /// Held-out WikiText-2 windows of the quality measurement (0: skip it).
+    #[arg(long, default_value_t = 4)]
+    pub quality_windows: usize,
+    /// Prompt tokens of each quality window.
+    #[arg(long, default_value_t = 256)]
+    pub quality_tokens: usize,
+    /// Continuation tokens the KL is measured over (the greedy agreement takes half).
+    #[arg(long, default_value_t = 32)]
+    pub quality_continuation: usize,
+    /// Write the jobs and the cells here as JSON.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Instead of measuring: read these `bench ttft` JSON records (comma-separated), fit the cost model, print predicted
+    /// against measured, project to the 7B / 32B pairs, and write the plots and the
+    /// projection under --plots.
+    #[arg(long, value_delimiter = ',')]
+    pub project: Vec<PathBuf>,
+    /// Where --project writes its SVG / PNG plots and `cost-model.json`.
+    #[arg(long, default_value = "docs/m8")]
+    pub plots: PathBuf,
+    /// The TrueType font of the plots' text (default: DejaVu Sans or Liberation Sans from the
+    /// usual system folders).
+    #[arg(long)]
+    pub font: Option<PathBuf>,
+}
+
+/// A link of the grid.
+#[derive(Debug, Clone, PartialEq)]
+struct Link {
+    name: String,
+    /// None: loopback, unpaced.
+    mbit: Option<u64>,
+}
+
+fn parse_link(s: &str) -> anyhow::Result<Link> {
+    if s == "loopback" {
+        return Ok(Link {
+            name: "loopback".into(),
+            mbit: None,
+        });
+    }
+    let mbit: u64 = s
+        .parse()
+        .with_context(|| format!("--links {s:?}: Mbit/s or `loopback`"))?;
+    if mbit == 0 {
+        bail!("--links: a link is at least 1 Mbit/s");
+    }
+    Ok(Link {
+        name: format!("{mbit}m"),
+        mbit: Some(mbit),
+    })
+}
+
+/// One job's figures.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobRow {
+    pub link: String,
+    pub link_mbit: Option<u64>,
+    pub cache: String,
+    pub tokens: usize,
+    pub mode: Mode,
+    pub repeat: usize,
+    pub payload_bytes: u64,
+    pub ttft_ms: f64,
+    pub timings_ms: BTreeMap<String, f64>,
+}
+
+/// A quantile with its bootstrap interval.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Quantile {
+    pub value: f64,
+    pub low: f64,
+    pub high: f64,
+}
+
+/// The quality of a mode on held-out text (the eval harness's figures).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Quality {
+    pub kl: scd_models::stats::Estimate,
+    pub greedy_agreement: scd_models::stats::Estimate,
+    pub payload_share_of_raw: f64,
+}
+
+/// One cell of the grid.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Cell {
+    pub link: String,
+    pub link_mbit: Option<u64>,
+    pub cache: String,
+    pub tokens: usize,
+    pub mode: Mode,
+    pub jobs: usize,
+    pub payload_mb: f64,
+    pub ttft_median_ms: Quantile,
+    pub ttft_p95_ms: Quantile,
+    /// The oracle's median TTFT over this cell's median (same link, cache state and length).
+    pub speedup_vs_oracle: f64,
+    /// Each stage's median over the jobs (prefill, encode, transfer, rebuild, first_token).
+    pub stages_ms: BTreeMap<String, f64>,
+    pub kl: Option<f64>,
+    pub greedy_agreement: Option<f64>,
+}
+
+/// The whole record `--out` writes and `--project` reads.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub command: String,
+    pub machine: String,
+    pub expert: String,
+    pub code_dtype: String,
+    pub repeats: usize,
+    pub quality_config: Option<EvalConfig>,
+    pub quality: BTreeMap<String, Quality>,
+    pub cells: Vec<Cell>,
+    pub jobs: Vec<JobRow>,
+}
+
+/// Deterministic resampling (xorshift): the bench needs no statistical-grade generator.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// The `q` quantile of `v` (linear interpolation between order statistics).
+pub fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(f64::total_cmp);
+    let pos = q.clamp(0.0, 1.0) * (s.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+}
+
+/// The `q` quantile of `v` with its percentile bootstrap 95% interval (1,000 resamples).
+pub fn bootstrap_quantile(v: &[f64], q: f64, seed: u64) -> Quantile {
+    let value = quantile(v, q);
+    if v.len() < 2 {
+        return Quantile {
+            value,
+            low: value,
+            high: value,
+        };
+    }
+    let mut rng = Xorshift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut stats: Vec<f64> = (0..1000)
+        .map(|_| {
+            let r: Vec<f64> = (0..v.len()).map(|_| v[rng.below(v.len())]).collect();
+            quantile(&r, q)
+        })
+        .collect();
+    stats.sort_by(f64::total_cmp);
+    Quantile {
+        value,
+        low: quantile(&stats, 0.025),
+        high: quantile(&stats, 0.975),
+    }
+}
+
+/// The cells of `jobs`, in grid order, with the quality of each mode when measured.
+pub fn cells(jobs: &[JobRow], quality: &BTreeMap<String, Quality>) -> Vec<Cell> {
+    let mut keys: Vec<(String, Option<u64>, String, usize, Mode)> = Vec::new();
+    for j in jobs {
+        let k = (
+            j.link.clone(),
+            j.link_mbit,
+            j.cache.clone(),
+            j.tokens,
+            j.mode,
+        );
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let of = |k: &(String, Option<u64>, String, usize, Mode)| -> Vec<&JobRow> {
+        jobs.iter()
+            .filter(|j| j.link == k.0 && j.cache == k.2 && j.tokens == k.3 && j.mode == k.4)
+            .collect()
+    };
+    keys.iter()
+        .map(|k| {
+            let these = of(k);
+            let ttft: Vec<f64> = these.iter().map(|j| j.ttft_ms).collect();
+            let oracle = of(&(k.0.clone(), k.1, k.2.clone(), k.3, Mode::Oracle));
+            let oracle_median = median(oracle.iter().map(|j| j.ttft_ms).collect());
+            let mut stages = BTreeMap::new();
+            for stage in ["prefill", "encode", "transfer", "rebuild", "first_token"] {
+                let v: Vec<f64> = these
+                    .iter()
+                    .filter_map(|j| j.timings_ms.get(stage).copied())
+                    .collect();
+                if !v.is_empty() {
+                    stages.insert(stage.to_string(), median(v));
+                }
+            }
+            let q = quality.get(k.4.as_str());
+            let med = bootstrap_quantile(&ttft, 0.5, 1);
+            Cell {
+                link: k.0.clone(),
+                link_mbit: k.1,
+                cache: k.2.clone(),
+                tokens: k.3,
+                mode: k.4,
+                jobs: these.len(),
+                payload_mb: median(these.iter().map(|j| j.payload_bytes as f64 / 1e6).collect()),
+                ttft_median_ms: med,
+                ttft_p95_ms: bootstrap_quantile(&ttft, 0.95, 2),
+                speedup_vs_oracle: oracle_median / med.value,
+                stages_ms: stages,
+                kl: q.map(|q| q.kl.value),
+                greedy_agreement: q.map(|q| q.greedy_agreement.value),
+            }
+        })
+        .collect()
+}
+
+pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
+    if !args.project.is_empty() {
+        return crate::cost_model::report::run(&args.project, &args.plots, args.font.as_deref());
+    }
+    let Some(model) = &args.model else {
+        bail!("--model is required (or --project with a bench ttft JSON)");
+    };
+    let model = std::path::absolute(model)?;
+    let links: Vec<Link> = args
+        .links
+        .iter()
+        .map(|s| parse_link(s))
+        .collect::<anyhow::Result<_>>()?;
+    for c in &args.cache {
+        if c != "cold" && c != "warm" {
+            bail!("--cache {c:?}: cold or warm");
+        }
+    }
+    if args.repeats == 0 || args.lengths.is_empty() || links.is_empty() {
+        bail!("nothing to run: give at least one length, one link and one repeat");
+    }
+    let code_dtype = super::eval::code_dtype(&args.code_dtype)?;
+    let mut modes = vec![Mode::Oracle];
+    modes.extend(args.modes.iter().copied().filter(|m| *m != Mode::Oracle));
+    let expert_dir = std::path::absolute(args.experts.join(&args.expert))?;
+    let name = args.expert.clone();
+    let models = models_section(&model, &[(&name, &expert_dir)]);
+    let consumer_cfg = config("consumer-0", "\"consumer\"", &models)?;
+    let served = Arc::new(Served::load(&consumer_cfg, kernels).context("loading the models")?);
+    let loaded = served
+        .experts
+        .get(&name)
+        .context("the expert is not loaded")?;
+    let (translator, index) = loaded.translator.clone();
+    let expert = loaded
+        .model
+        .clone()
+        .context("the expert model is not loaded")?;
+    let base = served.model()?.clone();
+
+    // Prompts: `repeats` windows of WikiText-2's validation text per length.
+    let text = corpus::read_text(&args.dirs.eval_data.join(corpus::WIKITEXT2_VALID))?;
+    let tokens = corpus::tokenize_long(&served.tokenizer, &text)?;
+    let mut prompts: BTreeMap<usize, Vec<Vec<u32>>> = BTreeMap::new();
+    for &len in &args.lengths {
+        if len < 2 {
+            bail!("--lengths: a prompt has at least 2 tokens");
+        }
+        prompts.insert(
+            len,
+            corpus::even_windows(&tokens, len, args.repeats, "validation")?,
+        );
+    }
+
+    let code_dtype_name = match args.code_dtype.as_str() {
+        "i8-rows" => "i8-rows",
+        _ => "f16",
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let jobs = runtime.block_on(async {
+        let cluster = Cluster::new(served.clone())?;
+        let scheduler = cluster
+            .start(&config(
+                "scheduler",
+                "\"scheduler\"",
+                &models_section(&model, &[]),
+            )?)
+            .await?;
+        let mut jobs = Vec::new();
+        for (li, link) in links.iter().enumerate() {
+            let consumer_id = format!("consumer-{li}");
+            let consumer = cluster
+                .start(&config(&consumer_id, "\"consumer\"", &models)?)
+                .await?;
+            for cache in &args.cache {
+                let warm = cache == "warm";
+                let pace = match link.mbit {
+                    Some(m) => format!("[links]\npace_mbit = {{ {consumer_id} = {m} }}\n"),
+                    None => String::new(),
+                };
+                let producer = cluster
+                    .start(&config(
+                        &format!("producer-{li}-{cache}"),
+                        "\"producer\"",
+                        &format!(
+                            "{models}\n[codec]\nranks = \"default\"\ncode_dtype = \"{code_dtype_name}\"\n\n\
+                             [limits]\nprefix_cache_mib = {}\n\n{pace}",
+                            if warm { 1024 } else { 0 }
+                        ),
+                    )?)
+                    .await?;
+                // One job first: connections up, everything touched once.
+                cluster
+                    .run(&name, Mode::Q4, &prompts[&args.lengths[0]][0][..64.min(args.lengths[0])])
+                    .await?;
+                for (&len, windows) in &prompts {
+                    for (rep, prompt) in windows.iter().enumerate() {
+                        if warm {
+                            // The producer prefills the prompt once and keeps its blocks.
+                            cluster.run(&name, Mode::Q4, prompt).await?;
+                        }
+                        for &mode in &modes {
+                            let job = cluster.run(&name, mode, prompt).await?;
+                            let ttft = job.timings_ms.get("ttft").copied().unwrap_or(f64::NAN);
+                            eprintln!(
+                                "{} {cache} {len} tokens {mode} #{rep}: {:.2} MB, ttft {ttft:.0} ms",
+                                link.name,
+                                job.payload_bytes as f64 / 1e6
+                            );
+                            jobs.push(JobRow {
+                                link: link.name.clone(),
+                                link_mbit: link.mbit,
+                                cache: cache.clone(),
+                                tokens: len,
+                                mode,
+                                repeat: rep,
+                                payload_bytes: job.payload_bytes,
+                                ttft_ms: ttft,
+                                timings_ms: job.timings_ms.clone().into_iter().collect(),
+                            });
+                        }
+                    }
+                }
+                producer.shutdown(Duration::ZERO).await;
+            }
+            consumer.shutdown(Duration::ZERO).await;
+        }
+        scheduler.shutdown(Duration::ZERO).await;
+        anyhow::Ok(jobs)
+    })?;
+
+    // Quality of each mode on held-out WikiText-2, by the eval harness.
+    let mut quality = BTreeMap::new();
+    let mut quality_config = None;
+    if args.quality_windows > 0 {
+        eprintln!(
+            "quality: the eval harness on {} windows",
+            args.quality_windows
+        );
+        let data = EvalData::load(&args.dirs.eval_data).context("reading WikiText-2")?;
+        let cfg = EvalConfig {
+            wikitext_windows: args.quality_windows,
+            prefix_tokens: args.quality_tokens,
+            continuation_tokens: args.quality_continuation,
+            greedy_tokens: (args.quality_continuation / 2).max(1),
+            squad_questions: 0,
+            ..EvalConfig::default()
+        };
+        let opts = CodecOptions {
+            code_dtype,
+            matmul: kernels.prefill_matmul,
+            ..CodecOptions::default()
+        };
+        let codecs = modes
+            .iter()
+            .map(|&m| codec_with(m, Some((&translator, index)), &opts))
+            .collect::<Result<Vec<_>, _>>()?;
+        let codecs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
+        let record = eval::evaluate(
+            Pair {
+                producer: &base,
+                consumer: &expert,
+            },
+            &codecs,
+            &served.tokenizer,
+            &data,
+            &cfg,
+            None,
+            |p| eprintln!("{p}"),
+        )
+        .context("the quality of the modes")?;
+        for m in &record.results {
+            quality.insert(
+                m.method.as_str().to_string(),
+                Quality {
+                    kl: m.kl,
+                    greedy_agreement: m.greedy_agreement,
+                    payload_share_of_raw: m.payload_share_of_raw,
+                },
+            );
+        }
+        quality_config = Some(cfg);
+    }
+
+    let record = Record {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: machine(),
+        expert: name,
+        code_dtype: args.code_dtype.clone(),
+        repeats: args.repeats,
+        quality_config,
+        cells: cells(&jobs, &quality),
+        quality,
+        jobs,
+    };
+    print!("{}", table(&record));
+    if let Some(out) = &args.out {
+        scd_models::json_file::write_atomic(out, &record)
+            .with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// The CPU's model name and core count, for the record.
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cpu}, {cores} cores")
+}
+
+/// The cells as a Markdown table.
+pub fn table(r: &Record) -> String {
+    let mut s = format!(
+        "\n{} expert, {} codes, {} jobs per cell; TTFT in ms with 95% bootstrap intervals; speed-up = oracle median / cell median\n\n\
+         | link | cache | tokens | mode | payload MB | TTFT median | TTFT p95 | speed-up | KL | greedy agr. |\n\
+         | --- | --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: |\n",
+        r.expert, r.code_dtype, r.repeats
+    );
+    for c in &r.cells {
+        let opt = |v: Option<f64>, d: usize| v.map_or("-".to_string(), |v| format!("{v:.d$}"));
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {:.2} | {:.0} [{:.0}, {:.0}] | {:.0} [{:.0}, {:.0}] | {:.2}x | {} | {} |\n",
+            c.link,
+            c.cache,
+            c.tokens,
+            c.mode,
+            c.payload_mb,
+            c.ttft_median_ms.value,
+            c.ttft_median_ms.low,
+            c.ttft_median_ms.high,
+            c.ttft_p95_ms.value,
+            c.ttft_p95_ms.low,
+            c.ttft_p95_ms.high,
+            c.speedup_vs_oracle,
+            opt(c.kl, 4),
+            opt(c.greedy_agreement, 3),
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_and_their_intervals() {
+        let v = [1.0, 2.0, 3.0, 4.0, 5.0];
+        assert_eq!(quantile(&v, 0.5), 3.0);
+        assert_eq!(quantile(&v, 1.0), 5.0);
+        assert!((quantile(&v, 0.95) - 4.8).abs() < 1e-12);
+        let q = bootstrap_quantile(&v, 0.5, 7);
+        assert!(q.low <= q.value && q.value <= q.high);
+        assert!(q.low >= 1.0 && q.high <= 5.0);
+        let one = bootstrap_quantile(&[2.0], 0.5, 7);
+        assert_eq!((one.low, one.value, one.high), (2.0, 2.0, 2.0));
+    }
+
+    #[test]
+    fn links_parse() {
+        assert_eq!(parse_link("loopback").unwrap().mbit, None);
+        assert_eq!(parse_link("50").unwrap().mbit, Some(50));
+        assert!(parse_link("0").is_err());
+        assert!(parse_link("fast").is_err());
+    }
+}
