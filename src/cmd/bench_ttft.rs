@@ -471,7 +471,11 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     }
 
     let record = Record {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        // The program as `scd`, not its path here: the record is shipped.
+        command: std::iter::once("scd".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" "),
         machine: machine(),
         expert: name,
         code_dtype: args.code_dtype.clone(),
