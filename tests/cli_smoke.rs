@@ -495,3 +495,99 @@ fn eval_multidoc_compares_stitching_and_the_sempic_writer() {
     let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(record["questions"], 1, "{record}");
 }
+
+/// `bench ttft` (issue M8 §1, §2, §4) at its tiniest: the grid runs through an in-process
+/// cluster, the JSON has every cell with sane values, and `--project` fits the cost model to it
+/// and writes the projection and the plots.
+#[test]
+fn bench_ttft_writes_every_cell_and_the_cost_model_reads_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("ttft.json");
+    let (stdout, _) = run(
+        "bench ttft",
+        &mut scd_on_model(
+            "--model",
+            &[
+                "bench",
+                "ttft",
+                "--modes",
+                "oracle,raw,scd",
+                "--lengths",
+                "24",
+                "--links",
+                "200,loopback",
+                "--repeats",
+                "2",
+                "--quality-windows",
+                "1",
+                "--quality-tokens",
+                "24",
+                "--quality-continuation",
+                "4",
+                "--out",
+                json.to_str().unwrap(),
+            ],
+        ),
+    );
+    assert!(stdout.contains("| 200m | warm | 24 | scd |"), "{stdout}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let cells = v["cells"].as_array().unwrap();
+    // 2 links x cold, warm x 3 modes.
+    assert_eq!(cells.len(), 12, "{cells:#?}");
+    assert_eq!(v["jobs"].as_array().unwrap().len(), 24);
+    let payload = |link: &str, mode: &str| {
+        cells
+            .iter()
+            .find(|c| c["link"] == link && c["mode"] == mode && c["cache"] == "warm")
+            .unwrap()["payload_mb"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(payload("200m", "raw") > payload("200m", "scd"));
+    assert!(payload("200m", "scd") > 0.0);
+    for c in cells {
+        let median = &c["ttft_median_ms"];
+        let (lo, mid, hi) = (
+            median["low"].as_f64().unwrap(),
+            median["value"].as_f64().unwrap(),
+            median["high"].as_f64().unwrap(),
+        );
+        assert!(mid > 0.0 && lo <= mid && mid <= hi, "{c}");
+        assert!(
+            c["ttft_p95_ms"]["value"].as_f64().unwrap() >= mid - 1e-9,
+            "{c}"
+        );
+        assert!(c["speedup_vs_oracle"].as_f64().unwrap() > 0.0, "{c}");
+        let kl = c["kl"].as_f64().unwrap();
+        assert!(kl.is_finite() && kl >= 0.0, "{c}");
+        if c["mode"] == "oracle" {
+            assert!((c["speedup_vs_oracle"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+        }
+    }
+
+    let plots = dir.path().join("plots");
+    let (stdout, _) = run(
+        "bench ttft --project",
+        &mut scd(&[
+            "bench",
+            "ttft",
+            "--project",
+            json.to_str().unwrap(),
+            "--plots",
+            plots.to_str().unwrap(),
+        ]),
+    );
+    assert!(stdout.contains("median |predicted - measured|"), "{stdout}");
+    assert!(stdout.contains("7B (Mistral-7B shape)"), "{stdout}");
+    let fitted: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plots.join("cost-model.json")).unwrap())
+            .unwrap();
+    assert_eq!(fitted["cells"].as_array().unwrap().len(), 12);
+    assert!(fitted["median_relative_error"]
+        .as_f64()
+        .unwrap()
+        .is_finite());
+    assert!(!fitted["projection"].as_array().unwrap().is_empty());
+    assert!(plots.join("cost-model.md").exists());
+}

@@ -183,7 +183,11 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     let rows = runtime.block_on(async {
         let cluster = Cluster::new(served.clone())?;
         let scheduler = cluster
-            .start(&config("scheduler", "\"scheduler\"", "")?)
+            .start(&config(
+                "scheduler",
+                "\"scheduler\"",
+                &models_section(&model, &[]),
+            )?)
             .await?;
         let mut rows = Vec::new();
         for (consumer_id, mbit) in &links {
