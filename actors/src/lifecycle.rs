@@ -103,12 +103,25 @@ impl Refusal {
 /// What a node does about a job record as it is now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordAction {
-    /// Stop any local work on the job (it was cancelled, failed, or given to someone else).
-    CancelLocal,
+    /// Stop local work on the job's attempts up to `through` (it was cancelled, failed, or
+    /// sent back to the queue). Later attempts are left alone: a node's view of the records
+    /// lags the streams producers open to it, so a consumer can be decoding attempt 2 when
+    /// attempt 1's requeue reaches it.
+    CancelLocal {
+        /// The newest attempt the record ends.
+        through: u32,
+    },
     /// Start the producer half of the record's attempt.
     StartProducer,
     /// Nothing.
     Ignore,
+}
+
+impl RecordAction {
+    /// Whether this action stops local work on `attempt` of the record's job.
+    pub fn ends(&self, attempt: u32) -> bool {
+        matches!(*self, RecordAction::CancelLocal { through } if attempt <= through)
+    }
 }
 
 /// What node `me` does about `record` (`producer_role`: it prefills; `draining`: it takes no
@@ -120,7 +133,9 @@ pub fn on_record(
     draining: bool,
 ) -> RecordAction {
     match record.state {
-        JobState::Queued | JobState::Failed | JobState::Cancelled => RecordAction::CancelLocal,
+        JobState::Queued | JobState::Failed | JobState::Cancelled => RecordAction::CancelLocal {
+            through: record.attempts,
+        },
         JobState::Assigned
             if record.producer.as_deref() == Some(me) && producer_role && !draining =>
         {
@@ -652,10 +667,27 @@ mod tests {
         );
         for state in [JobState::Queued, JobState::Failed, JobState::Cancelled] {
             let j = record(state, ME, PEER);
-            assert_eq!(on_record(&j, ME, true, false), RecordAction::CancelLocal);
+            assert_eq!(
+                on_record(&j, ME, true, false),
+                RecordAction::CancelLocal {
+                    through: j.attempts
+                }
+            );
         }
         let done = record(JobState::Done, ME, PEER);
         assert_eq!(on_record(&done, ME, true, false), RecordAction::Ignore);
+    }
+
+    #[test]
+    fn a_requeue_seen_late_ends_only_the_attempts_it_names() {
+        // Attempt 1 sent back: a node whose watch lags can already decode attempt 2, whose
+        // producer opened the stream before the requeue reached the node.
+        let requeued = record(JobState::Queued, ME, PEER);
+        let action = on_record(&requeued, PEER, false, false);
+        assert!(action.ends(1));
+        assert!(!action.ends(2));
+        assert!(!RecordAction::Ignore.ends(1));
+        assert!(!RecordAction::StartProducer.ends(1));
     }
 
     #[test]

@@ -240,11 +240,11 @@ impl Work {
         self.active.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
-    /// Cancels local work on `job`, if any.
-    pub fn cancel_local(&self, job: JobId) {
+    /// Cancels local work on `job`'s attempts that `action` ends.
+    pub fn cancel_local(&self, job: JobId, action: RecordAction) {
         let active = self.active.lock().unwrap_or_else(|p| p.into_inner());
-        for ((j, _, _), token) in active.iter() {
-            if *j == job {
+        for ((j, attempt, _), token) in active.iter() {
+            if *j == job && action.ends(*attempt) {
                 token.cancel();
             }
         }
@@ -266,7 +266,7 @@ impl Work {
     /// Reacts to a job record as it is now.
     pub fn on_record(self: &Arc<Self>, job: JobRecord) {
         match lifecycle::on_record(&job, &self.id, self.producer_role, self.is_draining()) {
-            RecordAction::CancelLocal => self.cancel_local(job.id),
+            action @ RecordAction::CancelLocal { .. } => self.cancel_local(job.id, action),
             RecordAction::StartProducer => {
                 if let Some(cancel) = self.begin(job.id, job.attempts, Side::Producer) {
                     let work = Arc::clone(self);

@@ -458,7 +458,10 @@ impl Node {
         let left = work.active_jobs();
         let mut handed_back = Vec::new();
         for job in left {
-            work.cancel_local(job);
+            work.cancel_local(
+                job,
+                crate::lifecycle::RecordAction::CancelLocal { through: u32::MAX },
+            );
             let reason = format!("node {} shut down", self.id);
             let back = work
                 .jobs
