@@ -164,6 +164,28 @@ impl ClusterClient {
         let expert = expert.as_str();
         request.check_shape()?;
         let nodes = self.nodes().await?;
+        // Auto is resolved by the producer for a single expert's job; the two kinds of job
+        // whose mode follows from what they are are resolved here.
+        let mut choice = None;
+        let mode = match mode {
+            Mode::Auto if !request.documents.is_empty() => {
+                choice = Some("a job with documents runs in mode oracle");
+                Mode::Oracle
+            }
+            Mode::Auto if !more.is_empty() => {
+                match self.check_fan_out(experts, Mode::Scd, &nodes).await {
+                    Ok(()) => {
+                        choice = Some("a fan-out is not planned; codes for every expert");
+                        Mode::Scd
+                    }
+                    Err(_) => {
+                        choice = Some("a fan-out is not planned; no joint translator for codes");
+                        Mode::Raw
+                    }
+                }
+            }
+            m => m,
+        };
         if !more.is_empty() {
             self.check_fan_out(experts, mode, &nodes).await?;
         }
@@ -223,6 +245,12 @@ impl ClusterClient {
             .with_request(request)
             .with_trace(trace);
         record.prefix_hashes = prefix_hashes;
+        record.mode_choice = choice.map(|reason| scd_scheduler::ModeChoice {
+            chosen: mode,
+            reason: format!("{mode}: {reason}"),
+            link_mbit: None,
+            weighed: Vec::new(),
+        });
         match self.jobs.create_admitted(&record).await {
             Err(RecordError::Busy(busy)) => Err(ClientError::Busy(busy)),
             other => Ok(other?),

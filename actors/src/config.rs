@@ -138,7 +138,7 @@ pub struct GatewayConfig {
     /// API is open to anyone who can reach `node.http_listen` (a warning says so at start).
     pub api_keys: Vec<String>,
     /// `default_mode`: the transfer mode of a request that names none (the `scd_mode` field of
-    /// a request picks another).
+    /// a request picks another); default `auto`, the producer's choice per job.
     pub default_mode: scd_transport::Mode,
 }
 
@@ -146,7 +146,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             api_keys: Vec::new(),
-            default_mode: scd_transport::Mode::Scd,
+            default_mode: scd_transport::Mode::Auto,
         }
     }
 }

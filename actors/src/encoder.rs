@@ -45,6 +45,8 @@ pub struct EncodeReport {
     pub span: Option<Span>,
     /// Code bytes per layer.
     pub layer_bytes: Vec<LayerBytes>,
+    /// Time spent encoding, all layers together (the span also holds the waits for captures).
+    pub busy: std::time::Duration,
 }
 
 /// The encoder actor (stateless: the codec comes with each job).
@@ -118,7 +120,8 @@ fn encode(rt: &Handle, job: EncodeJob) -> Result<EncodeReport, EncoderError> {
     let mut start = None;
     let mut codes = Vec::new();
     while let Some(capture) = blocking::recv(rt, &mut captures, &cancel).map_err(interrupted)? {
-        start.get_or_insert_with(Instant::now);
+        let began = Instant::now();
+        start.get_or_insert(began);
         codec
             .codec
             .encode_layer(&capture, &mut codes)
@@ -126,10 +129,12 @@ fn encode(rt: &Handle, job: EncodeJob) -> Result<EncodeReport, EncoderError> {
                 layer: capture.layer,
                 source,
             })?;
+        let encoded = Instant::now();
+        report.busy += encoded - began;
         report.layer_bytes.push(LayerBytes {
             layer: capture.layer as u16,
             bytes: codes.iter().map(|c| c.bytes.len()).sum(),
-            encoded: Instant::now(),
+            encoded,
         });
         for code in codes.drain(..) {
             let mut frame = CodeFrame::new(job, code);

@@ -44,6 +44,8 @@
 //! - [`client`]: submitting a job (a record with its request) and waiting for its end.
 //! - [`rank_planner`]: the producer's choice of a job's code ranks for the link to its
 //!   consumer, from the translator's quality curve and measured link and prefill speeds.
+//! - [`mode_planner`]: the producer's choice of the mode of a job submitted in mode `auto`
+//!   (lowest expected time to first token under the quality ceiling).
 //! - [`follow`]: a job's record as a client shows it: states, new text, the final record.
 //! - [`metrics`]: the node's Prometheus metrics.
 //! - [`telemetry`]: job traces: the root span at submission, each node's half and its stages,
@@ -67,6 +69,7 @@ mod halves;
 pub mod job;
 pub mod lifecycle;
 pub mod metrics;
+pub mod mode_planner;
 pub mod node;
 pub mod pipeline;
 pub mod prefix_cache;

@@ -330,6 +330,7 @@ impl ProducerHalf {
         j: &mut JobRecord,
         translator: Option<scd_types::TranslatorHash>,
         ranks: Option<scd_scheduler::RanksChoice>,
+        mode: Option<scd_scheduler::ModeChoice>,
         now_ms: u64,
     ) -> Result<(), RecordError> {
         let ours = j.state == JobState::Assigned
@@ -339,6 +340,10 @@ impl ProducerHalf {
             j.transition(JobState::Prefilling, now_ms)?;
             j.translator = translator;
             j.ranks = ranks;
+            if let Some(choice) = mode {
+                j.mode = choice.chosen;
+                j.mode_choice = Some(choice);
+            }
         }
         Ok(())
     }
@@ -706,7 +711,7 @@ mod tests {
         let mut j = record(JobState::Assigned, ME, PEER);
         let (mut half, first) = ProducerHalf::new(j.id, 1, ME);
         assert_eq!(first, Action::Claim);
-        half.claim(&mut j, None, None, 2_000).unwrap();
+        half.claim(&mut j, None, None, None, 2_000).unwrap();
         assert_eq!(j.state, JobState::Prefilling);
         assert_eq!(half.handle(ProducerEvent::Claimed(Some(&j))), Action::Start);
         assert_eq!(half.handle(ProducerEvent::Started), Action::Continue);
@@ -729,14 +734,14 @@ mod tests {
         // The claim's answer was lost and the store retried it: the record is already ours.
         let mut j = record(JobState::Prefilling, ME, PEER);
         let (mut half, _) = ProducerHalf::new(j.id, 1, ME);
-        half.claim(&mut j, None, None, 2_000).unwrap();
+        half.claim(&mut j, None, None, None, 2_000).unwrap();
         assert_eq!(half.handle(ProducerEvent::Claimed(Some(&j))), Action::Start);
 
         // Another attempt took the job meanwhile.
         let mut j = record(JobState::Assigned, ME, PEER);
         j.attempts = 2;
         let (mut half, _) = ProducerHalf::new(j.id, 1, ME);
-        half.claim(&mut j, None, None, 2_000).unwrap();
+        half.claim(&mut j, None, None, None, 2_000).unwrap();
         assert_eq!(
             j.state,
             JobState::Assigned,

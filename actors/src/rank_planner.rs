@@ -22,6 +22,9 @@ use crate::config::RankSetting;
 /// QUIC's first window, and their time is mostly round trips.
 pub const MIN_SAMPLE_BYTES: u64 = 512 << 10;
 
+/// Prefills shorter than this are not measured ([`RankPlanner::observe_prefill`]).
+pub const MIN_PREFILL_SAMPLE_TOKENS: usize = 32;
+
 /// Weight of a new measurement in a link's running estimate: links change (other traffic,
 /// another route), and the last few jobs are the best guide to the next one.
 const NEW_SAMPLE_WEIGHT: f64 = 0.5;
@@ -94,9 +97,11 @@ impl RankPlanner {
         links.insert(peer.to_string(), estimate);
     }
 
-    /// A prefill of `tokens` tokens took `secs` seconds.
+    /// A prefill of `tokens` tokens took `secs` seconds. A short one (a prompt mostly in the
+    /// prefix cache) is left out: its fixed costs over a few tokens would read as a prefill
+    /// tens of times slower than it is.
     pub fn observe_prefill(&self, tokens: usize, secs: f64) {
-        if tokens == 0 || !(secs.is_finite() && secs > 0.0) {
+        if tokens < MIN_PREFILL_SAMPLE_TOKENS || !(secs.is_finite() && secs > 0.0) {
             return;
         }
         let mut p = self
@@ -104,6 +109,19 @@ impl RankPlanner {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         *p = Some(blend(*p, secs / tokens as f64));
+    }
+
+    /// The measured prefill speed, seconds per token.
+    pub fn prefill_secs_per_token(&self) -> Option<f64> {
+        *self
+            .prefill_per_token
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The rule the ranks are chosen by.
+    pub fn policy(&self) -> RankPolicy {
+        self.policy
     }
 
     /// The link estimate to `peer`, bytes per second.

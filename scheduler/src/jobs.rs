@@ -68,6 +68,44 @@ pub struct ModeFallback {
     pub reason: String,
 }
 
+/// How the producer resolved a job submitted in mode `auto`: the mode it chose (the record's
+/// `mode` from then on), on what grounds, and what it expected of each mode it weighed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModeChoice {
+    /// The mode chosen.
+    pub chosen: Mode,
+    /// Why, in words (shown by `scd jobs show` and on the trace).
+    pub reason: String,
+    /// The link throughput to the consumer the estimates assumed, Mbit/s; `None` when the
+    /// link was not measured yet (the estimates then assume [`ModeChoice::UNMEASURED_MBIT`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_mbit: Option<f64>,
+    /// Every mode weighed.
+    pub weighed: Vec<ModeEstimate>,
+}
+
+impl ModeChoice {
+    /// The link speed assumed before a link is measured: slow enough that a choice made on it
+    /// does not send a large payload over a slow link, and the transfer it makes measures it.
+    pub const UNMEASURED_MBIT: f64 = 100.0;
+}
+
+/// What the producer expected of one mode for one job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModeEstimate {
+    /// The mode.
+    pub mode: Mode,
+    /// Expected time to first token, ms; `None` when a speed it needs was not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_ms: Option<f64>,
+    /// Bytes it would send.
+    pub payload_bytes: u64,
+    /// Its measured held-out KL to the expert's own prefill for this pair; `None`: not
+    /// measured (the mode is not chosen).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl: Option<f64>,
+}
+
 /// Why an attempt's codes have the ranks they have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -185,6 +223,10 @@ pub struct JobRecord {
     /// The fan-out experts' results, by expert.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub outputs: BTreeMap<String, JobResult>,
+    /// Set when the job was submitted in mode `auto`, by the producer that resolved it: `mode`
+    /// is what it chose. Kept across attempts (a retry runs in the same mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode_choice: Option<ModeChoice>,
     /// Set when the scheduler ran the job in another mode than it was submitted in (its
     /// translator was marked degraded): `mode` is what ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -327,6 +369,7 @@ impl JobRecord {
             ranks: None,
             fan_out: Vec::new(),
             outputs: BTreeMap::new(),
+            mode_choice: None,
             fallback: None,
             documents: None,
             request: None,

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use crate::envelope::{self, EnvelopeError};
 use crate::keys::{InvalidId, Keys};
 use crate::store::{EventKind, LeaseId, MetaStore, StoreError, WatchEvent};
+use scd_types::Mode;
 
 /// What a node advertises about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -52,6 +53,15 @@ pub struct NodeInfo {
     /// under the old one are known to be lost. `0`: unknown (a record from before epochs).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: u64,
+    /// A consumer's measured held-out KL of raw transfer from the base, per expert it serves
+    /// (from the expert's drift report): what `auto` weighs raw and q4 by.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub transfer_kl: BTreeMap<String, BTreeMap<Mode, f64>>,
+    /// A consumer's measured cost of finishing a job, per mode: ms per prompt token from the
+    /// last code's arrival (the job's start, in mode oracle: its own prefill) to the first
+    /// token, over its recent jobs. What `auto` expects after the transfer.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub finish_ms_per_token: BTreeMap<Mode, f64>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -72,6 +82,8 @@ impl NodeInfo {
             document_writer: None,
             documents: Vec::new(),
             epoch: 0,
+            transfer_kl: BTreeMap::new(),
+            finish_ms_per_token: BTreeMap::new(),
         }
     }
 }

@@ -124,9 +124,10 @@ pub struct SubmitArgs {
     /// answering in turn on stdout.
     #[arg(long, required = true)]
     pub expert: Vec<String>,
-    /// How the base model's prefill reaches the expert: oracle, raw, q4, droidspeak, reuse, scd.
-    /// Default scd; oracle with --document (the expert reads the prompt itself after the
-    /// documents, whose compiled caches the producer serves).
+    /// How the base model's prefill reaches the expert: oracle, raw, q4, droidspeak, reuse, scd,
+    /// or auto (the producer picks the fastest expected under the quality ceiling; the record
+    /// says which and why). Default auto; oracle with --document (the expert reads the prompt
+    /// itself after the documents, whose compiled caches the producer serves).
     #[arg(long)]
     pub mode: Option<Mode>,
     /// A document to place before the prompt, by id (`scd docs add`); repeat it for several,
@@ -330,7 +331,7 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             expert,
             fan_out,
             mode: args.mode.unwrap_or(match args.documents.is_empty() {
-                true => Mode::Scd,
+                true => Mode::Auto,
                 false => Mode::Oracle,
             }),
             documents: args.documents.clone(),
@@ -627,6 +628,9 @@ fn describe(s: &serde_json::Value) -> String {
     }
     if let Some(b) = s["payload_bytes"].as_u64().filter(|b| *b > 0) {
         parts.push(format!("{b} bytes on the wire"));
+    }
+    if let Some(why) = s["mode_choice"].as_str() {
+        parts.push(format!("auto chose {why}"));
     }
     if let Some(f) = s["fallback"].as_object() {
         parts.push(format!(

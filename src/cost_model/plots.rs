@@ -33,6 +33,7 @@ fn color(mode: Mode) -> RGBColor {
         Mode::DroidSpeak => RGBColor(44, 160, 44),
         Mode::Reuse => RGBColor(148, 103, 189),
         Mode::Scd => RGBColor(214, 39, 40),
+        Mode::Auto => RGBColor(127, 127, 127),
     }
 }
 

@@ -40,10 +40,14 @@ pub enum Mode {
     Reuse,
     /// SCD: Reuse on most layers, Patch on a few critical ones.
     Scd,
+    /// Not a way of sending: the job's producer picks one of the others when it claims the
+    /// job (the lowest expected time to first token under the pair's quality ceiling) and
+    /// the record then names that one.
+    Auto,
 }
 
 impl Mode {
-    /// Every mode, the reference first.
+    /// Every way of sending, the reference first (not [`Mode::Auto`], which picks one).
     pub const ALL: [Mode; 6] = [
         Mode::Oracle,
         Mode::Raw,
@@ -62,6 +66,7 @@ impl Mode {
             Mode::DroidSpeak => "droidspeak",
             Mode::Reuse => "reuse",
             Mode::Scd => "scd",
+            Mode::Auto => "auto",
         }
     }
 
@@ -78,6 +83,12 @@ impl Mode {
     pub fn uses_translator_codes(self) -> bool {
         matches!(self, Mode::Reuse | Mode::Scd)
     }
+
+    /// Whether a job in this mode may run on translator codes: one that does, or `auto`,
+    /// which may pick one that does.
+    pub fn may_use_translator_codes(self) -> bool {
+        self.uses_translator_codes() || self == Mode::Auto
+    }
 }
 
 impl fmt::Display for Mode {
@@ -88,7 +99,7 @@ impl fmt::Display for Mode {
 
 /// A mode name nobody implements.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown transfer mode {0:?} (known: oracle, raw, q4, droidspeak, reuse, scd)")]
+#[error("unknown transfer mode {0:?} (known: oracle, raw, q4, droidspeak, reuse, scd, auto)")]
 pub struct ParseModeError(String);
 
 impl FromStr for Mode {
@@ -97,6 +108,7 @@ impl FromStr for Mode {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Mode::ALL
             .into_iter()
+            .chain([Mode::Auto])
             .find(|m| m.as_str() == s)
             .ok_or_else(|| ParseModeError(s.to_owned()))
     }
@@ -112,6 +124,7 @@ impl ArchivedMode {
             ArchivedMode::DroidSpeak => Mode::DroidSpeak,
             ArchivedMode::Reuse => Mode::Reuse,
             ArchivedMode::Scd => Mode::Scd,
+            ArchivedMode::Auto => Mode::Auto,
         }
     }
 }
@@ -122,7 +135,7 @@ mod tests {
 
     #[test]
     fn names_round_trip_in_every_form() {
-        for m in Mode::ALL {
+        for m in Mode::ALL.into_iter().chain([Mode::Auto]) {
             assert_eq!(m.as_str().parse::<Mode>().unwrap(), m);
             assert_eq!(serde_json::to_string(&m).unwrap(), format!("\"{m}\""));
             let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&m).unwrap();

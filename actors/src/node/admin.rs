@@ -475,6 +475,7 @@ fn summary(job: &JobRecord, tok: &scd_models::tokenizer::Tokenizer) -> String {
         "cached_prefix_tokens": job.cached_prefix_tokens,
         "translator": job.translator.map(|h| h.to_string()),
         "ranks": job.ranks,
+        "mode_choice": job.mode_choice.as_ref().map(|c| &c.reason),
         "fallback": job.fallback,
         "timings_ms": job.timings_ms,
         "traceparent": job.trace.get("traceparent"),

@@ -35,7 +35,8 @@ use scd_models::codec::CodecOptions;
 use scd_models::{GenerateParams, Sampling, StopReason};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
-    JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore, StageSpan,
+    JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore, Mode,
+    ModeChoice, StageSpan,
 };
 use scd_transport::{Connection, Endpoint, JobId, JobReceiver};
 use scd_types::{JobReport, LayerPoint, Side, Stage};
@@ -51,6 +52,7 @@ use crate::lifecycle::{
     self, Action, Attempt, ConsumerEvent, ConsumerHalf, ProducerEvent, ProducerHalf, RecordAction,
 };
 use crate::metrics::{JobKindLabels, NodeMetrics, SideLabels};
+use crate::mode_planner;
 use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
 use crate::node::translators::NodeTranslators;
@@ -100,6 +102,10 @@ pub(crate) struct Work {
     pub registration: Arc<scd_scheduler::Registration>,
     /// Connections to consumer nodes, by node id.
     pub links: Mutex<HashMap<String, Connection>>,
+    /// What this consumer measures of its jobs' last step, for `auto` on the producers.
+    pub finish_costs: crate::mode_planner::CostsPerToken,
+    /// What this producer measures of its encoding, for `auto`.
+    pub encode_costs: crate::mode_planner::CostsPerToken,
     /// Jobs this node works on (a one-process node may hold both halves of one), with their
     /// cancellation.
     /// Keyed by attempt too: a job handed back and given to this node again starts afresh
@@ -284,10 +290,14 @@ impl Work {
     /// The producer half of an assigned job: its [`ProducerHalf`]'s actions carried out.
     async fn run_producer(&self, job: JobRecord, cancel: CancellationToken) {
         let (mut half, _claim) = ProducerHalf::new(job.id, job.attempts, &self.id);
+        // A job in mode auto is sent the way this node expects to be fastest under the
+        // quality ceiling, and the record says so from the claim on.
+        let choice = (job.mode == Mode::Auto).then(|| self.choose_mode(&job));
+        let mode = choice.as_ref().map_or(job.mode, |c| c.chosen);
         // The version this attempt's codes are made with: the live one now, stamped on the
         // record as the attempt is claimed so that the consumer rebuilds with the same one;
         // likewise the ranks, chosen for the link to the job's consumer as it is now.
-        let version = match job.mode.needs_translator() {
+        let version = match mode.needs_translator() {
             true => self.translators.current(&job.expert).ok(),
             false => None,
         };
@@ -297,14 +307,16 @@ impl Work {
             let consumer = job.consumer.as_deref()?;
             Some(
                 self.ranks
-                    .plan(&v.translator, v.index, job.mode, rows, consumer),
+                    .plan(&v.translator, v.index, mode, rows, consumer),
             )
         });
         // The job store waits out a brief etcd outage, so a claim whose answer was lost is
         // found applied on its retry rather than left assigned to this node for ever.
         let claimed = self
             .jobs
-            .update(job.id, |j| half.claim(j, stamp, ranks, now_ms()))
+            .update(job.id, |j| {
+                half.claim(j, stamp, ranks, choice.clone(), now_ms())
+            })
             .await;
         if let Err(e) = &claimed {
             tracing::warn!(job = %job.id, error = %e, "claiming a job failed");
@@ -354,6 +366,112 @@ impl Work {
         self.carry_out(half.attempt(), action).await;
     }
 
+    /// The mode of a job submitted in mode `auto` ([`crate::mode_planner`]): every way of
+    /// sending this node can make for the job's expert, weighed with what it measured and
+    /// what the job's consumer advertises.
+    fn choose_mode(&self, job: &JobRecord) -> ModeChoice {
+        let fixed = |mode: Mode, reason: &str| ModeChoice {
+            chosen: mode,
+            reason: format!("{mode}: {reason}"),
+            link_mbit: None,
+            weighed: Vec::new(),
+        };
+        let Some(request) = job.request.as_ref() else {
+            return fixed(Mode::Oracle, "the record has no request to plan for");
+        };
+        // The client resolves these (ClusterClient::submit_fan_out); a record written
+        // otherwise still runs.
+        if !request.documents.is_empty() {
+            return fixed(Mode::Oracle, "a job with documents runs in mode oracle");
+        }
+        if !job.fan_out.is_empty() {
+            return fixed(Mode::Raw, "a fan-out is not planned");
+        }
+        let version = self.translators.current(&job.expert).ok();
+        let consumer = job.consumer.as_deref().unwrap_or_default();
+        let advertised = self.nodes.snapshot().remove(consumer);
+        let rows = request.prompt.len().saturating_sub(1);
+        let cached = match &self.prefix_cache {
+            Some(cache) => {
+                let hashes = cache.hashes(&request.prompt[..rows]);
+                cache.lookup(&hashes).len() * cache.block_tokens()
+            }
+            None => 0,
+        };
+        let config = &self.served.config;
+        let policy = self.ranks.policy();
+        let layers = config.num_layers;
+        let mut situation = mode_planner::Situation {
+            rows,
+            producer_rows: rows.saturating_sub(cached),
+            producer_secs_per_token: self.ranks.prefill_secs_per_token(),
+            producer_encode_ms: self.encode_costs.now(),
+            link_bytes_per_sec: self.ranks.link(consumer),
+            layers,
+            kl_ceiling: policy.kl_ceiling,
+            slack: policy.slack,
+            ..Default::default()
+        };
+        let transfer_kl = advertised
+            .as_ref()
+            .and_then(|n| n.transfer_kl.get(&job.expert).cloned())
+            .unwrap_or_default();
+        if let Some(n) = advertised {
+            situation.consumer_finish_ms = n.finish_ms_per_token;
+        }
+        // The base's own KV: K and V, kv_dim values per token and layer, bf16 (2 bytes);
+        // q4 packs a value in 4 bits plus an f16 scale and minimum per group of 32 (5 bits).
+        let raw = (layers * rows * 2 * config.num_kv_heads * config.head_dim * 2) as u64;
+        let mut offers = vec![
+            mode_planner::Offer {
+                mode: Mode::Raw,
+                payload_bytes: raw,
+                kl: transfer_kl.get(&Mode::Raw).copied(),
+                ranks: None,
+            },
+            mode_planner::Offer {
+                mode: Mode::Q4,
+                payload_bytes: raw * 5 / 16,
+                kl: transfer_kl.get(&Mode::Q4).copied(),
+                ranks: None,
+            },
+        ];
+        if let Some(v) = &version {
+            let manifest = &v.translator.manifest;
+            situation.patch_share = manifest.patch_layers.len() as f64 / layers.max(1) as f64;
+            for mode in [Mode::Reuse, Mode::Scd] {
+                let choice = self
+                    .ranks
+                    .plan(&v.translator, v.index, mode, rows, consumer);
+                let codec = scd_models::codec::Translated::new(
+                    v.translator.clone(),
+                    mode,
+                    v.index,
+                    choice.ranks,
+                    self.codec_options.code_dtype,
+                    None,
+                );
+                let Ok(codec) = codec else { continue };
+                let kl = choice.curve_kl.or_else(|| {
+                    let points = manifest.rank_curve.as_ref()?.points.iter();
+                    points
+                        .filter(|p| p.mode == mode && p.ranks == choice.ranks)
+                        .find_map(|p| p.kl.get(v.index).copied())
+                });
+                offers.push(mode_planner::Offer {
+                    mode,
+                    payload_bytes: codec.payload_bytes(rows),
+                    kl,
+                    ranks: Some(choice),
+                });
+            }
+        }
+        tracing::debug!(job = %job.id, ?situation, ?offers, "auto weighs");
+        let (choice, _) = mode_planner::choose(&situation, &offers);
+        tracing::info!(job = %job.id, mode = %choice.chosen, reason = choice.reason, "auto chose a mode");
+        choice
+    }
+
     /// A finished producer half's report, into the rank planner, the metrics, the trace and
     /// the record.
     async fn producer_report(
@@ -382,6 +500,11 @@ impl Work {
         if let Some(consumer) = job.consumer.as_deref() {
             self.ranks
                 .observe_transfer(consumer, report.wire_bytes, done.sent.link_rate);
+        }
+        if let Some(r) = job.request.as_ref() {
+            let rows = r.prompt.len().saturating_sub(1);
+            let busy = done.encoded.busy.as_secs_f64();
+            self.encode_costs.observe(job.mode, rows, busy);
         }
         if let (Some(prefill), Some(r)) = (report.span(Stage::Prefill), job.request.as_ref()) {
             let computed = r.prompt.len().saturating_sub(1 + done.cached_tokens);
@@ -444,14 +567,19 @@ impl Work {
 
     /// The attributes of a half's trace span that come from the job.
     fn trace_attributes(&self, job: &JobRecord) -> Vec<KeyValue> {
-        vec![
+        let mut attrs = vec![
             KeyValue::new("scd.job", job.id.to_string()),
             KeyValue::new("scd.node", self.id.clone()),
             KeyValue::new("scd.expert", job.expert.clone()),
             KeyValue::new("scd.mode", job.mode.to_string()),
             KeyValue::new("scd.translator", translator_name(job)),
             KeyValue::new("scd.ranks", self.ranks_name(job)),
-        ]
+        ];
+        if let Some(choice) = &job.mode_choice {
+            attrs.push(KeyValue::new("scd.mode_requested", "auto"));
+            attrs.push(KeyValue::new("scd.mode_reason", choice.reason.clone()));
+        }
+        attrs
     }
 
     async fn start_producer(
@@ -817,6 +945,10 @@ impl Work {
         report.wire_bytes = decoded.arrivals.iter().map(|a| a.bytes as u64).sum();
         report.extra_ms = fan_out_first;
         let since_first_token = decoded.first_token.map(|t| t.elapsed());
+        if job.fan_out.is_empty() {
+            let from = decoded.arrivals.last().map_or(started, |a| a.at);
+            self.observe_finish(&job, from, decoded.first_token);
+        }
         let m = &self.metrics;
         // Counted before the record says done, so whoever saw it done sees the count.
         m.report(&report);
@@ -853,6 +985,27 @@ impl Work {
         if let Some(rx) = shadow_rx {
             self.shadow_check(&job, prompt, output.tokens, rx);
         }
+    }
+
+    /// A finished job's last step (`from` the last code's arrival, or the job's start, to its
+    /// `first_token`) into this consumer's finish costs, advertised to the producers when they
+    /// moved (in the background: the job's end does not wait on the node key's write).
+    fn observe_finish(&self, job: &JobRecord, from: Instant, first_token: Option<Instant>) {
+        let (Some(first), Some(request)) = (first_token, job.request.as_ref()) else {
+            return;
+        };
+        let rows = request.prompt.len().saturating_sub(1);
+        let secs = first.saturating_duration_since(from).as_secs_f64();
+        let Some(costs) = self.finish_costs.observe(job.mode, rows, secs) else {
+            return;
+        };
+        let registration = self.registration.clone();
+        tokio::spawn(async move {
+            let update = registration.update(|info| info.finish_ms_per_token = costs);
+            if let Err(e) = update.await {
+                tracing::debug!(error = %e, "advertising the finish costs failed");
+            }
+        });
     }
 
     /// The drift guard's check of a finished job, in the background: the expert's own prefill

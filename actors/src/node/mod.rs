@@ -209,6 +209,12 @@ impl Node {
         }
         if consumer_role {
             info.consumer_models = served.experts.keys().cloned().collect();
+            info.transfer_kl = served
+                .experts
+                .values()
+                .filter(|e| !e.transfer_kl.is_empty())
+                .map(|e| (e.name.clone(), e.transfer_kl.clone()))
+                .collect();
         }
         if let Some(docs) = served.documents.as_ref().filter(|_| producer_role) {
             // What the store holds from earlier runs is announced again: the entries outlive
@@ -297,6 +303,8 @@ impl Node {
             load,
             registration: registration.clone(),
             links: Mutex::new(HashMap::new()),
+            finish_costs: crate::mode_planner::CostsPerToken::default(),
+            encode_costs: crate::mode_planner::CostsPerToken::default(),
             active: StdMutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
             cancel: cancel.clone(),

@@ -16,7 +16,7 @@ use scd_models::translator::{Translator, TranslatorError};
 use scd_models::{
     AdapterError, AdapterMode, GgufFile, KernelChoice, Llama, LlamaConfig, LoadError, LoraAdapter,
 };
-use scd_scheduler::ModelRecord;
+use scd_scheduler::{Mode, ModelRecord};
 
 use crate::config::{AdapterModeConfig, NodeConfig, NodeRole};
 
@@ -97,6 +97,10 @@ pub struct ServedExpert {
     pub translator: (Arc<Translator>, usize),
     /// The translator's folder.
     pub dir: PathBuf,
+    /// Held-out KL of the modes that send the base's own KV (raw, q4) to this expert, from
+    /// the drift report beside its adapter (`drift.json`, written by `scd eval drift`); empty
+    /// where there is none.
+    pub transfer_kl: BTreeMap<Mode, f64>,
 }
 
 /// What a node serves.
@@ -167,6 +171,10 @@ impl Served {
                 (true, Some(file)) => Some(Arc::new(expert_model(&base, &e.name, &file, mode)?)),
             };
             let translator = load_translator(&e.name, &e.translator, &base, model.as_deref())?;
+            let transfer_kl = match (consumer, e.adapter_file()) {
+                (true, Some(file)) => transfer_kl(&e.name, &file),
+                _ => BTreeMap::new(),
+            };
             experts.insert(
                 e.name.clone(),
                 ServedExpert {
@@ -174,6 +182,7 @@ impl Served {
                     model,
                     translator,
                     dir: e.translator.clone(),
+                    transfer_kl,
                 },
             );
         }
@@ -227,6 +236,57 @@ impl Served {
         }
         records
     }
+}
+
+/// The held-out KL per mode of the drift report beside `adapter` (`drift.json`: one report,
+/// or a list with one per expert), the larger of its WikiText-2 and own-domain measures. A
+/// missing or unreadable report only costs `auto` its knowledge of raw transfer to this expert
+/// (it then never picks raw or q4 for it): warned about, not fatal.
+fn transfer_kl(expert: &str, adapter: &Path) -> BTreeMap<Mode, f64> {
+    let mut kl = BTreeMap::new();
+    let Some(path) = adapter.parent().map(|d| d.join("drift.json")) else {
+        return kl;
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return kl,
+        Err(e) => {
+            tracing::warn!(expert, path = %path.display(), error = %e, "reading the drift report failed");
+            return kl;
+        }
+    };
+    // Read loosely (the reports' other fields changed over time; these did not).
+    let value: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(expert, path = %path.display(), error = %e, "unreadable drift report");
+            return kl;
+        }
+    };
+    let reports = match value {
+        serde_json::Value::Array(reports) => reports,
+        one => vec![one],
+    };
+    let named = |r: &&serde_json::Value| r["expert"].as_str() == Some(expert);
+    let report = match reports.iter().find(named) {
+        Some(r) => r,
+        None if reports.len() == 1 => &reports[0],
+        None => return kl,
+    };
+    for record in ["transfer", "domain_transfer"] {
+        let results = report[record]["results"].as_array().into_iter().flatten();
+        for result in results {
+            let mode = result["method"]
+                .as_str()
+                .and_then(|m| m.parse::<Mode>().ok());
+            let value = result["kl"]["value"].as_f64().filter(|v| v.is_finite());
+            if let (Some(mode @ (Mode::Raw | Mode::Q4)), Some(value)) = (mode, value) {
+                let e = kl.entry(mode).or_insert(value);
+                *e = e.max(value);
+            }
+        }
+    }
+    kl
 }
 
 /// A model's id in the cluster: the name of its weight file, which every node of the cluster

@@ -302,6 +302,11 @@ pub fn codec_with(
         ))
     };
     Ok(match mode {
+        Mode::Auto => {
+            return Err(CodecError::Unavailable(
+                "mode auto is resolved to a way of sending before a job runs".into(),
+            ))
+        }
         Mode::Oracle => Box::new(Oracle),
         Mode::Raw => Box::new(Raw),
         Mode::Q4 => Box::new(Q4::new(opts.q4_group)?),

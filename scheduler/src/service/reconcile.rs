@@ -222,7 +222,8 @@ impl<'a> JobPass<'a> {
             return self.fail_if_orphaned(job, report).await;
         }
         self.refresh_failed_consumers(job).await?;
-        let fallback = match job.mode.uses_translator_codes() {
+        // Auto could pick codes: it too runs in the fallback while the pair is degraded.
+        let fallback = match job.mode.may_use_translator_codes() {
             true => {
                 degraded_pair(
                     &self.registry,
@@ -361,7 +362,7 @@ impl<'a> JobPass<'a> {
                 if j.state != JobState::Queued {
                     return Ok(());
                 }
-                if let (Some(reason), true) = (&fallback, j.mode.uses_translator_codes()) {
+                if let (Some(reason), true) = (&fallback, j.mode.may_use_translator_codes()) {
                     j.fallback = Some(ModeFallback {
                         from: j.mode,
                         reason: reason.clone(),
