@@ -245,12 +245,7 @@ impl ClusterClient {
             .with_request(request)
             .with_trace(trace);
         record.prefix_hashes = prefix_hashes;
-        record.mode_choice = choice.map(|reason| scd_scheduler::ModeChoice {
-            chosen: mode,
-            reason: format!("{mode}: {reason}"),
-            link_mbit: None,
-            weighed: Vec::new(),
-        });
+        record.mode_choice = choice.map(|why| scd_scheduler::ModeChoice::fixed(mode, why));
         match self.jobs.create_admitted(&record).await {
             Err(RecordError::Busy(busy)) => Err(ClientError::Busy(busy)),
             other => Ok(other?),

@@ -88,6 +88,16 @@ impl ModeChoice {
     /// The link speed assumed before a link is measured: slow enough that a choice made on it
     /// does not send a large payload over a slow link, and the transfer it makes measures it.
     pub const UNMEASURED_MBIT: f64 = 100.0;
+
+    /// A choice that follows from what the job is, with nothing weighed.
+    pub fn fixed(mode: Mode, why: &str) -> Self {
+        Self {
+            chosen: mode,
+            reason: format!("{mode}: {why}"),
+            link_mbit: None,
+            weighed: Vec::new(),
+        }
+    }
 }
 
 /// What the producer expected of one mode for one job.

@@ -370,12 +370,7 @@ impl Work {
     /// sending this node can make for the job's expert, weighed with what it measured and
     /// what the job's consumer advertises.
     fn choose_mode(&self, job: &JobRecord) -> ModeChoice {
-        let fixed = |mode: Mode, reason: &str| ModeChoice {
-            chosen: mode,
-            reason: format!("{mode}: {reason}"),
-            link_mbit: None,
-            weighed: Vec::new(),
-        };
+        let fixed = ModeChoice::fixed;
         let Some(request) = job.request.as_ref() else {
             return fixed(Mode::Oracle, "the record has no request to plan for");
         };
