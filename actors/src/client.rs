@@ -166,27 +166,27 @@ impl ClusterClient {
         let nodes = self.nodes().await?;
         // Auto is resolved by the producer for a single expert's job; the two kinds of job
         // whose mode follows from what they are are resolved here.
-        let mut choice = None;
-        let mode = match mode {
-            Mode::Auto if !request.documents.is_empty() => {
-                choice = Some("a job with documents runs in mode oracle");
-                Mode::Oracle
-            }
+        let (mode, choice) = match mode {
+            Mode::Auto if !request.documents.is_empty() => (
+                Mode::Oracle,
+                Some("a job with documents runs in mode oracle"),
+            ),
             Mode::Auto if !more.is_empty() => {
                 match self.check_fan_out(experts, Mode::Scd, &nodes).await {
-                    Ok(()) => {
-                        choice = Some("a fan-out is not planned; codes for every expert");
-                        Mode::Scd
-                    }
-                    Err(_) => {
-                        choice = Some("a fan-out is not planned; no joint translator for codes");
-                        Mode::Raw
-                    }
+                    Ok(()) => (
+                        Mode::Scd,
+                        Some("a fan-out is not planned; codes for every expert"),
+                    ),
+                    Err(_) => (
+                        Mode::Raw,
+                        Some("a fan-out is not planned; no joint translator for codes"),
+                    ),
                 }
             }
-            m => m,
+            m => (m, None),
         };
-        if !more.is_empty() {
+        let checked = choice.is_some() && mode == Mode::Scd; // an auto fan-out, just now
+        if !more.is_empty() && !checked {
             self.check_fan_out(experts, mode, &nodes).await?;
         }
         if !nodes

@@ -292,7 +292,13 @@ impl Work {
         let (mut half, _claim) = ProducerHalf::new(job.id, job.attempts, &self.id);
         // A job in mode auto is sent the way this node expects to be fastest under the
         // quality ceiling, and the record says so from the claim on.
-        let choice = (job.mode == Mode::Auto).then(|| self.choose_mode(&job));
+        let (choice, chosen_ranks) = match job.mode {
+            Mode::Auto => {
+                let (choice, ranks) = self.choose_mode(&job);
+                (Some(choice), ranks)
+            }
+            _ => (None, None),
+        };
         let mode = choice.as_ref().map_or(job.mode, |c| c.chosen);
         // The version this attempt's codes are made with: the live one now, stamped on the
         // record as the attempt is claimed so that the consumer rebuilds with the same one;
@@ -302,7 +308,9 @@ impl Work {
             false => None,
         };
         let stamp = version.as_ref().map(|v| v.hash());
-        let ranks = version.as_ref().and_then(|v| {
+        // Auto weighed the codes at their ranks already: the ones it chose are those.
+        let ranks = chosen_ranks.or_else(|| {
+            let v = version.as_ref()?;
             let rows = job.request.as_ref()?.prompt.len().saturating_sub(1);
             let consumer = job.consumer.as_deref()?;
             Some(
@@ -368,9 +376,9 @@ impl Work {
 
     /// The mode of a job submitted in mode `auto` ([`crate::mode_planner`]): every way of
     /// sending this node can make for the job's expert, weighed with what it measured and
-    /// what the job's consumer advertises.
-    fn choose_mode(&self, job: &JobRecord) -> ModeChoice {
-        let fixed = ModeChoice::fixed;
+    /// what the job's consumer advertises; with the ranks of the chosen codes.
+    fn choose_mode(&self, job: &JobRecord) -> (ModeChoice, Option<scd_scheduler::RanksChoice>) {
+        let fixed = |mode, why| (ModeChoice::fixed(mode, why), None);
         let Some(request) = job.request.as_ref() else {
             return fixed(Mode::Oracle, "the record has no request to plan for");
         };
@@ -462,9 +470,9 @@ impl Work {
             }
         }
         tracing::debug!(job = %job.id, ?situation, ?offers, "auto weighs");
-        let (choice, _) = mode_planner::choose(&situation, &offers);
+        let (choice, offer) = mode_planner::choose(&situation, &offers);
         tracing::info!(job = %job.id, mode = %choice.chosen, reason = choice.reason, "auto chose a mode");
-        choice
+        (choice, offer.ranks)
     }
 
     /// A finished producer half's report, into the rank planner, the metrics, the trace and
