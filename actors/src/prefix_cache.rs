@@ -164,30 +164,40 @@ impl PrefixCache {
     }
 
     /// Adds the blocks of a prompt whose chained hashes are `chain`: `new` holds each block
-    /// with its index in `chain`. Least recently used blocks go until each fits (a block over
-    /// the whole budget is not kept); then the chain is touched, so that no block of it is
-    /// older than a block after it.
+    /// with its index in `chain`, in order. Least recently used blocks of other prompts go
+    /// until each fits; where only this chain's own blocks are left, the rest of it is not
+    /// kept (a block is of use only after the ones before it). Then the chain is touched, so
+    /// that no block of it is older than a block after it.
     pub fn insert_chain(&self, chain: &[String], new: Vec<(usize, Block)>) {
         let mut inner = self.lock();
         let mut added = false;
+        let own: std::collections::HashSet<&String> = chain.iter().collect();
+        // The new blocks are newer than anything held, the chain's first the newest: had they
+        // the oldest stamp, a prompt larger than the room left would evict its own first
+        // blocks to make room for its later ones, and keep nothing a lookup could hit.
+        let newest = inner.clock + chain.len() as u64;
+        inner.clock = newest;
         for (i, block) in new {
             let Some(hash) = chain.get(i) else { continue };
             let bytes: usize = block.layers.iter().map(LayerRows::bytes).sum();
-            if bytes > self.budget_bytes || inner.blocks.contains_key(hash) {
+            if inner.blocks.contains_key(hash) {
                 continue;
             }
-            while inner.bytes + bytes > self.budget_bytes {
-                let Some(oldest) = inner
+            let mut fits = bytes <= self.budget_bytes;
+            while fits && inner.bytes + bytes > self.budget_bytes {
+                let oldest = inner
                     .blocks
                     .iter()
+                    .filter(|(h, _)| !own.contains(h))
                     .min_by_key(|(_, e)| e.last_used)
-                    .map(|(h, _)| h.clone())
-                else {
-                    break;
-                };
-                if let Some(e) = inner.blocks.remove(&oldest) {
-                    inner.bytes -= e.bytes;
+                    .map(|(h, _)| h.clone());
+                match oldest.and_then(|h| inner.blocks.remove(&h)) {
+                    Some(e) => inner.bytes -= e.bytes,
+                    None => fits = false,
                 }
+            }
+            if !fits {
+                break;
             }
             inner.bytes += bytes;
             inner.blocks.insert(
@@ -195,7 +205,7 @@ impl PrefixCache {
                 Entry {
                     block: Arc::new(block),
                     bytes,
-                    last_used: 0,
+                    last_used: newest - i as u64,
                 },
             );
             added = true;
@@ -289,5 +299,30 @@ mod tests {
         assert_eq!(tiny.stats().blocks, 0);
         assert_ne!(PrefixCache::new("other", 2, 0).hashes(&prompt), hashes);
         assert_eq!(cache.held(2).len(), 2);
+    }
+
+    /// A prompt larger than the room left evicts other prompts' blocks, never its own first
+    /// ones; past the whole budget it keeps the leading blocks that fit.
+    #[test]
+    fn a_new_prompt_keeps_its_leading_blocks() {
+        let cache = PrefixCache::new("base", 2, 3 * BLOCK_BYTES);
+        let first = cache.hashes(&(0..4).collect::<Vec<u32>>());
+        cache.insert_chain(&first, (0..2).map(|i| (i, block(2, 2))).collect());
+        let second = cache.hashes(&(100..106).collect::<Vec<u32>>());
+        cache.insert_chain(&second, (0..3).map(|i| (i, block(2, 2))).collect());
+        assert_eq!(
+            cache.lookup(&second).len(),
+            3,
+            "the new prompt is held whole"
+        );
+        assert!(cache.lookup(&first).is_empty(), "the older one made room");
+        let long = cache.hashes(&(200..210).collect::<Vec<u32>>());
+        cache.insert_chain(&long, (0..5).map(|i| (i, block(2, 2))).collect());
+        assert_eq!(
+            cache.lookup(&long).len(),
+            3,
+            "its first three blocks, not its last"
+        );
+        assert_eq!(cache.stats().bytes, 3 * BLOCK_BYTES as u64);
     }
 }
