@@ -35,8 +35,9 @@ const STALLED_WAIT: Duration = Duration::from_millis(2);
 pub(crate) struct Joining {
     pub model: Arc<Llama>,
     pub cache: KvCache,
-    /// The prompt's last token (the cache holds everything before it).
-    pub last: u32,
+    /// The prompt's last token (the cache holds everything before it), then any tokens an
+    /// earlier attempt showed.
+    pub pending: Vec<u32>,
     pub params: GenerateParams,
     pub tokens: mpsc::Sender<u32>,
     pub cancel: CancellationToken,
@@ -136,7 +137,7 @@ fn run(rx: std_mpsc::Receiver<Joining>, counters: &Counters) {
         for j in first.into_iter().chain(rx.try_iter()) {
             let key = next_key;
             next_key += 1;
-            match batch.join(key, j.model, j.cache, vec![j.last], &j.params) {
+            match batch.join(key, j.model, j.cache, j.pending, &j.params) {
                 Ok(()) => {
                     members.insert(
                         key,

@@ -135,6 +135,9 @@ pub struct DecodeJob {
     pub codec: JobCodec,
     /// Generation parameters.
     pub params: GenerateParams,
+    /// Tokens an earlier attempt already showed: run through the model after the prompt, and
+    /// generation goes on after them (`params.max_tokens` counts only the new ones).
+    pub resume: Vec<u32>,
     /// Frames from the transfer; closes when the stream finished.
     pub inbound: mpsc::Receiver<Inbound>,
     /// Generated tokens, as they come.
@@ -166,7 +169,8 @@ struct Rebuilt {
     arrivals: Vec<FrameArrival>,
     rebuild: Span,
     cache: KvCache,
-    last: u32,
+    /// The prompt's last token, then the tokens resumed from.
+    pending: Vec<u32>,
     params: GenerateParams,
     tokens: mpsc::Sender<u32>,
     cancel: CancellationToken,
@@ -226,7 +230,7 @@ impl Actor for Decoder {
                 let joining = Joining {
                     model: Arc::clone(&state.model),
                     cache: r.cache,
-                    last: r.last,
+                    pending: r.pending,
                     params: r.params,
                     tokens: r.tokens,
                     cancel: r.cancel,
@@ -299,6 +303,7 @@ fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, Decode
         prompt,
         codec,
         params,
+        resume,
         mut inbound,
         tokens,
         cancel,
@@ -378,7 +383,7 @@ fn rebuild(rt: &Handle, model: &Llama, job: DecodeJob) -> Result<Rebuilt, Decode
         arrivals,
         rebuild,
         cache,
-        last,
+        pending: std::iter::once(last).chain(resume).collect(),
         params,
         tokens,
         cancel,

@@ -216,6 +216,9 @@ pub(crate) struct ConsumerJob {
     pub prompt: Vec<u32>,
     pub codec: JobCodec,
     pub params: GenerateParams,
+    /// Tokens an earlier attempt already showed (`params.max_tokens` counts only what follows
+    /// them): decoded after the prompt, not generated again.
+    pub resume: Vec<u32>,
     /// Frames as the transfer forwards them.
     pub inbound: mpsc::Receiver<Inbound>,
     /// Where a copy of the rebuilt cache goes, for a job the drift guard checks.
@@ -240,6 +243,7 @@ pub(crate) fn start_decode(
                 prompt: job.prompt,
                 codec: job.codec,
                 params: job.params,
+                resume: job.resume,
                 inbound: job.inbound,
                 tokens: tokens_tx,
                 cancel: cancel.clone(),

@@ -462,6 +462,18 @@ pub enum ConsumerEvent<'a> {
     },
 }
 
+/// The tokens earlier attempts of `job` already showed: its record's unfinished output (at
+/// most the request's `max_tokens`). A new attempt goes on from them rather than starting
+/// over (its ranks, mode or node may differ, and so would its tokens), so that a client
+/// following the job, which may have read them, is never told something else.
+pub fn shown_tokens(job: &JobRecord) -> Vec<u32> {
+    let Some(output) = job.output.as_ref().filter(|o| o.stop.is_empty()) else {
+        return Vec::new();
+    };
+    let max = job.request.as_ref().map_or(0, |r| r.max_tokens as usize);
+    output.tokens[..output.tokens.len().min(max)].to_vec()
+}
+
 /// The consumer half of one attempt: the tokens so far, when they go to the record, and what an
 /// ending means.
 #[derive(Debug)]
@@ -488,6 +500,14 @@ impl ConsumerHalf {
             last_flush: None,
         };
         (half, Action::Start)
+    }
+
+    /// Starts from `shown` (see [`shown_tokens`]): they are the start of this attempt's
+    /// answer, and its decoder generates only what follows them.
+    pub fn resume(&mut self, shown: &[u32]) {
+        if self.phase == Phase::Starting {
+            self.tokens = shown.to_vec();
+        }
     }
 
     /// The attempt.
@@ -888,6 +908,34 @@ mod tests {
             half.tokens().is_empty(),
             "a token before the start is not taken"
         );
+    }
+
+    #[test]
+    fn a_new_attempt_goes_on_from_the_tokens_an_earlier_one_showed() {
+        let mut j = record(JobState::Queued, PEER, ME);
+        assert!(shown_tokens(&j).is_empty(), "nothing shown yet");
+        j.output = Some(JobResult {
+            tokens: vec![7, 8],
+            stop: String::new(),
+        });
+        assert_eq!(shown_tokens(&j), [7, 8]);
+        let (mut half, _) = ConsumerHalf::new(j.id, 2, ME);
+        half.resume(&shown_tokens(&j));
+        assert_eq!(half.handle(ConsumerEvent::Started), Action::Continue);
+        half.handle(ConsumerEvent::Token {
+            token: 9,
+            now: Instant::now(),
+        });
+        assert_eq!(
+            half.tokens(),
+            [7, 8, 9],
+            "the answer extends what was shown"
+        );
+        // At most the request's budget; a finished output is an answer, not a start.
+        j.output.as_mut().unwrap().tokens = vec![1, 2, 3, 4, 5, 6];
+        assert_eq!(shown_tokens(&j), [1, 2, 3, 4]);
+        j.output.as_mut().unwrap().stop = "max_tokens".into();
+        assert!(shown_tokens(&j).is_empty());
     }
 
     #[test]

@@ -329,6 +329,7 @@ impl Pipeline {
             prompt: spec.prompt,
             codec: spec.codec.clone(),
             params: spec.params,
+            resume: Vec::new(),
             inbound: inbound_rx,
             shadow: None,
         };

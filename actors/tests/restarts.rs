@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{config, models, prompt, request, Cluster, WAIT};
 use scd_actors::node::failpoints;
-use scd_scheduler::{admission, JobId, JobRecord, JobState, Keys, Mode};
+use scd_scheduler::{admission, JobId, JobRecord, JobState, JobStore, Keys, Mode};
 
 /// Polls `id`'s record until `ready` holds of it (bounded by [`WAIT`]).
 async fn until(cluster: &Cluster, id: JobId, what: &str, ready: impl Fn(&JobRecord) -> bool) {
@@ -72,14 +72,30 @@ async fn a_consumer_killed_while_decoding_and_restarted_under_its_id_loses_no_jo
         .submit("mail", Mode::Raw, request(&prompt, 160))
         .await
         .unwrap();
-    until(&cluster, id, "decoding on mail-0", |j| {
-        j.state == JobState::Decoding && j.consumer.as_deref() == Some("mail-0")
+    until(&cluster, id, "decoding on mail-0 with output", |j| {
+        j.state == JobState::Decoding
+            && j.consumer.as_deref() == Some("mail-0")
+            && j.output.as_ref().is_some_and(|o| o.tokens.len() >= 4)
     })
     .await;
     // SIGKILL: the node says nothing more.
     failpoints::silence("mail-0", true);
     consumer.kill().await;
     failpoints::silence("mail-0", false);
+    // What a client following the job was shown, made unlike anything the expert would
+    // generate (issue R1 §3): the answer must go on from it, not start over.
+    let shown = JobStore::new(cluster.store.clone(), Keys::default())
+        .update(id, |j| {
+            if let Some(o) = j.output.as_mut() {
+                o.tokens.extend([1000, 1000, 1000]);
+            }
+            Ok(())
+        })
+        .await
+        .unwrap()
+        .output
+        .unwrap()
+        .tokens;
     let again = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
 
     let job = cluster.client.wait(id, WAIT).await.unwrap();
@@ -88,6 +104,12 @@ async fn a_consumer_killed_while_decoding_and_restarted_under_its_id_loses_no_jo
     assert!(job.failed_producers.is_empty());
     assert_eq!(job.consumer.as_deref(), Some("mail-0"));
     done_once_and_nothing_held(&cluster, &job, 160).await;
+    let answer = &job.output.as_ref().unwrap().tokens;
+    assert_eq!(
+        answer[..shown.len()],
+        shown[..],
+        "the answer goes on from what was shown"
+    );
     for node in [again, producer, scheduler] {
         node.shutdown(Duration::ZERO).await;
     }

@@ -740,7 +740,7 @@ impl Work {
                 Err(refusal) => set_up = Err(refusal),
             }
         }
-        let (decoder, params, codec, prompt) = match set_up {
+        let (decoder, mut params, codec, prompt) = match set_up {
             Ok(s) => s,
             Err(refusal) => {
                 receiver.cancel(&refusal.to_string()).await;
@@ -797,12 +797,19 @@ impl Work {
             }
             false => (None, None),
         };
+        // A retried attempt goes on from what an earlier one showed (the fan-out's other
+        // experts show nothing before they finish: they start over).
+        let shown = lifecycle::shown_tokens(&job);
+        params.max_tokens = params.max_tokens.saturating_sub(shown.len());
+        half.resume(&shown);
+        let resumed = !shown.is_empty();
         // Kept for the fan-out's other decoders and the shadow check (a few KB of token ids).
         let decode = ConsumerJob {
             job: id,
             prompt: prompt.clone(),
             codec,
             params,
+            resume: shown,
             inbound: inbound_rx,
             shadow: shadow_tx,
         };
@@ -821,6 +828,7 @@ impl Work {
                 prompt: prompt.clone(),
                 codec,
                 params,
+                resume: Vec::new(),
                 inbound,
                 shadow: None,
             };
@@ -948,7 +956,8 @@ impl Work {
         report.wire_bytes = decoded.arrivals.iter().map(|a| a.bytes as u64).sum();
         report.extra_ms = fan_out_first;
         let since_first_token = decoded.first_token.map(|t| t.elapsed());
-        if job.fan_out.is_empty() {
+        // A resumed attempt's first token also waited on the shown tokens: not a finish cost.
+        if job.fan_out.is_empty() && !resumed {
             let from = decoded.arrivals.last().map_or(started, |a| a.at);
             self.observe_finish(&job, from, decoded.first_token);
         }
