@@ -662,6 +662,70 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // Ctrl-C on `scd submit` (issue R1 §3): the CLI closes its connection, exits 130, and the
+    // node it submitted through cancels the job, which nobody would read now.
+    let mut long = Command::new(env!("CARGO_BIN_EXE_scd"))
+        .args(["submit", "--node", &admin, "--name", "ops", "--pki-dir"])
+        .arg(pki)
+        .args(["--raw", "--prompt", PROMPT, "--max-tokens", "2000"])
+        .args(["--expert", "mail", "--mode", "raw"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its stderr is read to the end (a closed pipe would fail its status lines), the job's
+    // id handed over when it comes.
+    let (id_tx, id_rx) = std::sync::mpsc::channel();
+    let stderr = long.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut all = String::new();
+        for line in std::io::BufReader::new(stderr).lines() {
+            let line = line.unwrap();
+            if let Some(Ok(id)) = line.strip_prefix("job ").map(str::parse::<JobId>) {
+                let _ = id_tx.send(id);
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let id = id_rx
+        .recv_timeout(JOB_WITHIN)
+        .expect("scd submit names its job");
+    let since = Instant::now();
+    while client.get(id).await.map(|j| j.state).ok() != Some(JobState::Decoding) {
+        assert!(since.elapsed() < JOB_WITHIN, "job {id} never decoded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &long.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let code = long.wait().unwrap().code();
+    let said = reader.join().unwrap();
+    assert_eq!(code, Some(130), "{said}");
+    assert!(said.contains("interrupted"), "{said}");
+    let cancelled = loop {
+        let job = client.get(id).await.unwrap();
+        if job.state.is_finished() {
+            break job;
+        }
+        assert!(since.elapsed() < JOB_WITHIN, "job {id} still {}", job.state);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        cancelled.state,
+        JobState::Cancelled,
+        "{:?}",
+        cancelled.error
+    );
+    assert!(
+        cancelled.output.map_or(0, |o| o.tokens.len()) < 2000,
+        "it was stopped, not finished"
+    );
+
     // SIGTERM: consumer-b drains (nothing in flight), revokes its lease and exits 0; it is gone
     // from the cluster at once, long before its lease (10 s) would have expired.
     let b = nodes.pop().unwrap();

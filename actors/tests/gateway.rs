@@ -315,18 +315,45 @@ async fn each_node_serves_metrics_a_prometheus_parser_reads() {
     producer.shutdown(Duration::ZERO).await;
 }
 
-/// POSTs `body` (JSON) to `path` on `addr` over plain HTTP/1.1: the status and the body.
-async fn post(addr: std::net::SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Sends a POST of `body` (JSON) to `path` on `addr` over plain HTTP/1.1 with `headers`; the
+/// connection, for the reply.
+async fn send(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
     let body = body.to_string();
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n{extra}\
          Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).await.unwrap();
     s.write_all(body.as_bytes()).await.unwrap();
+    s
+}
+
+/// POSTs `body` (JSON) to `path` on `addr` over plain HTTP/1.1: the status and the body.
+async fn post(addr: std::net::SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    post_with(addr, path, body, &[]).await
+}
+
+/// [`post`] with more headers.
+async fn post_with(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (u16, Value) {
+    use tokio::io::AsyncReadExt;
+    let mut s = send(addr, path, body, headers).await;
     let mut reply = Vec::new();
     s.read_to_end(&mut reply).await.unwrap();
     let reply = String::from_utf8(reply).unwrap();
@@ -404,6 +431,122 @@ async fn a_gateway_only_node_answers_for_the_cluster_behind_it() {
     assert_eq!(status, 400, "{reply}");
     assert_eq!(reply["error"]["code"], "context_length_exceeded", "{reply}");
 
+    gateway.shutdown(Duration::ZERO).await;
+    consumer.shutdown(Duration::ZERO).await;
+    producer.shutdown(Duration::ZERO).await;
+}
+
+/// What a client sees is one answer (issue R1 §3): a request sent again with the same
+/// `Idempotency-Key` is the same job and gets the same reply (the key with another request is
+/// refused), and a client that goes away before its answer, streaming or not, cancels its job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job() {
+    use scd_scheduler::{JobState, JobStore, Keys};
+    let cluster = Cluster::new();
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\", \"scheduler\"", true))
+        .await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let front = config_with(
+        "front-0",
+        "\"gateway\"",
+        false,
+        &repo().join("experts/mail/translator"),
+        &format!("http_listen = \"127.0.0.1:0\"\n\n[gateway]\napi_keys = [\"{KEY}\"]\n"),
+    );
+    let gateway = cluster.start(&front).await;
+    let addr = gateway.http_addr().expect("the gateway's address");
+    let jobs = JobStore::new(cluster.store.clone(), Keys::default());
+
+    let once = serde_json::json!({"model": "mail", "prompt": "Dear all,", "max_tokens": 8, "temperature": 0});
+    let key = [("Idempotency-Key", "retry-1")];
+    let (status, first) = post_with(addr, "/v1/completions", &once, &key).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, again) = post_with(addr, "/v1/completions", &once, &key).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(first["scd"]["job"], again["scd"]["job"]);
+    assert_eq!(first["choices"], again["choices"]);
+    // Live or archived once finished.
+    let count =
+        || async { jobs.list().await.unwrap().len() + jobs.list_archived().await.unwrap().len() };
+    assert_eq!(count().await, 1, "one job for both");
+    let other = serde_json::json!({"model": "mail", "prompt": "Hello there, all", "max_tokens": 8});
+    let (status, refused) = post_with(addr, "/v1/completions", &other, &key).await;
+    assert_eq!(status, 422, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "idempotency_key_reused",
+        "{refused}"
+    );
+    assert_eq!(count().await, 1);
+
+    // Counting goes on for long: the job is decoding when its client leaves.
+    let count: String = (1..=40).map(|i| format!("{i}, ")).collect();
+    for stream in [false, true] {
+        let long = serde_json::json!({
+            "model": "mail", "prompt": count, "max_tokens": 2000, "temperature": 0, "stream": stream,
+        });
+        let connection = send(addr, "/v1/completions", &long, &[]).await;
+        let deadline = tokio::time::Instant::now() + common::WAIT;
+        let id = loop {
+            let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
+                j.state == JobState::Decoding
+                    && j.request.as_ref().is_some_and(|r| r.max_tokens == 2000)
+            });
+            if let Some((j, _)) = decoding {
+                break j.id;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no long job decoding"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        drop(connection);
+        let job = loop {
+            let job = cluster.client.get(id).await.unwrap();
+            if job.state.is_finished() {
+                break job;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "job {id} still {}",
+                job.state
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(
+            job.state,
+            JobState::Cancelled,
+            "stream {stream}: {:?}",
+            job.error
+        );
+        assert!(job.output.map_or(0, |o| o.tokens.len()) < 2000);
+    }
+    // With an idempotency key the client means to come back: its job runs on when the
+    // connection is lost, and the retry gets that job's answer.
+    let keyed =
+        serde_json::json!({"model": "mail", "prompt": count, "max_tokens": 300, "temperature": 0});
+    let key = [("Idempotency-Key", "long-1")];
+    let connection = send(addr, "/v1/completions", &keyed, &key).await;
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    let id = loop {
+        let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
+            j.state == JobState::Decoding && j.request.as_ref().is_some_and(|r| r.max_tokens == 300)
+        });
+        if let Some((j, _)) = decoding {
+            break j.id;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no keyed job decoding"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    drop(connection);
+    let (status, reply) = post_with(addr, "/v1/completions", &keyed, &key).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["scd"]["job"], id.to_string());
+    assert_eq!(cluster.client.get(id).await.unwrap().state, JobState::Done);
     gateway.shutdown(Duration::ZERO).await;
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;

@@ -352,7 +352,15 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             .await
             .context("sending the job")
             .map_err(|e| fail(UNREACHABLE, e))?;
-        let result = follow(call, args.json, false).await;
+        // Ctrl-C closes the connection at once (a killed process would leave the node to
+        // notice only when the connection times out), and the node cancels the job.
+        let result = tokio::select! {
+            r = follow(call, args.json, false) => r,
+            _ = tokio::signal::ctrl_c() => Err(fail(
+                130,
+                anyhow::anyhow!("interrupted: job {job_id} is cancelled"),
+            )),
+        };
         conn.close("done");
         endpoint.wait_idle().await;
         result

@@ -30,6 +30,22 @@ impl JobId {
         Self(rand::random())
     }
 
+    /// The id that `parts` name: the first 128 bits of SHA-256 over them, each prefixed by
+    /// its length. A request retried with the same parts (an HTTP client's idempotency key)
+    /// gets the same id, and the store refuses its second creation.
+    pub fn derived(parts: &[&[u8]]) -> Self {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for p in parts {
+            h.update((p.len() as u64).to_le_bytes());
+            h.update(p);
+        }
+        let digest = h.finalize();
+        let mut bits = [0u8; 16];
+        bits.copy_from_slice(&digest[..16]);
+        Self(u128::from_le_bytes(bits))
+    }
+
     /// The id with these 128 bits.
     pub const fn from_u128(bits: u128) -> Self {
         Self(bits)
@@ -229,6 +245,15 @@ impl ArchivedJobState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn derived_ids_are_the_same_for_the_same_parts_only() {
+        let a = JobId::derived(&[b"key", b"retry-1"]);
+        assert_eq!(a, JobId::derived(&[b"key", b"retry-1"]));
+        assert_ne!(a, JobId::derived(&[b"key", b"retry-2"]));
+        // Where one part ends is part of the name.
+        assert_ne!(a, JobId::derived(&[b"keyr", b"etry-1"]));
+    }
 
     #[test]
     fn one_request_check_refuses_short_long_and_unknown_tokens() {

@@ -90,7 +90,9 @@ async fn handle(work: &Work, client: &str, call: AdminRequest) {
     tracing::info!(client, ?job, "admin call");
     let result = match request {
         Control::Submit(r) => submit(work, r, &mut replies).await,
-        Control::Watch { job_id } => follow(work, job_id, &mut replies, Shown::default()).await,
+        Control::Watch { job_id } => {
+            follow(work, job_id, &mut replies, Shown::default(), IfGone::Leave).await
+        }
         Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
         Control::Inspect { topic } => inspect(work, &topic, &mut replies).await,
         Control::Change { topic, body } => change(work, &topic, &body, &mut replies).await,
@@ -175,7 +177,23 @@ async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Re
         r.mode
     );
     send(replies, status(r.job_id, JobState::Queued, detail)).await?;
-    follow(work, r.job_id, replies, Shown::after(JobState::Queued)).await
+    follow(
+        work,
+        r.job_id,
+        replies,
+        Shown::after(JobState::Queued),
+        IfGone::Cancel,
+    )
+    .await
+}
+
+/// What a client that goes away before its job ends means for the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IfGone {
+    /// It submitted the job and would have read the answer: nobody else will.
+    Cancel,
+    /// It only watched.
+    Leave,
 }
 
 async fn cancel(
@@ -518,21 +536,39 @@ async fn follow(
     job: JobId,
     replies: &mut AdminReplies,
     mut shown: Shown,
+    if_gone: IfGone,
 ) -> Result<(), Refused> {
     let tok = &work.served.tokenizer;
     let mut following = Following::start(&work.client, job);
+    let gone = || async {
+        if if_gone == IfGone::Cancel {
+            match work
+                .client
+                .cancel(job, "the submitting client went away")
+                .await
+            {
+                Ok(_) => tracing::info!(%job, "cancelled: the submitting client went away"),
+                Err(e) => tracing::debug!(%job, error = %e, "cancelling an abandoned job"),
+            }
+        }
+    };
     loop {
         tokio::select! {
             record = following.next() => match record {
                 Some(record) => {
                     for msg in replies_of(job, shown.steps(tok, &record), tok) {
-                        send(replies, msg).await?;
+                        if let Err(e) = send(replies, msg).await {
+                            gone().await;
+                            return Err(e);
+                        }
                     }
                 }
                 None => break,
             },
-            // The client went away: stop following; the job goes on.
-            () = replies.client_gone() => return Ok(()),
+            () = replies.client_gone() => {
+                gone().await;
+                return Ok(());
+            }
         }
     }
     let last = following.finish().await?;

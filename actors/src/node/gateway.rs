@@ -8,7 +8,10 @@
 //!   `scd docs add`) the expert reads the prompt after (mode `oracle` then, unless named).
 //!
 //! Every request becomes a job through the store, as `scd submit` does, and is answered from
-//! the job's record as it changes ([`crate::follow`]). Errors have OpenAI's shape
+//! the job's record as it changes ([`crate::follow`]). A request with an `Idempotency-Key`
+//! header is one job however often it is sent (its id derives from the key, and a client that
+//! lost its connection comes back for the answer); a client without one that goes away before
+//! its answer (the connection closed, or an event stream no longer read) cancels its job. Errors have OpenAI's shape
 //! (`{"error": {"message", "type", "param", "code"}}`) and status codes, so that OpenAI clients
 //! report them as they would OpenAI's own.
 
@@ -32,7 +35,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
-use crate::client::ClientError;
+use crate::client::{ClientError, ClusterClient};
 use crate::follow::{Following, Progress, Shown};
 use crate::node::jobs::{check_prompt, Work};
 
@@ -331,8 +334,16 @@ impl Gateway {
         Ok(request)
     }
 
-    async fn submit(&self, s: &Settings, request: JobRequest) -> Result<JobId, ApiError> {
-        let id = JobId::random();
+    /// Submits `request` as job `id` (a random one without an idempotency key); a retried
+    /// request whose job exists already follows that job.
+    async fn submit(
+        &self,
+        s: &Settings,
+        request: JobRequest,
+        id: Option<JobId>,
+    ) -> Result<JobId, ApiError> {
+        let idempotent = id.is_some();
+        let id = id.unwrap_or_else(JobId::random);
         let mode = match (s.scd_mode, s.scd_documents.is_empty()) {
             (Some(m), _) => m,
             (None, true) => self.default_mode,
@@ -342,11 +353,91 @@ impl Gateway {
             Some(t) => t.start_job(&TraceContext::new(), id, &s.model, mode),
             None => TraceContext::new(),
         };
-        self.work
+        let submitted = self
+            .work
             .client
-            .submit_as(id, &s.model, mode, request, trace)
-            .await?;
-        Ok(id)
+            .submit_as(id, &s.model, mode, request.clone(), trace)
+            .await;
+        match submitted {
+            Ok(()) => Ok(id),
+            Err(ClientError::Record(scd_scheduler::JobError::AlreadyExists(_))) if idempotent => {
+                // The same key for another request is the client's mistake, not a retry.
+                let first = self.work.client.get(id).await?;
+                if first.expert != s.model || first.request.as_ref() != Some(&request) {
+                    return Err(ApiError::bad_request(
+                        "this Idempotency-Key was sent before with another request: use a new key for a new request",
+                    )
+                    .status(StatusCode::UNPROCESSABLE_ENTITY)
+                    .code("idempotency_key_reused"));
+                }
+                Ok(id)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The job id an `Idempotency-Key` header names (with the caller's API key, so that two
+    /// callers' keys never meet), if the request has one.
+    fn idempotent_id(&self, headers: &HeaderMap) -> Result<Option<JobId>, ApiError> {
+        let Some(value) = headers.get("idempotency-key") else {
+            return Ok(None);
+        };
+        let key = value
+            .to_str()
+            .ok()
+            .filter(|k| !k.is_empty() && k.len() <= 255)
+            .ok_or_else(|| {
+                ApiError::bad_request("Idempotency-Key: 1 to 255 visible ASCII characters")
+            })?;
+        let caller = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .map_or(&b""[..], |v| v.as_bytes());
+        Ok(Some(JobId::derived(&[caller, key.as_bytes()])))
+    }
+}
+
+/// Cancels its job when dropped armed. The gateway's handler future is dropped when its
+/// client closes the connection (hyper drops a request's future then), and a stream's task
+/// drops it when its client stops reading: nobody will read the answer, and the job would
+/// hold a producer, a consumer and an admission slot to the end.
+struct CancelOnDrop {
+    client: ClusterClient,
+    id: JobId,
+    armed: bool,
+}
+
+impl CancelOnDrop {
+    /// Armed unless the request has an idempotency key: its client means to come back for
+    /// the answer after a lost connection.
+    fn new(client: &ClusterClient, id: JobId, idempotent: bool) -> Self {
+        Self {
+            client: client.clone(),
+            id,
+            armed: !idempotent,
+        }
+    }
+
+    /// The client has its answer.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (client, id) = (self.client.clone(), self.id);
+        // A drop cannot wait: the cancel goes on in a task of the runtime the gateway runs on.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                match client.cancel(id, "the client went away").await {
+                    Ok(_) => tracing::info!(job = %id, "cancelled: the client went away"),
+                    Err(e) => tracing::debug!(job = %id, error = %e, "cancelling an abandoned job"),
+                }
+            });
+        }
     }
 }
 
@@ -388,7 +479,8 @@ async fn chat(
         .apply_chat_template(&messages, true)
         .map_err(|e| ApiError::bad_request(format!("applying the chat template: {e}")))?;
     let request = g.request(&prompt, &body.settings)?;
-    respond(g, body.settings, request, Kind::Chat).await
+    let id = g.idempotent_id(&headers)?;
+    respond(g, body.settings, request, id, Kind::Chat).await
 }
 
 async fn completions(
@@ -408,7 +500,8 @@ async fn completions(
         }
     };
     let request = g.request(&prompt, &body.settings)?;
-    respond(g, body.settings, request, Kind::Completion).await
+    let id = g.idempotent_id(&headers)?;
+    respond(g, body.settings, request, id, Kind::Completion).await
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -437,25 +530,29 @@ async fn respond(
     g: Arc<Gateway>,
     s: Settings,
     request: JobRequest,
+    id: Option<JobId>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let prompt_tokens = request.prompt.len();
-    let id = g.submit(&s, request).await?;
+    let idempotent = id.is_some();
+    let id = g.submit(&s, request, id).await?;
     let created = now_s();
     let object_id = match kind {
         Kind::Chat => format!("chatcmpl-{id}"),
         Kind::Completion => format!("cmpl-{id}"),
     };
     if s.stream {
-        let events = stream(g, id, object_id, s.model, created, kind);
+        let events = stream(g, id, idempotent, object_id, s.model, created, kind);
         return Ok(Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response());
     }
     let tok = &g.work.served.tokenizer;
+    let abandoned = CancelOnDrop::new(&g.work.client, id, idempotent);
     let mut following = Following::start(&g.work.client, id);
     while following.next().await.is_some() {}
     let job = following.finish().await?;
+    abandoned.disarm();
     if job.state != JobState::Done {
         return Err(failure(&job));
     }
@@ -501,6 +598,7 @@ async fn respond(
 fn stream(
     g: Arc<Gateway>,
     id: JobId,
+    idempotent: bool,
     object_id: String,
     model: String,
     created: u64,
@@ -508,6 +606,7 @@ fn stream(
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let (tx, rx) = mpsc::channel::<Event>(16);
     tokio::spawn(async move {
+        let abandoned = CancelOnDrop::new(&g.work.client, id, idempotent);
         let object = match kind {
             Kind::Chat => "chat.completion.chunk",
             Kind::Completion => "text_completion",
@@ -541,7 +640,12 @@ fn stream(
         let mut shown = Shown::default();
         let mut following = Following::start(&g.work.client, id);
         let (job, steps) = loop {
-            let record = match following.next().await {
+            let next = tokio::select! {
+                next = following.next() => next,
+                // Gone while nothing new came: noticed now, not at the next token.
+                () = tx.closed() => return,
+            };
+            let record = match next {
                 Some(r) => r,
                 None => match following.finish().await {
                     Ok(r) => {
@@ -567,6 +671,8 @@ fn stream(
                 }
             }
         };
+        // The job has ended: nothing is left to cancel.
+        abandoned.disarm();
         for step in steps {
             if let Progress::Text { text, .. } = step {
                 let _ = tx.send(chunk(json!({"content": text}), None)).await;
