@@ -311,9 +311,9 @@ async fn a_stalled_consumer_holds_up_only_its_own_job() {
     };
     let stalled_cancel = CancellationToken::new();
     let stalled_job = JobId::random();
-    // Sent first, so that the reader's job comes after it in the actor's mailbox.
+    // Sent first: `send` puts the job in the actor's mailbox before it returns, so the
+    // reader's job comes after it there (no pause needed to order them).
     let stalled = tokio::spawn(send(stalled_job, &consumers[0].1, &stalled_cancel));
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     // The reader's consumer reads its job to the end.
     let reader_conn = consumers[1].2.clone();
     let reading = tokio::spawn(async move {
