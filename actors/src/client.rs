@@ -169,19 +169,11 @@ impl ClusterClient {
         let (mode, choice) = match mode {
             Mode::Auto if !request.documents.is_empty() => (
                 Mode::Oracle,
-                Some("a job with documents runs in mode oracle"),
+                Some("a job with documents runs in mode oracle".to_string()),
             ),
             Mode::Auto if !more.is_empty() => {
-                match self.check_fan_out(experts, Mode::Scd, &nodes).await {
-                    Ok(()) => (
-                        Mode::Scd,
-                        Some("a fan-out is not planned; codes for every expert"),
-                    ),
-                    Err(_) => (
-                        Mode::Raw,
-                        Some("a fan-out is not planned; no joint translator for codes"),
-                    ),
-                }
+                let (mode, why) = self.auto_fan_out(experts, &nodes).await;
+                (mode, Some(why))
             }
             m => (m, None),
         };
@@ -245,10 +237,53 @@ impl ClusterClient {
             .with_request(request)
             .with_trace(trace);
         record.prefix_hashes = prefix_hashes;
-        record.mode_choice = choice.map(|why| scd_scheduler::ModeChoice::fixed(mode, why));
+        record.mode_choice = choice.map(|why| scd_scheduler::ModeChoice::fixed(mode, &why));
         match self.jobs.create_admitted(&record).await {
             Err(RecordError::Busy(busy)) => Err(ClientError::Busy(busy)),
             other => Ok(other?),
+        }
+    }
+
+    /// Auto for a fan-out. Its producer does not plan it (one prefill serves experts whose
+    /// speeds and links differ), so the choice is by quality alone: codes where the experts
+    /// share a joint translator; else raw where every expert's measured raw KL (the drift
+    /// reports its consumers advertise) is under the default ceiling; else each expert
+    /// prefills itself, the only mode left that is right for all of them.
+    async fn auto_fan_out(&self, experts: &[String], nodes: &NodeMap) -> (Mode, String) {
+        const NOT_PLANNED: &str = "a fan-out is chosen by quality, not planned";
+        if self.check_fan_out(experts, Mode::Scd, nodes).await.is_ok() {
+            return (
+                Mode::Scd,
+                format!("{NOT_PLANNED}; the experts share a joint translator"),
+            );
+        }
+        let ceiling = scd_models::translator::RankPolicy::default().kl_ceiling;
+        let raw_kl = |expert: &str| {
+            nodes
+                .values()
+                .filter_map(|n| n.transfer_kl.get(expert)?.get(&Mode::Raw).copied())
+                .reduce(f64::max)
+        };
+        let over: Vec<&str> = experts
+            .iter()
+            .map(String::as_str)
+            .filter(|e| raw_kl(e).is_none_or(|kl| kl > ceiling))
+            .collect();
+        if over.is_empty() {
+            (
+                Mode::Raw,
+                format!(
+                    "{NOT_PLANNED}; no joint translator, raw's KL under {ceiling} for every expert"
+                ),
+            )
+        } else {
+            (
+                Mode::Oracle,
+                format!(
+                    "{NOT_PLANNED}; no joint translator, raw's KL over {ceiling} or not measured for {}",
+                    over.join(", ")
+                ),
+            )
         }
     }
 

@@ -877,7 +877,7 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
     let mut producer_config = config("prefill-0", "\"producer\", \"scheduler\"", true);
     producer_config.limits.prefix_cache_mib = 0;
     let mut consumer_config = config("experts-0", "\"consumer\"", true);
-    for name in ["sotu", "melville"] {
+    for name in ["sotu", "melville", "mail-rope"] {
         let dir = repo().join("experts").join(name);
         let expert = ExpertConfig {
             name: name.into(),
@@ -923,6 +923,37 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
         let d = metric(&after.1, &decodes(e)) - metric(&before.1, &decodes(e));
         assert_eq!(d, 1.0, "{e} decoded once");
     }
+
+    // Auto fans out by quality. No joint translator here; the drift reports of sotu and
+    // melville put raw under the ceiling (0.034, 0.047): raw, answering as the raw jobs did.
+    let mild: Vec<String> = ["sotu", "melville"].map(String::from).to_vec();
+    let job = fan_out(&cluster, &mild, Mode::Auto, &prompt).await;
+    let why = job
+        .mode_choice
+        .clone()
+        .expect("auto records its choice")
+        .reason;
+    assert_eq!(job.mode, Mode::Raw, "{why}");
+    assert!(why.contains("raw's KL under"), "{why}");
+    assert_eq!(job.output.unwrap().tokens, alone["sotu"]);
+    assert_eq!(job.outputs["melville"].tokens, alone["melville"]);
+    // Mail's report puts raw over it (0.17 on its own text), mail-rope's far over (1.39):
+    // every expert prefills itself, answering as an oracle fan-out does.
+    let with_rope: Vec<String> = ["mail", "mail-rope"].map(String::from).to_vec();
+    let job = fan_out(&cluster, &with_rope, Mode::Auto, &prompt).await;
+    let why = job
+        .mode_choice
+        .clone()
+        .expect("auto records its choice")
+        .reason;
+    assert_eq!(job.mode, Mode::Oracle, "{why}");
+    assert!(why.ends_with("for mail, mail-rope"), "{why}");
+    let oracle = fan_out(&cluster, &with_rope, Mode::Oracle, &prompt).await;
+    assert_eq!(job.output, oracle.output);
+    assert_eq!(
+        job.outputs["mail-rope"].tokens,
+        oracle.outputs["mail-rope"].tokens
+    );
 
     // What cannot fan out is refused before anything is created.
     for (names, mode, why) in [
@@ -982,6 +1013,22 @@ async fn one_joint_code_stream_serves_three_experts() {
     let job = fan_out(&cluster, &experts, Mode::Scd, &prompt).await;
     assert_eq!((job.mode, job.translator), (Mode::Scd, Some(joint_hash)));
     assert_eq!(job.payload_bytes, one_payload, "one code stream");
+    assert_eq!(job.output.unwrap().tokens, alone["mail"]);
+    for e in ["sotu", "melville"] {
+        assert_eq!(job.outputs[e].tokens, alone[e], "{e}");
+    }
+    // Auto fans out with codes where the experts share a joint translator.
+    let job = fan_out(&cluster, &experts, Mode::Auto, &prompt).await;
+    let why = job
+        .mode_choice
+        .clone()
+        .expect("auto records its choice")
+        .reason;
+    assert_eq!(
+        (job.mode, job.translator),
+        (Mode::Scd, Some(joint_hash)),
+        "{why}"
+    );
     assert_eq!(job.output.unwrap().tokens, alone["mail"]);
     for e in ["sotu", "melville"] {
         assert_eq!(job.outputs[e].tokens, alone[e], "{e}");
