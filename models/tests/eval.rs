@@ -183,11 +183,24 @@ fn the_drift_report_measures_raw_transfer_on_the_experts_own_text_too() {
     // Windows of the expert's text, no QA; raw transfer loses quality there too, and the
     // oracle measures zero as everywhere.
     assert!(own_run.data.squad_ids.is_empty());
-    let [oracle, raw] = &own_run.results[..] else {
-        panic!("two methods expected")
+    let [oracle, raw, q4] = &own_run.results[..] else {
+        panic!("oracle, raw and q4 expected")
     };
     assert_eq!((oracle.kl.value, oracle.kl.n), (0.0, 2));
     assert!(raw.kl.value > 1e-3, "raw KL {:?}", raw.kl);
+    // q4 is raw's KV in 4 bits: a payload a quarter of raw's or less, at some KL cost of its
+    // own (what `auto` weighs before sending it).
+    assert_eq!(q4.method.as_str(), "q4");
+    assert!(
+        q4.kl.value > 0.0 && q4.kl.value.is_finite(),
+        "q4 KL {:?}",
+        q4.kl
+    );
+    assert!(
+        q4.payload_share_of_raw < 0.35,
+        "{}",
+        q4.payload_share_of_raw
+    );
     assert_ne!(raw.kl.value, report.transfer.results[1].kl.value);
     let md = report.markdown();
     assert!(md.contains("expert's own held-out text"), "{md}");

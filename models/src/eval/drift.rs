@@ -1,6 +1,8 @@
 //! The drift report of an expert: how far it moved from its base on its own domain and on
 //! WikiText-2 (perplexities and KL of next-token distributions), and what naive KV transfer
-//! from the base costs it (the harness with the oracle and raw modes).
+//! from the base costs it (the harness with the oracle, raw and q4 modes: a node's `auto`
+//! sends the base's KV, whole or 4-bit, only to an expert whose report puts it under the
+//! quality ceiling).
 
 use serde::{Deserialize, Serialize};
 
@@ -8,7 +10,7 @@ use super::data::seeded_windows;
 use super::harness::{evaluate, Pair};
 use super::record::EvalRecord;
 use super::{EvalConfig, EvalData, EvalError, FileInfo};
-use crate::codec::{Oracle, Raw};
+use crate::codec::{Oracle, Raw, Q4};
 use crate::corpus::{self, Corpus};
 use crate::llama::Llama;
 use crate::metrics;
@@ -99,7 +101,7 @@ pub struct DriftOptions {
     pub windows: usize,
     /// Tokens per window.
     pub window_tokens: usize,
-    /// Harness configuration for the transfer part (methods oracle and raw).
+    /// Harness configuration for the transfer part (methods oracle, raw and q4).
     pub eval: EvalConfig,
     /// The adapter file, for the record.
     pub adapter: Option<FileInfo>,
@@ -140,7 +142,7 @@ pub fn drift(
     };
     let transfer = evaluate(
         pair,
-        &[&Oracle, &Raw],
+        &[&Oracle, &Raw, &Q4::default()],
         tok,
         data,
         &opts.eval,
@@ -154,7 +156,7 @@ pub fn drift(
     );
     let domain_transfer = evaluate(
         pair,
-        &[&Oracle, &Raw],
+        &[&Oracle, &Raw, &Q4::default()],
         tok,
         &own,
         &EvalConfig {
@@ -194,7 +196,7 @@ impl DriftReport {
             ));
         }
         s.push_str(
-            "\nNaive transfer (the expert decoding on the base's KV) against the oracle:\n\n",
+            "\nNaive transfer (the expert decoding on the base's KV, whole and 4-bit) against the oracle:\n\n",
         );
         s.push_str(&self.transfer.markdown());
         if let Some(own) = &self.domain_transfer {
