@@ -41,10 +41,12 @@ pub struct Args {
     #[command(flatten)]
     pub dirs: DataDirs,
     /// Transfer modes, comma-separated (oracle is always run: the speed-ups are against it).
+    /// `auto` runs last in each repeat, after the fixed modes taught the nodes their speeds,
+    /// and is checked against the best fixed mode of its cell.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "oracle,raw,q4,droidspeak,reuse,scd"
+        default_value = "oracle,raw,q4,droidspeak,reuse,scd,auto"
     )]
     pub modes: Vec<Mode>,
     /// Prompt lengths in tokens.
@@ -128,6 +130,11 @@ pub struct JobRow {
     pub payload_bytes: u64,
     pub ttft_ms: f64,
     pub timings_ms: BTreeMap<String, f64>,
+    /// In mode auto: the mode the producer chose, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chosen: Option<Mode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// A quantile with its bootstrap interval.
@@ -164,6 +171,28 @@ pub struct Cell {
     pub stages_ms: BTreeMap<String, f64>,
     pub kl: Option<f64>,
     pub greedy_agreement: Option<f64>,
+    /// In mode auto: how many of the cell's jobs ran in each mode.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub chosen: BTreeMap<String, usize>,
+}
+
+/// Auto against the fixed modes in one cell (M8 §3's target: never more than 10% slower than
+/// the best fixed mode, never over the quality ceiling where a mode under it exists).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AutoCheck {
+    pub link: String,
+    pub cache: String,
+    pub tokens: usize,
+    pub auto_median_ms: f64,
+    /// The fastest fixed mode of the cell whose measured KL is under the ceiling (every fixed
+    /// mode when the run measured no quality).
+    pub best_fixed: Mode,
+    pub best_fixed_median_ms: f64,
+    /// Auto's median over the best fixed mode's.
+    pub ratio: f64,
+    /// The largest measured KL of a mode auto chose in this cell.
+    pub auto_kl: Option<f64>,
+    pub chosen: BTreeMap<String, usize>,
 }
 
 /// The whole record `--out` writes and `--project` reads.
@@ -177,6 +206,11 @@ pub struct Record {
     pub quality_config: Option<EvalConfig>,
     pub quality: BTreeMap<String, Quality>,
     pub cells: Vec<Cell>,
+    /// The quality ceiling auto and the checks used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_ceiling: Option<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub auto: Vec<AutoCheck>,
     pub jobs: Vec<JobRow>,
 }
 
@@ -265,7 +299,21 @@ pub fn cells(jobs: &[JobRow], quality: &BTreeMap<String, Quality>) -> Vec<Cell> 
                     stages.insert(stage.to_string(), median(v));
                 }
             }
-            let q = quality.get(k.4.as_str());
+            let mut chosen = BTreeMap::new();
+            for j in &these {
+                if let Some(m) = j.chosen {
+                    *chosen.entry(m.as_str().to_string()).or_insert(0) += 1;
+                }
+            }
+            // Auto's quality is that of the modes it ran in, averaged over its jobs.
+            let of_jobs = |f: fn(&Quality) -> f64| -> Option<f64> {
+                let v: Option<Vec<f64>> = these
+                    .iter()
+                    .map(|j| quality.get(j.chosen.unwrap_or(j.mode).as_str()).map(f))
+                    .collect();
+                v.filter(|v| !v.is_empty())
+                    .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+            };
             let med = bootstrap_quantile(&ttft, 0.5, 1);
             Cell {
                 link: k.0.clone(),
@@ -279,9 +327,52 @@ pub fn cells(jobs: &[JobRow], quality: &BTreeMap<String, Quality>) -> Vec<Cell> 
                 ttft_p95_ms: bootstrap_quantile(&ttft, 0.95, 2),
                 speedup_vs_oracle: oracle_median / med.value,
                 stages_ms: stages,
-                kl: q.map(|q| q.kl.value),
-                greedy_agreement: q.map(|q| q.greedy_agreement.value),
+                kl: of_jobs(|q| q.kl.value),
+                greedy_agreement: of_jobs(|q| q.greedy_agreement.value),
+                chosen,
             }
+        })
+        .collect()
+}
+
+/// Auto against the best fixed mode under `kl_ceiling`, in every cell that ran auto.
+pub fn auto_checks(
+    cells: &[Cell],
+    quality: &BTreeMap<String, Quality>,
+    kl_ceiling: f64,
+) -> Vec<AutoCheck> {
+    let under = |m: Mode| {
+        quality
+            .get(m.as_str())
+            .is_none_or(|q| q.kl.value <= kl_ceiling)
+    };
+    cells
+        .iter()
+        .filter(|c| c.mode == Mode::Auto)
+        .filter_map(|auto| {
+            let same =
+                |c: &&Cell| c.link == auto.link && c.cache == auto.cache && c.tokens == auto.tokens;
+            let best = cells
+                .iter()
+                .filter(same)
+                .filter(|c| c.mode != Mode::Auto && under(c.mode))
+                .min_by(|a, b| a.ttft_median_ms.value.total_cmp(&b.ttft_median_ms.value))?;
+            let auto_kl = auto
+                .chosen
+                .keys()
+                .filter_map(|m| quality.get(m).map(|q| q.kl.value))
+                .max_by(f64::total_cmp);
+            Some(AutoCheck {
+                link: auto.link.clone(),
+                cache: auto.cache.clone(),
+                tokens: auto.tokens,
+                auto_median_ms: auto.ttft_median_ms.value,
+                best_fixed: best.mode,
+                best_fixed_median_ms: best.ttft_median_ms.value,
+                ratio: auto.ttft_median_ms.value / best.ttft_median_ms.value,
+                auto_kl,
+                chosen: auto.chosen.clone(),
+            })
         })
         .collect()
 }
@@ -308,8 +399,18 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         bail!("nothing to run: give at least one length, one link and one repeat");
     }
     let code_dtype = super::eval::code_dtype(&args.code_dtype)?;
+    // The oracle first (the speed-ups are against it), auto last (it weighs what the fixed
+    // modes before it measured).
     let mut modes = vec![Mode::Oracle];
-    modes.extend(args.modes.iter().copied().filter(|m| *m != Mode::Oracle));
+    modes.extend(
+        args.modes
+            .iter()
+            .copied()
+            .filter(|m| !matches!(m, Mode::Oracle | Mode::Auto)),
+    );
+    if args.modes.contains(&Mode::Auto) {
+        modes.push(Mode::Auto);
+    }
     let expert_dir = std::path::absolute(args.experts.join(&args.expert))?;
     let name = args.expert.clone();
     let models = models_section(&model, &[(&name, &expert_dir)]);
@@ -390,10 +491,12 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                         for &mode in &modes {
                             let job = cluster.run(&name, mode, prompt).await?;
                             let ttft = job.timings_ms.get("ttft").copied().unwrap_or(f64::NAN);
+                            let choice = job.mode_choice.as_ref().filter(|_| mode == Mode::Auto);
                             eprintln!(
-                                "{} {cache} {len} tokens {mode} #{rep}: {:.2} MB, ttft {ttft:.0} ms",
+                                "{} {cache} {len} tokens {mode} #{rep}: {:.2} MB, ttft {ttft:.0} ms{}",
                                 link.name,
-                                job.payload_bytes as f64 / 1e6
+                                job.payload_bytes as f64 / 1e6,
+                                choice.map_or(String::new(), |c| format!(" ({})", c.reason))
                             );
                             jobs.push(JobRow {
                                 link: link.name.clone(),
@@ -405,6 +508,8 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                                 payload_bytes: job.payload_bytes,
                                 ttft_ms: ttft,
                                 timings_ms: job.timings_ms.clone().into_iter().collect(),
+                                chosen: choice.map(|c| c.chosen),
+                                reason: choice.map(|c| c.reason.clone()),
                             });
                         }
                     }
@@ -441,6 +546,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         };
         let codecs = modes
             .iter()
+            .filter(|&&m| m != Mode::Auto)
             .map(|&m| codec_with(m, Some((&translator, index)), &opts))
             .collect::<Result<Vec<_>, _>>()?;
         let codecs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
@@ -470,6 +576,8 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         quality_config = Some(cfg);
     }
 
+    let kl_ceiling = scd_actors::config::CodecConfig::default().kl_ceiling;
+    let cells = cells(&jobs, &quality);
     let record = Record {
         // The program as `scd`, not its path here: the record is shipped.
         command: std::iter::once("scd".to_string())
@@ -481,7 +589,9 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         code_dtype: args.code_dtype.clone(),
         repeats: args.repeats,
         quality_config,
-        cells: cells(&jobs, &quality),
+        auto: auto_checks(&cells, &quality, kl_ceiling),
+        kl_ceiling: Some(kl_ceiling),
+        cells,
         quality,
         jobs,
     };
@@ -535,6 +645,34 @@ pub fn table(r: &Record) -> String {
             c.speedup_vs_oracle,
             opt(c.kl, 4),
             opt(c.greedy_agreement, 3),
+        ));
+    }
+    if !r.auto.is_empty() {
+        s.push_str(&format!(
+            "\nAuto against the fastest fixed mode under the KL ceiling {}\n\n\
+             | link | cache | tokens | auto ran | auto ms | best fixed | its ms | auto / best | auto KL |\n\
+             | --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: |\n",
+            r.kl_ceiling.map_or("-".into(), |k| k.to_string())
+        ));
+        for a in &r.auto {
+            let ran: Vec<String> = a.chosen.iter().map(|(m, n)| format!("{m} x{n}")).collect();
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {:.0} | {} | {:.0} | {:.2} | {} |\n",
+                a.link,
+                a.cache,
+                a.tokens,
+                ran.join(", "),
+                a.auto_median_ms,
+                a.best_fixed,
+                a.best_fixed_median_ms,
+                a.ratio,
+                a.auto_kl.map_or("-".into(), |k| format!("{k:.4}")),
+            ));
+        }
+        let within = r.auto.iter().filter(|a| a.ratio <= 1.1).count();
+        s.push_str(&format!(
+            "\nauto within 10% of the best fixed mode in {within} of {} cells\n",
+            r.auto.len()
         ));
     }
     s

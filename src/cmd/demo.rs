@@ -4,7 +4,8 @@
 //! assigns; then the results side by side: text, time to first token and its parts, payload bytes,
 //! and agreement with the expert's own prefill (the oracle). With `--document-files`, then a job
 //! that names documents, twice: the producer compiles them with the SemPIC writer the first time
-//! and serves them from its store the second (SemPIC, `docs/method.md` §5.5).
+//! and serves them from its store the second (SemPIC, `docs/method.md` §5.5). Then, with
+//! `--paced-mbit`, the paced part (`demo_paced`): where the codes beat the expert's own prefill.
 
 use scd_models::KernelChoice;
 use std::path::{Path, PathBuf};
@@ -45,7 +46,7 @@ pub struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "raw,q4,droidspeak,reuse,scd"
+        default_value = "raw,q4,droidspeak,reuse,scd,auto"
     )]
     pub modes: Vec<Mode>,
     /// Element type of reuse and scd codes: f16 or i8-rows.
@@ -60,6 +61,15 @@ pub struct Args {
     /// The SemPIC writer that compiles the documents (adapter folder or file).
     #[arg(long, default_value = "experts/sempic-writer")]
     pub writer: PathBuf,
+    /// Then a long prompt the producer holds in its prefix cache, over a link paced to this
+    /// many Mbit/s, in the oracle, raw, scd and auto (0: skip it).
+    #[arg(long, default_value_t = 100)]
+    pub paced_mbit: u64,
+    /// Tokens of that prompt (the start of WikiText-2's validation text).
+    #[arg(long, default_value_t = 1024)]
+    pub paced_tokens: usize,
+    #[command(flatten)]
+    pub dirs: crate::paths::DataDirs,
 }
 
 fn node_config(
@@ -182,6 +192,21 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         m.droidspeak_blocks
     );
 
+    let paced_prompt = match args.paced_mbit {
+        0 => None,
+        _ => {
+            let path = args
+                .dirs
+                .eval_data
+                .join(scd_models::corpus::WIKITEXT2_VALID);
+            let text = scd_models::corpus::read_text(&path)?;
+            let tokens = scd_models::corpus::tokenize_long(&tok, &text)?;
+            let window =
+                scd_models::corpus::even_windows(&tokens, args.paced_tokens, 1, "validation")?;
+            window.into_iter().next()
+        }
+    };
+
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let ca = ClusterCa::generate("demo")?;
@@ -252,6 +277,17 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         print_results(&done, &tok);
         if let Some(jobs) = documents {
             print_documents(&args, &jobs, &tok);
+        }
+        if let Some(prompt) = paced_prompt {
+            let paced = super::demo_paced::Paced {
+                model: &model,
+                expert: &args.expert,
+                expert_dir: &expert_dir,
+                mbit: args.paced_mbit,
+                prompt,
+                code_dtype: &args.code_dtype,
+            };
+            super::demo_paced::run(paced, served.clone()).await?;
         }
         Ok(())
     })
@@ -401,7 +437,8 @@ fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
     );
     for (mode, job) in done {
         // The oracle sends no codes (its job stream carries only the opening frame).
-        let sends = *mode != Mode::Oracle;
+        let ran = job.mode_choice.as_ref().map_or(*mode, |c| c.chosen);
+        let sends = ran != Mode::Oracle;
         let share = match raw_bytes {
             Some(r) if r > 0 && sends => {
                 format!("{:.1}%", 100.0 * job.payload_bytes as f64 / r as f64)
@@ -426,9 +463,13 @@ fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
             (Some(p), Some(a)) => format!("{:.0}", a.start_ms - p.start_ms),
             _ => "-".to_owned(),
         };
+        let name = match &job.mode_choice {
+            Some(c) if *mode == Mode::Auto => format!("auto:{}", c.chosen),
+            _ => mode.to_string(),
+        };
         println!(
             "{:<11} {:>10} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8}  {agreement}",
-            mode.to_string(),
+            name,
             bytes,
             share,
             ms(job, "prefill"),
@@ -441,6 +482,11 @@ fn print_results(done: &[(Mode, JobRecord)], tok: &Tokenizer) {
         );
     }
     println!("(times in ms; prefill, encode and transfer overlap layer by layer: \"1st code\" is when the first layer's codes reached the expert, after the prefill began; TTFT is submission to first token, scheduling included)");
+    for (_, job) in done.iter().filter(|(m, _)| *m == Mode::Auto) {
+        if let Some(c) = &job.mode_choice {
+            println!("auto chose {}: {}", c.chosen, c.reason);
+        }
+    }
     for (mode, job) in done {
         let text = tok
             .decode(&tokens(job), true)

@@ -13,6 +13,7 @@ pub mod bench_ttft;
 pub mod calibrate;
 pub mod cert;
 pub mod demo;
+pub mod demo_paced;
 pub mod docs;
 pub mod eval;
 pub mod finetune;

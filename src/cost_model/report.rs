@@ -186,7 +186,8 @@ pub fn run(inputs: &[PathBuf], plots: &Path, font: Option<&Path>) -> anyhow::Res
             .with_context(|| format!("reading {}", input.display()))?;
         let r: Record = serde_json::from_str(&text)
             .with_context(|| format!("{} is not a `scd bench ttft` record", input.display()))?;
-        cells.extend(r.cells);
+        // Auto's cells are other modes' jobs: the model is of the fixed modes.
+        cells.extend(r.cells.into_iter().filter(|c| c.mode != Mode::Auto));
         if quality.is_empty() {
             quality = r.quality;
         }
