@@ -155,3 +155,109 @@ async fn a_producer_killed_between_claim_and_stream_and_restarted_under_its_id_l
         node.shutdown(Duration::ZERO).await;
     }
 }
+
+/// The history a streaming client reads is the answer (issue R1 §3): a chat streamed through
+/// the gateway in mode scd with adaptive ranks while its consumer is killed mid-decode and
+/// restarted. What the client was shown is made unlike anything the expert would generate
+/// (attempts with other ranks can answer differently; here they would not, by chance), and
+/// the deltas it reads, concatenated, must be the job's final text, with one finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_through_a_consumer_killed_mid_decode_reads_exactly_the_final_answer() {
+    use scd_actors::config::RankSetting;
+    use scd_scheduler::JobStore;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let m = models();
+    let cluster = Cluster::new();
+    let mut front = common::config_with(
+        "sched-0",
+        "\"scheduler\", \"gateway\"",
+        false,
+        &common::repo().join("experts/mail/translator"),
+        "http_listen = \"127.0.0.1:0\"\n",
+    );
+    front.codec.ranks = RankSetting::Adaptive;
+    let front = cluster.start(&front).await;
+    let mut producer = config("prefill-0", "\"producer\"", true);
+    producer.codec.ranks = RankSetting::Adaptive;
+    let producer = cluster.start(&producer).await;
+    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+
+    // Counting goes on for long: the job is decoding when the consumer dies.
+    let count: String = (1..=40).map(|i| format!("{i}, ")).collect();
+    let body = serde_json::json!({
+        "model": "mail", "prompt": count, "max_tokens": 200, "temperature": 0,
+        "stream": true, "scd_mode": "scd",
+    })
+    .to_string();
+    let addr = front.http_addr().expect("the gateway's address");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let reading = tokio::spawn(async move {
+        let mut raw = Vec::new();
+        conn.read_to_end(&mut raw).await.unwrap();
+        String::from_utf8(raw).unwrap()
+    });
+
+    let jobs = JobStore::new(cluster.store.clone(), Keys::default());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let id = loop {
+        let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
+            j.state == JobState::Decoding && j.output.as_ref().is_some_and(|o| o.tokens.len() >= 4)
+        });
+        if let Some((j, _)) = decoding {
+            break j.id;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no job decoding");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    failpoints::silence("mail-0", true);
+    consumer.kill().await;
+    failpoints::silence("mail-0", false);
+    jobs.update(id, |j| {
+        if let Some(o) = j.output.as_mut() {
+            o.tokens.extend([1000, 1000, 1000]);
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let again = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+
+    let reply = reading.await.unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    // How many attempts it took is the other restart tests' business; each went on from what
+    // the one before it showed.
+    assert!(job.attempts >= 2, "{:?}", job.history);
+    assert_eq!(job.state, JobState::Done, "{:?}", job.error);
+    // The events' payloads (`data: ...` lines; the chunked framing around them is skipped).
+    let events: Vec<serde_json::Value> = reply
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let read: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    let answer = m
+        .tok
+        .decode(&job.output.as_ref().unwrap().tokens, true)
+        .unwrap();
+    assert_eq!(read, answer, "the deltas are the answer, once");
+    let finishes = events
+        .iter()
+        .filter(|e| !e["choices"][0]["finish_reason"].is_null())
+        .count();
+    assert_eq!(finishes, 1, "{reply}");
+    assert_eq!(reply.matches("data: [DONE]").count(), 1, "{reply}");
+    for node in [again, producer, front] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}
