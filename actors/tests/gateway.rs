@@ -436,7 +436,8 @@ async fn a_gateway_only_node_answers_for_the_cluster_behind_it() {
     producer.shutdown(Duration::ZERO).await;
 }
 
-/// What a client sees is one answer (issue R1 §3): a request sent again with the same
+/// A caller without a key is refused before its body is read (issue R1 §4). What a client
+/// sees is one answer (issue R1 §3): a request sent again with the same
 /// `Idempotency-Key` is the same job and gets the same reply (the key with another request is
 /// refused), and a client that goes away before its answer, streaming or not, cancels its job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -457,6 +458,29 @@ async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job()
     let gateway = cluster.start(&front).await;
     let addr = gateway.http_addr().expect("the gateway's address");
     let jobs = JobStore::new(cluster.store.clone(), Keys::default());
+
+    // A caller without a key is refused at its headers, before its body (never sent here)
+    // would be read.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 3000000\r\nConnection: close\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut reply = vec![0; 12];
+        tokio::time::timeout(common::WAIT, s.read_exact(&mut reply))
+            .await
+            .expect("refused without its body")
+            .unwrap();
+        assert_eq!(
+            &reply,
+            b"HTTP/1.1 401",
+            "{}",
+            String::from_utf8_lossy(&reply)
+        );
+    }
 
     let once = serde_json::json!({"model": "mail", "prompt": "Dear all,", "max_tokens": 8, "temperature": 0});
     let key = [("Idempotency-Key", "retry-1")];
@@ -487,20 +511,7 @@ async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job()
         });
         let connection = send(addr, "/v1/completions", &long, &[]).await;
         let deadline = tokio::time::Instant::now() + common::WAIT;
-        let id = loop {
-            let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
-                j.state == JobState::Decoding
-                    && j.request.as_ref().is_some_and(|r| r.max_tokens == 2000)
-            });
-            if let Some((j, _)) = decoding {
-                break j.id;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "no long job decoding"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let id = decoding_with(&jobs, 2000).await;
         drop(connection);
         let job = loop {
             let job = cluster.client.get(id).await.unwrap();
@@ -528,20 +539,7 @@ async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job()
         serde_json::json!({"model": "mail", "prompt": count, "max_tokens": 300, "temperature": 0});
     let key = [("Idempotency-Key", "long-1")];
     let connection = send(addr, "/v1/completions", &keyed, &key).await;
-    let deadline = tokio::time::Instant::now() + common::WAIT;
-    let id = loop {
-        let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
-            j.state == JobState::Decoding && j.request.as_ref().is_some_and(|r| r.max_tokens == 300)
-        });
-        if let Some((j, _)) = decoding {
-            break j.id;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no keyed job decoding"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let id = decoding_with(&jobs, 300).await;
     drop(connection);
     let (status, reply) = post_with(addr, "/v1/completions", &keyed, &key).await;
     assert_eq!(status, 200, "{reply}");
@@ -550,4 +548,26 @@ async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job()
     gateway.shutdown(Duration::ZERO).await;
     consumer.shutdown(Duration::ZERO).await;
     producer.shutdown(Duration::ZERO).await;
+}
+
+/// The id of the job decoding a request for `max_tokens` tokens, once there is one (bounded by
+/// the tests' wait).
+async fn decoding_with(jobs: &scd_scheduler::JobStore, max_tokens: u32) -> scd_scheduler::JobId {
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
+            j.state == scd_scheduler::JobState::Decoding
+                && j.request
+                    .as_ref()
+                    .is_some_and(|r| r.max_tokens == max_tokens)
+        });
+        if let Some((j, _)) = decoding {
+            return j.id;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no job of {max_tokens} tokens decoding"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -65,6 +65,11 @@ pub(crate) async fn serve(
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        // Before any body is read: a caller without a key is refused at its headers.
+        .route_layer(axum::middleware::from_fn_with_state(
+            gateway.clone(),
+            require_key,
+        ))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(gateway);
@@ -179,8 +184,21 @@ async fn not_found() -> ApiError {
         .status(StatusCode::NOT_FOUND)
 }
 
+/// Refuses a request without one of the API keys before its handler (and so its body) runs.
+async fn require_key(
+    State(g): State<Arc<Gateway>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match g.authorise(request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
+}
+
 impl Gateway {
     fn authorise(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        use subtle::ConstantTimeEq;
         if self.api_keys.is_empty() {
             return Ok(());
         }
@@ -188,8 +206,18 @@ impl Gateway {
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
+        // Every key compared, each in time independent of where it differs: the answer's
+        // timing says nothing of how much of a key a guess got right.
+        let known = |key: &str| {
+            self.api_keys
+                .iter()
+                .fold(subtle::Choice::from(0), |found, k| {
+                    found | k.as_bytes().ct_eq(key.as_bytes())
+                })
+                .into()
+        };
         match given {
-            Some(key) if self.api_keys.iter().any(|k| k == key) => Ok(()),
+            Some(key) if known(key) => Ok(()),
             _ => Err(ApiError {
                 status: StatusCode::UNAUTHORIZED,
                 retry_after: None,
@@ -208,11 +236,7 @@ fn now_s() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn models(
-    State(g): State<Arc<Gateway>>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
-    g.authorise(&headers)?;
+async fn models(State(g): State<Arc<Gateway>>) -> Result<Json<Value>, ApiError> {
     let nodes = g.work.client.nodes().await?;
     let mut experts: Vec<&str> = nodes
         .values()
@@ -446,7 +470,6 @@ async fn chat(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    g.authorise(&headers)?;
     let body: ChatBody = parse(&body)?;
     if body.messages.is_empty() {
         return Err(ApiError::bad_request("messages is empty").param("messages"));
@@ -488,7 +511,6 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    g.authorise(&headers)?;
     let body: CompletionBody = parse(&body)?;
     let prompt = match body.prompt {
         PromptField::One(p) => p,
