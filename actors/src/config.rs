@@ -140,6 +140,11 @@ pub struct GatewayConfig {
     /// `default_mode`: the transfer mode of a request that names none (the `scd_mode` field of
     /// a request picks another); default `auto`, the producer's choice per job.
     pub default_mode: scd_transport::Mode,
+    /// `max_requests_per_key`: requests one API key may have unanswered at this gateway at
+    /// once (streams count until they end); more get 429 with `Retry-After`, so that one
+    /// caller cannot take every slot of the cluster's admission. 0: no limit. Default 16.
+    /// Without `api_keys` there is no caller to tell apart, and no limit.
+    pub max_requests_per_key: usize,
 }
 
 impl Default for GatewayConfig {
@@ -147,6 +152,7 @@ impl Default for GatewayConfig {
         Self {
             api_keys: Vec::new(),
             default_mode: scd_transport::Mode::Auto,
+            max_requests_per_key: 16,
         }
     }
 }

@@ -12,6 +12,7 @@ use common::{config, config_with, python, repo, Cluster};
 use serde_json::Value;
 
 const KEY: &str = "test-key-1";
+const OTHER: &str = "test-key-2";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_openai_client_streams_and_gets_openai_shaped_errors() {
@@ -323,6 +324,17 @@ async fn send(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> tokio::net::TcpStream {
+    send_as(KEY, addr, path, body, headers).await
+}
+
+/// [`send`] with API key `key`.
+async fn send_as(
+    key: &str,
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> tokio::net::TcpStream {
     use tokio::io::AsyncWriteExt;
     let body = body.to_string();
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -331,7 +343,7 @@ async fn send(
         .map(|(k, v)| format!("{k}: {v}\r\n"))
         .collect();
     let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n{extra}\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\n{extra}\
          Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
@@ -352,8 +364,19 @@ async fn post_with(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> (u16, Value) {
+    post_as(KEY, addr, path, body, headers).await
+}
+
+/// [`post_with`] with API key `key`.
+async fn post_as(
+    key: &str,
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (u16, Value) {
     use tokio::io::AsyncReadExt;
-    let mut s = send(addr, path, body, headers).await;
+    let mut s = send_as(key, addr, path, body, headers).await;
     let mut reply = Vec::new();
     s.read_to_end(&mut reply).await.unwrap();
     let reply = String::from_utf8(reply).unwrap();
@@ -436,7 +459,8 @@ async fn a_gateway_only_node_answers_for_the_cluster_behind_it() {
     producer.shutdown(Duration::ZERO).await;
 }
 
-/// A caller without a key is refused before its body is read (issue R1 §4). What a client
+/// A caller without a key is refused before its body is read, and one key has at most
+/// `max_requests_per_key` requests unanswered while others are served (issue R1 §4). What a client
 /// sees is one answer (issue R1 §3): a request sent again with the same
 /// `Idempotency-Key` is the same job and gets the same reply (the key with another request is
 /// refused), and a client that goes away before its answer, streaming or not, cancels its job.
@@ -453,7 +477,10 @@ async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job()
         "\"gateway\"",
         false,
         &repo().join("experts/mail/translator"),
-        &format!("http_listen = \"127.0.0.1:0\"\n\n[gateway]\napi_keys = [\"{KEY}\"]\n"),
+        &format!(
+            "http_listen = \"127.0.0.1:0\"\n\n[gateway]\napi_keys = [\"{KEY}\", \"{OTHER}\"]\n\
+             max_requests_per_key = 1\n"
+        ),
     );
     let gateway = cluster.start(&front).await;
     let addr = gateway.http_addr().expect("the gateway's address");
@@ -512,6 +539,13 @@ async fn a_retried_request_is_one_job_and_a_client_that_leaves_cancels_its_job()
         let connection = send(addr, "/v1/completions", &long, &[]).await;
         let deadline = tokio::time::Instant::now() + common::WAIT;
         let id = decoding_with(&jobs, 2000).await;
+        // One unanswered request per key here: the same key waits its turn, another is served.
+        let short = serde_json::json!({"model": "mail", "prompt": "Dear all,", "max_tokens": 2});
+        let (status, busy) = post_with(addr, "/v1/completions", &short, &[]).await;
+        assert_eq!(status, 429, "{busy}");
+        assert_eq!(busy["error"]["code"], "rate_limit_exceeded", "{busy}");
+        let (status, served) = post_as(OTHER, addr, "/v1/completions", &short, &[]).await;
+        assert_eq!(status, 200, "{served}");
         drop(connection);
         let job = loop {
             let job = cluster.client.get(id).await.unwrap();

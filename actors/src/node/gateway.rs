@@ -36,6 +36,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::client::{ClientError, ClusterClient};
+use crate::config::GatewayConfig;
 use crate::follow::{Following, Progress, Shown};
 use crate::node::jobs::{check_prompt, Work};
 
@@ -46,20 +47,24 @@ struct Gateway {
     work: Arc<Work>,
     api_keys: Vec<String>,
     default_mode: Mode,
+    /// `[gateway] max_requests_per_key` (0: none).
+    per_key: usize,
+    /// Unanswered requests per API key.
+    in_flight: std::sync::Mutex<std::collections::HashMap<String, usize>>,
 }
 
 /// Serves the API on `listener` until the node stops.
-pub(crate) async fn serve(
-    work: Arc<Work>,
-    listener: TcpListener,
-    api_keys: Vec<String>,
-    default_mode: Mode,
-) {
+pub(crate) async fn serve(work: Arc<Work>, listener: TcpListener, config: GatewayConfig) {
     let cancel = work.cancel.clone();
     let gateway = Arc::new(Gateway {
         work,
-        api_keys,
-        default_mode,
+        per_key: match config.api_keys.is_empty() {
+            true => 0,
+            false => config.max_requests_per_key,
+        },
+        api_keys: config.api_keys,
+        default_mode: config.default_mode,
+        in_flight: Default::default(),
     });
     let app = Router::new()
         .route("/v1/models", get(models))
@@ -193,6 +198,66 @@ async fn require_key(
     match g.authorise(request.headers()) {
         Ok(()) => next.run(request).await,
         Err(e) => e.into_response(),
+    }
+}
+
+/// One unanswered request of an API key; its slot is free again when this is dropped (a
+/// stream's task holds it to the stream's end).
+struct Slot {
+    gateway: Arc<Gateway>,
+    key: String,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut in_flight = self.gateway.lock_in_flight();
+        if let Some(n) = in_flight.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                in_flight.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl Gateway {
+    fn lock_in_flight(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, usize>> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A slot of the caller's key (from `headers`, already authorised), or 429 when the key
+    /// has `per_key` requests unanswered.
+    fn slot(self: &Arc<Self>, headers: &HeaderMap) -> Result<Option<Slot>, ApiError> {
+        if self.per_key == 0 {
+            return Ok(None);
+        }
+        let key = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let mut in_flight = self.lock_in_flight();
+        let n = in_flight.entry(key.clone()).or_insert(0);
+        if *n >= self.per_key {
+            return Err(ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                retry_after: Some(1),
+                kind: "rate_limit_error",
+                code: Some("rate_limit_exceeded"),
+                param: None,
+                message: format!(
+                    "this API key has {} requests unanswered, the most this gateway takes at once ([gateway] max_requests_per_key): retry when one has ended",
+                    self.per_key
+                ),
+            });
+        }
+        *n += 1;
+        Ok(Some(Slot {
+            gateway: self.clone(),
+            key,
+        }))
     }
 }
 
@@ -503,7 +568,8 @@ async fn chat(
         .map_err(|e| ApiError::bad_request(format!("applying the chat template: {e}")))?;
     let request = g.request(&prompt, &body.settings)?;
     let id = g.idempotent_id(&headers)?;
-    respond(g, body.settings, request, id, Kind::Chat).await
+    let slot = g.slot(&headers)?;
+    respond(g, body.settings, request, id, slot, Kind::Chat).await
 }
 
 async fn completions(
@@ -523,7 +589,8 @@ async fn completions(
     };
     let request = g.request(&prompt, &body.settings)?;
     let id = g.idempotent_id(&headers)?;
-    respond(g, body.settings, request, id, Kind::Completion).await
+    let slot = g.slot(&headers)?;
+    respond(g, body.settings, request, id, slot, Kind::Completion).await
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -553,6 +620,7 @@ async fn respond(
     s: Settings,
     request: JobRequest,
     id: Option<JobId>,
+    slot: Option<Slot>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let prompt_tokens = request.prompt.len();
@@ -564,7 +632,7 @@ async fn respond(
         Kind::Completion => format!("cmpl-{id}"),
     };
     if s.stream {
-        let events = stream(g, id, idempotent, object_id, s.model, created, kind);
+        let events = stream(g, (id, idempotent, slot), object_id, s.model, created, kind);
         return Ok(Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response());
@@ -619,8 +687,7 @@ async fn respond(
 /// with the finish reason, then `[DONE]`; a failed job ends the stream with an error object.
 fn stream(
     g: Arc<Gateway>,
-    id: JobId,
-    idempotent: bool,
+    (id, idempotent, slot): (JobId, bool, Option<Slot>),
     object_id: String,
     model: String,
     created: u64,
@@ -628,6 +695,8 @@ fn stream(
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let (tx, rx) = mpsc::channel::<Event>(16);
     tokio::spawn(async move {
+        // Held to the stream's end: a stream is unanswered until then.
+        let _slot = slot;
         let abandoned = CancelOnDrop::new(&g.work.client, id, idempotent);
         let object = match kind {
             Kind::Chat => "chat.completion.chunk",

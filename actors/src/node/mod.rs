@@ -326,8 +326,7 @@ impl Node {
             tasks.push(tokio::spawn(gateway::serve(
                 work.clone(),
                 listener,
-                config.gateway.api_keys.clone(),
-                config.gateway.default_mode,
+                config.gateway.clone(),
             )));
         }
         let mut metrics_addr = None;
