@@ -294,21 +294,10 @@ async fn nodes_follow_the_live_translator_version_and_refuse_one_they_cannot_use
     // knows mail by name only and takes it; the consumer checks it against its mail model and
     // refuses, keeping the version it has. Codes made with it fail with both reasons named.
     let bad = tempfile::tempdir().unwrap();
-    let sotu = repo().join("experts/sotu/translator");
-    std::fs::copy(
-        sotu.join("translator.safetensors"),
-        bad.path().join("translator.safetensors"),
-    )
-    .unwrap();
-    let mut manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(sotu.join("translator.json")).unwrap()).unwrap();
-    manifest["consumers"][0]["name"] = "mail".into();
-    std::fs::write(
-        bad.path().join("translator.json"),
-        serde_json::to_vec(&manifest).unwrap(),
-    )
-    .unwrap();
-    let bad_hash = Translator::load(bad.path()).unwrap().hash();
+    let mut relabelled = Translator::load(&repo().join("experts/sotu/translator")).unwrap();
+    relabelled.manifest.consumers[0].name = "mail".into();
+    // Saved again: the manifest is part of the content hash.
+    let bad_hash = relabelled.save(bad.path()).unwrap();
     registry
         .publish(&TranslatorManifest {
             producer_model: base.into(),

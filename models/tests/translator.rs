@@ -434,6 +434,24 @@ fn the_artifact_round_trips_and_refuses_damage_and_other_pairs() {
         ..opts
     };
     assert!(codec_with(Mode::Scd, Some((&b, 0)), &too_high).is_err());
+    // The manifest is part of the content hash: a label changed by hand fails it, and the
+    // file as saved loads again.
+    let manifest = dir.path().join("translator.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let label = format!("\"version\": {}", serde_json::json!(b.manifest.version));
+    assert!(text.contains(&label), "{text}");
+    std::fs::write(
+        &manifest,
+        text.replacen(&label, "\"version\": \"other\"", 1),
+    )
+    .unwrap();
+    let err = Translator::load(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, TranslatorError::Corrupt(_)) && err.to_string().contains("hash"),
+        "{err}"
+    );
+    std::fs::write(&manifest, &text).unwrap();
+    assert_eq!(Translator::load(dir.path()).unwrap().hash(), hash);
     // A flipped byte in the weights, a truncated file, a missing manifest.
     let weights = dir.path().join("translator.safetensors");
     let mut bytes = std::fs::read(&weights).unwrap();

@@ -3,8 +3,8 @@
 //! its measured quality, and the weights' content hash). The content hash is the translator
 //! version's name on the wire and in the store ([`scd_types::TranslatorHash`]).
 //!
-//! Loading checks everything a wrong or damaged file could break: the hash of the weights
-//! against the manifest, every tensor's presence and shape, and, before use, that the producer
+//! Loading checks everything a wrong or damaged file could break: the hash of the weights and
+//! the manifest against the one the manifest names ([`content_hash`]), every tensor's presence and shape, and, before use, that the producer
 //! and consumer models are the ones it was made for.
 
 use std::collections::HashMap;
@@ -26,8 +26,26 @@ use crate::llama::Llama;
 pub const WEIGHTS_FILE: &str = "translator.safetensors";
 /// The manifest inside a translator folder.
 pub const MANIFEST_FILE: &str = "translator.json";
-/// The manifest format this build reads and writes.
-pub const FORMAT: u32 = 1;
+/// The manifest format this build reads and writes. 2: the content hash covers the manifest
+/// as well as the weights (1: the weights only, so that a changed manifest, say another
+/// consumer's name or rank curve, passed for the same version).
+pub const FORMAT: u32 = 2;
+
+/// A translator's identity: SHA-256 over a tag, the SHA-256 of its weights file and its
+/// manifest file as written, with the hash's own digits zeroed (`manifest_text`; trailing
+/// white space aside). Both files count: the manifest says which layers are patched, whom the
+/// aligners are for and what quality each rank has. The text, not the parsed manifest, is
+/// hashed: JSON's floats need not parse back to the very bits they were written from.
+pub fn content_hash(weights: &[u8], manifest_text: &str) -> TranslatorHash {
+    let mut h = Sha256::new();
+    h.update(b"scd translator 2\0");
+    h.update(Sha256::digest(weights));
+    h.update(manifest_text.trim_end().as_bytes());
+    TranslatorHash::from_bytes(h.finalize().into())
+}
+
+/// The hash digits in a manifest's text.
+const BLANK_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 /// A model as a translator names it: its weight file's hash and, for an expert, its adapter's
 /// content hash.
@@ -116,7 +134,7 @@ pub struct TranslatorManifest {
     pub scd_version: String,
     /// A label for people (the hash is what identifies it).
     pub version: String,
-    /// SHA-256 of the weights file: the version's identity.
+    /// The version's identity: [`content_hash`] of the weights file and this manifest.
     pub content_hash: TranslatorHash,
     /// The producer (base) model.
     pub producer: ModelRef,
@@ -359,7 +377,11 @@ impl Translator {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n, t)), None)
             .map_err(|e| TranslatorError::Corrupt(e.to_string()))?;
-        let hash = TranslatorHash::from_bytes(Sha256::digest(&bytes).into());
+        self.manifest.format = FORMAT;
+        self.manifest.content_hash = TranslatorHash::from_bytes([0; 32]);
+        let blank = serde_json::to_string_pretty(&self.manifest)
+            .map_err(|e| TranslatorError::Corrupt(e.to_string()))?;
+        let hash = content_hash(&bytes, &blank);
         let path = dir.join(WEIGHTS_FILE);
         let tmp = dir.join(format!("{WEIGHTS_FILE}.tmp"));
         std::fs::write(&tmp, &bytes).map_err(io(&tmp))?;
@@ -377,13 +399,9 @@ impl Translator {
     /// tensor's shape.
     pub fn load(dir: &Path) -> Result<Self, TranslatorError> {
         let manifest_path = dir.join(MANIFEST_FILE);
-        let manifest: TranslatorManifest =
-            json_file::read(&manifest_path).map_err(|e| match e {
-                json_file::JsonFileError::Io { path, source } => {
-                    TranslatorError::Io { path, source }
-                }
-                other => TranslatorError::Corrupt(other.to_string()),
-            })?;
+        let text = std::fs::read_to_string(&manifest_path).map_err(io(&manifest_path))?;
+        let manifest: TranslatorManifest = serde_json::from_str(&text)
+            .map_err(|e| TranslatorError::Corrupt(format!("{}: {e}", manifest_path.display())))?;
         if manifest.format != FORMAT {
             return Err(TranslatorError::Corrupt(format!(
                 "{}: format {}, this build reads {FORMAT}",
@@ -393,10 +411,11 @@ impl Translator {
         }
         let path: PathBuf = dir.join(WEIGHTS_FILE);
         let bytes = std::fs::read(&path).map_err(io(&path))?;
-        let hash = TranslatorHash::from_bytes(Sha256::digest(&bytes).into());
+        let digits = manifest.content_hash.to_string();
+        let hash = content_hash(&bytes, &text.replacen(&digits, BLANK_HASH, 1));
         if hash != manifest.content_hash {
             return Err(TranslatorError::Corrupt(format!(
-                "{} has hash {}, the manifest says {}: the file is damaged or belongs to another version",
+                "{} with {MANIFEST_FILE} hash to {}, the manifest says {}: a file is damaged, changed, or belongs to another version",
                 path.display(),
                 hash.short(),
                 manifest.content_hash.short()
