@@ -814,6 +814,7 @@ async fn a_degraded_translator_sends_its_jobs_to_a_safer_mode(b: Backend) {
 
 on_both_stores!(
     a_drained_consumer_does_not_get_its_job_back_from_a_stale_view,
+    a_full_node_is_given_nothing_more_until_its_work_ends,
     a_degraded_translator_sends_its_jobs_to_a_safer_mode,
     admission_bounds_unfinished_jobs_exactly,
     a_job_nobody_can_decode_fails_after_the_grace,
@@ -893,6 +894,98 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
     assert!(job.failed_producers.is_empty());
     assert_eq!(job.failed_consumers, vec!["c1".to_string()]);
     assert!(job.error.unwrap().contains("consumer c1"));
+}
+
+/// A node at its capacity is given nothing more (issue R1 §4), whatever load it advertises:
+/// the scheduler counts the jobs the records show it holding. The producer is free again once
+/// its codes are sent, the consumer once the job ends; the waiting job is assigned then.
+async fn a_full_node_is_given_nothing_more_until_its_work_ends(b: Backend) {
+    let candidate = Candidate::start(
+        b.client().await,
+        &b.keys,
+        "scheduler",
+        "s1",
+        ElectionConfig { ttl: TTL },
+    )
+    .unwrap();
+    let guard = candidate.wait_until_leader().await;
+    let config = scheduler_config(Duration::from_secs(3600));
+    // Advertising no load at all, as a node whose count has not reached the store yet.
+    let mut view = NodeMap::new();
+    for mut n in [producer("p1"), consumer("c1")] {
+        n.capacity = 2;
+        view.insert(n.id.clone(), n);
+    }
+    let pass = || {
+        let (store, keys, guard, config, view) = (
+            b.store.clone(),
+            b.keys.clone(),
+            guard.clone(),
+            config.clone(),
+            view.clone(),
+        );
+        async move {
+            reconcile(&store, &keys, &guard, &view, &config.experts, &config)
+                .await
+                .unwrap()
+        }
+    };
+    let jobs = JobStore::new(b.store.clone(), b.keys.clone());
+    let ids: Vec<JobId> = (0..3).map(|_| JobId::random()).collect();
+    for id in &ids {
+        jobs.create(&sotu_job(*id, 3)).await.unwrap();
+    }
+    assert_eq!(pass().await.jobs_assigned, 2);
+    let states = || async {
+        let mut s = Vec::new();
+        for id in &ids {
+            s.push(jobs.get(*id).await.unwrap().unwrap().state);
+        }
+        s
+    };
+    let assigned: Vec<JobId> = {
+        let mut a = Vec::new();
+        for id in &ids {
+            if jobs.get(*id).await.unwrap().unwrap().state == JobState::Assigned {
+                a.push(*id);
+            }
+        }
+        a
+    };
+    let waiting = *ids.iter().find(|id| !assigned.contains(id)).unwrap();
+    // Again, from the records alone: both nodes hold two jobs.
+    assert_eq!(pass().await.jobs_assigned, 0);
+    assert_eq!(
+        jobs.get(waiting).await.unwrap().unwrap().state,
+        JobState::Queued
+    );
+    // One job's codes are sent: the producer has room, the consumer (decoding both) not.
+    for s in [
+        JobState::Prefilling,
+        JobState::Transferring,
+        JobState::Decoding,
+    ] {
+        jobs.transition(assigned[0], s).await.unwrap();
+    }
+    assert_eq!(pass().await.jobs_assigned, 0);
+    // It ends: the waiting job goes.
+    jobs.update(assigned[0], |j| {
+        j.state = JobState::Done;
+        Ok(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(pass().await.jobs_assigned, 1);
+    let s = states().await;
+    assert_eq!(
+        s.iter().filter(|s| **s == JobState::Assigned).count(),
+        2,
+        "{s:?}"
+    );
+    assert_eq!(
+        jobs.get(waiting).await.unwrap().unwrap().state,
+        JobState::Assigned
+    );
 }
 
 /// A consumer drains (it advertises nothing to serve) and hands its job back; a scheduler

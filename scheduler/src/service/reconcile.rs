@@ -45,6 +45,7 @@ pub async fn reconcile(
 
     let mut pass = JobPass::new(store, keys, guard, nodes, experts, config);
     let listing = pass.list_and_recount().await?;
+    pass.count_held(listing.iter().map(|(j, _)| j));
     for (job, revision) in listing {
         pass.reconcile_job(&job, &pools, &mut report).await?;
         let retired = pass
@@ -145,9 +146,10 @@ struct JobPass<'a> {
     config: &'a SchedulerConfig,
     jobs: JobStore,
     registry: TranslatorRegistry,
-    /// `nodes` with the assignments made in this pass counted as load at once, so a burst of
-    /// queued jobs spreads over the pool instead of piling onto whoever advertised the lowest
-    /// load last.
+    /// `nodes` with each one's load at least the jobs the listing shows it holding, and the
+    /// assignments made in this pass counted at once: a burst of queued jobs spreads over the
+    /// pool instead of piling onto whoever advertised the lowest load last, and a node at its
+    /// capacity is given nothing more.
     view: NodeMap,
     /// Nodes whose entry in `view` was read again from the store in this pass
     /// ([`JobPass::refresh_failed_consumers`]).
@@ -198,6 +200,23 @@ impl<'a> JobPass<'a> {
         )
         .await?;
         Ok(listing)
+    }
+
+    /// Raises each node's load in the view to the number of `jobs` it holds: a node's own
+    /// count reaches the store a moment after it changes, and the listing is what this pass
+    /// assigns against.
+    fn count_held<'j>(&mut self, jobs: impl Iterator<Item = &'j JobRecord>) {
+        let mut held: BTreeMap<&str, u32> = BTreeMap::new();
+        for job in jobs {
+            for id in holders(job) {
+                *held.entry(id).or_default() += 1;
+            }
+        }
+        for (id, n) in held {
+            if let Some(node) = self.view.get_mut(id) {
+                node.load = node.load.max(n);
+            }
+        }
     }
 
     /// One listed job: its attempt abandoned if a party to it left; then, if it is queued
@@ -355,7 +374,16 @@ impl<'a> JobPass<'a> {
         fallback: Option<String>,
         report: &mut ReconcileReport,
     ) -> Result<(), SchedulerError> {
-        let (nodes, view, config) = (self.nodes, &self.view, self.config);
+        let (nodes, config) = (self.nodes, self.config);
+        // Only nodes with room are given work: a job waits in the queue rather than on a node
+        // that is full (the next pass after one of them finishes assigns it).
+        let view: NodeMap = self
+            .view
+            .iter()
+            .filter(|(_, n)| n.load < n.capacity)
+            .map(|(id, n)| (id.clone(), n.clone()))
+            .collect();
+        let view = &view;
         let assigned = self
             .jobs
             .update_as_leader(job.id, self.guard, |j| {
@@ -403,10 +431,7 @@ impl<'a> JobPass<'a> {
             .await
             .map_err(leader_only)?;
         if assigned.state == JobState::Assigned {
-            for id in [assigned.producer.as_ref(), assigned.consumer.as_ref()]
-                .into_iter()
-                .flatten()
-            {
+            for id in holders(&assigned) {
                 if let Some(n) = self.view.get_mut(id) {
                     n.load = n.load.saturating_add(1);
                 }
@@ -416,6 +441,22 @@ impl<'a> JobPass<'a> {
         }
         Ok(())
     }
+}
+
+/// The nodes working on `job` now, each once: the producer until its codes are sent, the
+/// consumer until the job ends.
+fn holders(job: &JobRecord) -> impl Iterator<Item = &str> {
+    let producing = matches!(
+        job.state,
+        JobState::Assigned | JobState::Prefilling | JobState::Transferring
+    );
+    let consuming = producing || job.state == JobState::Decoding;
+    let producer = job.producer.as_deref().filter(|_| producing);
+    let consumer = job
+        .consumer
+        .as_deref()
+        .filter(|c| consuming && Some(*c) != producer);
+    producer.into_iter().chain(consumer)
 }
 
 /// The store's own record of `node` (not a watch's copy), if it is registered.
