@@ -47,6 +47,9 @@ pub struct EncodeReport {
     pub layer_bytes: Vec<LayerBytes>,
     /// Time spent encoding, all layers together (the span also holds the waits for captures).
     pub busy: std::time::Duration,
+    /// Time spent waiting for the transfer to take frames: the link, not the producer, set the
+    /// pace then (the producer's own cost of a job is its span less this).
+    pub waited_for_link: std::time::Duration,
 }
 
 /// The encoder actor (stateless: the codec comes with each job).
@@ -141,7 +144,9 @@ fn encode(rt: &Handle, job: EncodeJob) -> Result<EncodeReport, EncoderError> {
             if let Some(hash) = codec.translator {
                 frame = frame.with_translator(hash);
             }
+            let handing = Instant::now();
             frames.send(rt, frame).map_err(interrupted)?;
+            report.waited_for_link += handing.elapsed();
         }
     }
     frames.finish();

@@ -198,7 +198,7 @@ impl ProducerReplies {
                         encoded: EncodeReport {
                             span: None,
                             layer_bytes: served.layer_bytes.clone(),
-                            busy: std::time::Duration::ZERO,
+                            ..EncodeReport::default()
                         },
                         sent,
                         documents: Some(served),

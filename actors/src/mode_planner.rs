@@ -11,7 +11,8 @@
 //!
 //! Per mode, as `rank_curve`'s estimate: codes stream layer by layer while the producer
 //! prefills and encodes, so a transfer costs `max(prefill + encode, transfer) + transfer /
-//! layers`, then the consumer's finish. The oracle costs the consumer's prefill alone, and its KL is 0 by
+//! layers`, then the consumer's finish; for a prompt mostly in the producer's prefix cache,
+//! `prefill + encode` is at least what such jobs measured in that mode (`producer_serve_ms`). The oracle costs the consumer's prefill alone, and its KL is 0 by
 //! definition: it is always a candidate, so a choice under the ceiling always exists. A mode
 //! whose quality nobody measured is never chosen. Among modes within `slack` of the fastest,
 //! the lowest KL wins (the better answer when the difference is noise).
@@ -28,6 +29,9 @@ use std::sync::Mutex;
 
 use scd_scheduler::{ModeChoice, ModeEstimate, RanksChoice};
 use scd_types::Mode;
+
+/// A job is served from the prefix cache when at most one row in this many is computed.
+const MOSTLY_CACHED_DENOMINATOR: usize = 4;
 
 /// One way the job could be sent, as the producer would send it.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +62,12 @@ pub struct Situation {
     /// The producer's measured encode per mode, ms per prompt token (it adds to the prefill
     /// before the codes can go: on a CPU the two share the cores).
     pub producer_encode_ms: BTreeMap<Mode, f64>,
+    /// The producer's measured cost per mode of a job served from its prefix cache, ms per
+    /// prompt token: its start to the last code encoded, less the time the link held the codes
+    /// back. It holds what `prefill + encode` leaves out there: turning cached blocks into
+    /// layer captures and the encode's share of the cores, which for q4 over the whole KV is
+    /// most of the job.
+    pub producer_serve_ms: BTreeMap<Mode, f64>,
     /// Layers the codes stream in.
     pub layers: usize,
     /// Share of layers `scd` recomputes on the consumer (Patch).
@@ -75,6 +85,12 @@ impl Situation {
             .get(&Mode::Oracle)
             .map(|ms| ms / 1e3);
         measured.or(self.producer_secs_per_token)
+    }
+
+    /// Whether the producer holds most of the prompt (the jobs `producer_serve_ms` is
+    /// measured on).
+    pub fn mostly_cached(&self) -> bool {
+        self.producer_rows * MOSTLY_CACHED_DENOMINATOR <= self.rows
     }
 
     fn producer_prefill_secs_per_token(&self) -> Option<f64> {
@@ -116,7 +132,13 @@ impl Situation {
             .get(&mode)
             .map_or(0.0, |ms| ms / 1e3)
             * self.rows as f64;
-        let streamed = (prefill + encode).max(transfer) + transfer / self.layers.max(1) as f64;
+        let mut ready = prefill + encode;
+        if self.mostly_cached() {
+            if let Some(ms) = self.producer_serve_ms.get(&mode) {
+                ready = ready.max(ms / 1e3 * self.rows as f64);
+            }
+        }
+        let streamed = ready.max(transfer) + transfer / self.layers.max(1) as f64;
         Some(streamed + self.finish_secs(mode))
     }
 }
@@ -299,6 +321,7 @@ mod tests {
             link_bytes_per_sec: link_mbit.map(|m| m * 1e6 / 8.0),
             consumer_finish_ms: BTreeMap::new(),
             producer_encode_ms: BTreeMap::new(),
+            producer_serve_ms: BTreeMap::new(),
             layers: 30,
             patch_share: 0.1,
             kl_ceiling: 0.1,
@@ -319,6 +342,45 @@ mod tests {
             offer(Mode::Reuse, 2 * MB, Some(0.4)),
             offer(Mode::Scd, 3 * MB, Some(0.05)),
         ]
+    }
+
+    #[test]
+    fn a_warm_job_weighs_what_serving_each_mode_from_the_cache_measured() {
+        // The numbers of a 1,024-token job at 1 Gbit/s on the 2-core EPYC (docs/m8): q4's
+        // payload is the smallest but quantising the whole KV holds the producer ~260 ms,
+        // reuse ~190 ms. Without the serve costs q4 looks fastest.
+        let mut s = Situation {
+            producer_rows: 16,
+            ..situation(Some(1000.0))
+        };
+        let offers = [
+            Offer {
+                mode: Mode::Q4,
+                payload_bytes: 7 * MB,
+                kl: Some(0.02),
+                ranks: None,
+            },
+            Offer {
+                mode: Mode::Reuse,
+                payload_bytes: 9 * MB,
+                kl: Some(0.03),
+                ranks: None,
+            },
+        ];
+        let (blind, _) = choose(&s, &offers);
+        assert_eq!(blind.chosen, Mode::Q4, "{}", blind.reason);
+        s.producer_serve_ms.insert(Mode::Q4, 260.0 / 1024.0);
+        s.producer_serve_ms.insert(Mode::Reuse, 190.0 / 1024.0);
+        let (seen, _) = choose(&s, &offers);
+        assert_eq!(seen.chosen, Mode::Reuse, "{}", seen.reason);
+        // A cold job computes its rows: the prefill dominates and the serve costs, measured on
+        // cached prompts, do not apply.
+        let cold = Situation {
+            producer_rows: 1024,
+            ..s.clone()
+        };
+        assert!(!cold.mostly_cached());
+        assert!(s.mostly_cached());
     }
 
     #[test]

@@ -106,6 +106,9 @@ pub(crate) struct Work {
     pub finish_costs: crate::mode_planner::CostsPerToken,
     /// What this producer measures of its encoding, for `auto`.
     pub encode_costs: crate::mode_planner::CostsPerToken,
+    /// What this producer measures of the jobs it serves from its prefix cache, for `auto`
+    /// ([`mode_planner::Situation::producer_serve_ms`]).
+    pub serve_costs: crate::mode_planner::CostsPerToken,
     /// Jobs this node works on (a one-process node may hold both halves of one), with their
     /// cancellation.
     /// Keyed by attempt too: a job handed back and given to this node again starts afresh
@@ -409,6 +412,7 @@ impl Work {
             producer_rows: rows.saturating_sub(cached),
             producer_secs_per_token: self.ranks.prefill_secs_per_token(),
             producer_encode_ms: self.encode_costs.now(),
+            producer_serve_ms: self.serve_costs.now(),
             link_bytes_per_sec: self.ranks.link(consumer),
             layers,
             kl_ceiling: policy.kl_ceiling,
@@ -508,6 +512,16 @@ impl Work {
             let rows = r.prompt.len().saturating_sub(1);
             let busy = done.encoded.busy.as_secs_f64();
             self.encode_costs.observe(job.mode, rows, busy);
+            let computed = rows.saturating_sub(done.cached_tokens);
+            let shape = mode_planner::Situation {
+                rows,
+                producer_rows: computed,
+                ..Default::default()
+            };
+            if let (true, Some(encoded)) = (shape.mostly_cached(), done.encoded.span) {
+                let own = (encoded.end - started).saturating_sub(done.encoded.waited_for_link);
+                self.serve_costs.observe(job.mode, rows, own.as_secs_f64());
+            }
         }
         if let (Some(prefill), Some(r)) = (report.span(Stage::Prefill), job.request.as_ref()) {
             let computed = r.prompt.len().saturating_sub(1 + done.cached_tokens);
