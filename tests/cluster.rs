@@ -80,8 +80,10 @@ fn write_config(
 ) -> PathBuf {
     let mut text = format!(
         "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n\n\
-         [models]\nbase = \"{}\"\n\n",
-        model_path().display()
+         [models]\nbase = \"{}\"\ntranslator_roots = [\"{}\", \"{}\"]\n\n",
+        model_path().display(),
+        repo().join("experts").display(),
+        dir.join("translators").display(),
     );
     for (name, adapter) in experts {
         let e = repo().join("experts").join(name);
@@ -556,12 +558,29 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         .collect();
     assert_eq!(live[0], ("mail", shipped.to_string().as_str()), "{listed}");
     assert_eq!(live[1].0, "sotu");
-    let other_dir = dir.path().join("mail-v2");
+    let other_dir = dir.path().join("translators/mail-v2");
     let mut other =
         scd_models::translator::Translator::load(&repo().join("experts/mail/translator")).unwrap();
     // The same weights stored in f32 (the shipped file is bf16): another content hash.
     other.manifest.weights_dtype = scd_models::translator::WeightsDtype::F32;
     let other_hash = other.save(&other_dir).unwrap();
+    // A folder outside the nodes' [models] translator_roots: refused, saying so (issue R1 §4:
+    // a version is a path, and the node reads only the folders meant for it).
+    let stray = dir.path().join("elsewhere");
+    other.save(&stray).unwrap();
+    let out = admin_cmd(&[
+        "translators",
+        "publish",
+        "--expert",
+        "mail",
+        "--version",
+        "stray",
+        "--translator",
+        stray.to_str().unwrap(),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("outside [models] translator_roots"), "{said}");
     let out = admin_cmd(&[
         "translators",
         "publish",

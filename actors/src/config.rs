@@ -291,6 +291,11 @@ pub struct NodeSettings {
     /// endpoint.
     #[serde(default)]
     pub metrics_listen: Option<SocketAddr>,
+    /// A bearer token `/metrics` requires (`Authorization: Bearer <token>`, Prometheus's
+    /// `authorization.credentials_file`); none: `/metrics` is open to anyone who can reach
+    /// `metrics_listen`. The probes `/livez` and `/readyz` stay open either way.
+    #[serde(default)]
+    pub metrics_token: Option<String>,
     /// The `host:port` other nodes reach this one at, when it differs from `listen` (a node
     /// listening on `0.0.0.0` in a container is reached by its service name); default: `listen`.
     #[serde(default)]
@@ -346,6 +351,11 @@ pub struct ModelsConfig {
     /// for several, so that a node's memory grows by the adapters, not by whole models.
     #[serde(default)]
     pub adapter_mode: AdapterModeConfig,
+    /// Folders the node loads translators from: its configured ones and every version the
+    /// store names (`scd translators publish` / `activate`) must lie under one, after links
+    /// are followed. Default: the folders holding the translator folders of `[[experts]]`.
+    #[serde(default)]
+    pub translator_roots: Vec<PathBuf>,
 }
 
 /// `[models] adapter_mode`.
@@ -500,6 +510,9 @@ pub struct Limits {
     pub attempt_base_s: u64,
     /// Milliseconds an attempt's deadline grows per token the job may generate. Default 1000.
     pub attempt_ms_per_token: u64,
+    /// Largest translator file (weights or manifest) the node loads, in MiB: a version the
+    /// store names is read whole into memory. Default 1024.
+    pub translator_mib: u64,
 }
 
 impl Default for Limits {
@@ -516,6 +529,7 @@ impl Default for Limits {
             archived_jobs_max: 10_000,
             attempt_base_s: 300,
             attempt_ms_per_token: 1000,
+            translator_mib: 1024,
         }
     }
 }
@@ -614,6 +628,9 @@ pub enum ConfigError {
         problem: String,
     },
 }
+
+/// Shortest `node.metrics_token` taken.
+const MIN_TOKEN_LEN: usize = 16;
 
 fn invalid(key: impl Into<String>, reason: impl fmt::Display) -> ConfigError {
     ConfigError::Invalid {
@@ -798,6 +815,24 @@ impl NodeConfig {
                 return Err(unused(
                     "node.http_listen",
                     "only the gateway role serves HTTP",
+                ))
+            }
+            _ => {}
+        }
+        match (&self.node.metrics_token, self.node.metrics_listen) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "node.metrics_token",
+                    "it guards /metrics, and node.metrics_listen is not set: set both or neither",
+                ))
+            }
+            (Some(t), Some(_)) if t.len() < MIN_TOKEN_LEN => {
+                return Err(invalid(
+                    "node.metrics_token",
+                    format_args!(
+                        "{} characters, easily guessed; use at least {MIN_TOKEN_LEN} (e.g. `openssl rand -hex 16`)",
+                        t.len()
+                    ),
                 ))
             }
             _ => {}
@@ -1006,6 +1041,9 @@ impl NodeConfig {
         let at = |p: &mut PathBuf| *p = base_dir.join(&*p);
         if let Some(base) = &mut self.models.base {
             at(base);
+        }
+        for root in &mut self.models.translator_roots {
+            at(root);
         }
         for expert in &mut self.experts {
             if let Some(adapter) = &mut expert.adapter {
@@ -1626,6 +1664,28 @@ frames_in_flight = 16
             (
                 VALID.replace("[store]", &format!("{MAIL}\n[store]")),
                 "experts[1].name",
+                "invalid",
+            ),
+            // /metrics's token: only with the listener it guards, and not guessable.
+            (
+                VALID.replace(
+                    "roles = [",
+                    "metrics_listen = \"127.0.0.1:9100\"\nmetrics_token = \"0123456789abcdef\"\nroles = [",
+                ),
+                "",
+                "ok",
+            ),
+            (
+                VALID.replace("roles = [", "metrics_token = \"0123456789abcdef\"\nroles = ["),
+                "node.metrics_token",
+                "invalid",
+            ),
+            (
+                VALID.replace(
+                    "roles = [",
+                    "metrics_listen = \"127.0.0.1:9100\"\nmetrics_token = \"secret\"\nroles = [",
+                ),
+                "node.metrics_token",
                 "invalid",
             ),
         ];

@@ -29,8 +29,14 @@ const TARGET_LABELS: [&str; 5] = ["instance", "job", "pod", "namespace", "servic
 
 /// `GET path` over HTTP/1.1: the status and the body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    get_with(addr, path, "").await
+}
+
+/// `GET path` with `headers` (each line ending in CRLF).
+async fn get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
     s.write_all(request.as_bytes()).await.unwrap();
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await.unwrap();
@@ -115,6 +121,42 @@ async fn readyz_follows_the_registration_and_livez_the_process() {
         .unwrap();
     let body = readyz_until(addr, 503, Duration::from_secs(5)).await;
     assert!(body.contains("capacity 0"), "{body}");
+    node.shutdown(Duration::ZERO).await;
+}
+
+/// `[node] metrics_token`: `/metrics` answers only a scrape with the token; the probes stay
+/// open (the kubelet sends none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metrics_token_guards_the_scrape_and_not_the_probes() {
+    const TOKEN: &str = "5f1c0e9a2b7d4c3e8a6f1b0d";
+    let cluster = Cluster::new();
+    let mail = repo().join("experts/mail/translator");
+    let node = cluster
+        .start(&config_with(
+            "prefill-0",
+            "\"producer\", \"scheduler\"",
+            true,
+            &mail,
+            &format!("{WITH_METRICS}metrics_token = \"{TOKEN}\"\n"),
+        ))
+        .await;
+    let addr = node.metrics_addr().expect("the metrics listener");
+    let (status, body) = get(addr, "/metrics").await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("metrics_token"), "{body}");
+    let wrong = get_with(
+        addr,
+        "/metrics",
+        "Authorization: Bearer 5f1c0e9a2b7d4c3e8a6f1b0e\r\n",
+    );
+    assert_eq!(wrong.await.0, 401);
+    let right = format!("Authorization: Bearer {TOKEN}\r\n");
+    let (status, body) = get_with(addr, "/metrics", &right).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("scd_"), "{body}");
+    assert!(body.trim_end().ends_with("# EOF"), "{body}");
+    assert_eq!(get(addr, "/livez").await.0, 200);
+    readyz_until(addr, 200, Duration::from_secs(10)).await;
     node.shutdown(Duration::ZERO).await;
 }
 

@@ -38,6 +38,7 @@ use tokio::sync::mpsc;
 use crate::client::{ClientError, ClusterClient};
 use crate::config::GatewayConfig;
 use crate::follow::{Following, Progress, Shown};
+use crate::node::bearer;
 use crate::node::jobs::{check_prompt, Work};
 
 /// Longest a request body may be.
@@ -233,11 +234,7 @@ impl Gateway {
         if self.per_key == 0 {
             return Ok(None);
         }
-        let key = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
+        let key = bearer::given(headers).unwrap_or_default().to_owned();
         let mut in_flight = self.lock_in_flight();
         let n = in_flight.entry(key.clone()).or_insert(0);
         if *n >= self.per_key {
@@ -263,27 +260,12 @@ impl Gateway {
 
 impl Gateway {
     fn authorise(&self, headers: &HeaderMap) -> Result<(), ApiError> {
-        use subtle::ConstantTimeEq;
         if self.api_keys.is_empty() {
             return Ok(());
         }
-        let given = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        // Every key compared, each in time independent of where it differs: the answer's
-        // timing says nothing of how much of a key a guess got right.
-        let known = |key: &str| {
-            self.api_keys
-                .iter()
-                .fold(subtle::Choice::from(0), |found, k| {
-                    found | k.as_bytes().ct_eq(key.as_bytes())
-                })
-                .into()
-        };
-        match given {
-            Some(key) if known(key) => Ok(()),
-            _ => Err(ApiError {
+        match bearer::carries_one_of(headers, &self.api_keys) {
+            true => Ok(()),
+            false => Err(ApiError {
                 status: StatusCode::UNAUTHORIZED,
                 retry_after: None,
                 kind: "invalid_request_error",

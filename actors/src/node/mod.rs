@@ -20,6 +20,7 @@
 //!   certificate.
 
 mod admin;
+mod bearer;
 mod gateway;
 mod jobs;
 #[doc(hidden)]
@@ -305,6 +306,7 @@ impl Node {
             links: Mutex::new(HashMap::new()),
             finish_costs: crate::mode_planner::CostsPerToken::default(),
             encode_costs: crate::mode_planner::CostsPerToken::default(),
+            serve_costs: crate::mode_planner::CostsPerToken::default(),
             active: StdMutex::new(HashMap::new()),
             draining: AtomicBool::new(false),
             cancel: cancel.clone(),
@@ -342,6 +344,7 @@ impl Node {
                 work.clone(),
                 listener,
                 restarts.clone(),
+                config.node.metrics_token.clone(),
             )));
         }
         tasks.extend([
@@ -664,13 +667,15 @@ fn readiness(work: &Work) -> Result<String, String> {
 }
 
 /// Serves `/metrics` until the node stops; each scrape sets the cluster's jobs by state from
-/// the job follower's index, never listing the store. Beside it, the probes: `/livez` (200
-/// while the node runs) and `/readyz` (200 when
-/// [`readiness`] says so, else 503 with the reason).
+/// the job follower's index, never listing the store. With `token` (`[node] metrics_token`) a
+/// scrape must carry it as a bearer token, else 401. Beside it, the probes, open to the
+/// kubelet: `/livez` (200 while the node runs) and `/readyz` (200 when [`readiness`] says so,
+/// else 503 with the reason).
 async fn serve_metrics(
     work: Arc<Work>,
     listener: tokio::net::TcpListener,
     restarts: Arc<AtomicU64>,
+    token: Option<String>,
 ) {
     use axum::http::header::CONTENT_TYPE;
     let cancel = work.cancel.clone();
@@ -721,8 +726,27 @@ async fn serve_metrics(
             }
         }
     };
-    let app = axum::Router::new()
+    let tokens: Arc<[String]> = token.into_iter().collect();
+    let scrapes = axum::Router::new()
         .route("/metrics", axum::routing::get(scrape))
+        .route_layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let tokens = tokens.clone();
+                async move {
+                    use axum::response::IntoResponse;
+                    if tokens.is_empty() || bearer::carries_one_of(request.headers(), &tokens) {
+                        return next.run(request).await;
+                    }
+                    (
+                        axum::http::StatusCode::UNAUTHORIZED,
+                        [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+                        "missing or wrong token: send Authorization: Bearer <token> with the node's [node] metrics_token\n",
+                    )
+                        .into_response()
+                }
+            },
+        ));
+    let app = scrapes
         .route("/livez", axum::routing::get(|| async { "ok\n" }))
         .route("/readyz", axum::routing::get(ready));
     let stopped = async move { cancel.cancelled().await };

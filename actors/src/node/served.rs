@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use scd_models::tokenizer::{Tokenizer, TokenizerError};
-use scd_models::translator::{Translator, TranslatorError};
+use scd_models::translator::{artifact, Translator, TranslatorError};
 use scd_models::{
     AdapterError, AdapterMode, GgufFile, KernelChoice, Llama, LlamaConfig, LoadError, LoraAdapter,
 };
@@ -69,6 +69,28 @@ pub enum ServeError {
         /// Why.
         source: Box<TranslatorError>,
     },
+    /// A translator folder outside every folder the node may load translators from.
+    #[error("expert {expert}: translator {path} is outside [models] translator_roots ({roots}): copy it under one of them, or add its folder there")]
+    OutsideRoots {
+        /// The expert.
+        expert: String,
+        /// The translator folder.
+        path: PathBuf,
+        /// The roots in force.
+        roots: String,
+    },
+    /// A translator file over `[limits] translator_mib`.
+    #[error("expert {expert}: {} is {bytes} bytes, over [limits] translator_mib ({cap} bytes)", path.display())]
+    TooLarge {
+        /// The expert.
+        expert: String,
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        bytes: u64,
+        /// The cap.
+        cap: u64,
+    },
     /// The producer's compiled documents could not be set up.
     #[error(transparent)]
     Documents(#[from] Box<crate::documents::DocumentSetupError>),
@@ -84,6 +106,83 @@ pub enum ServeError {
         /// The consumers it has.
         names: String,
     },
+}
+
+/// Where a node may load translators from, and how large one may be: `[models]
+/// translator_roots` (default: the folders holding the config's translator folders) and
+/// `[limits] translator_mib`. A version the store names is a path that anyone who may write
+/// the store chooses; without these a node would read any file it can reach, and any amount.
+#[derive(Debug, Clone)]
+pub struct TranslatorSource {
+    roots: Vec<PathBuf>,
+    max_bytes: u64,
+}
+
+impl TranslatorSource {
+    /// The source `config` sets.
+    pub fn of(config: &NodeConfig) -> Self {
+        let roots = match config.models.translator_roots.is_empty() {
+            false => config.models.translator_roots.clone(),
+            true => {
+                let mut roots: Vec<PathBuf> = config
+                    .experts
+                    .iter()
+                    .filter_map(|e| e.translator.parent().map(Path::to_path_buf))
+                    .collect();
+                roots.sort();
+                roots.dedup();
+                roots
+            }
+        };
+        Self {
+            roots,
+            max_bytes: config.limits.translator_mib.saturating_mul(1 << 20),
+        }
+    }
+
+    /// The translator folder `dir`, resolved (links followed, so that none leads out of a
+    /// root), once it lies under a root and its files are within the cap.
+    pub fn folder(&self, expert: &str, dir: &Path) -> Result<PathBuf, ServeError> {
+        let io = |path: &Path, source| ServeError::Translator {
+            expert: expert.to_owned(),
+            path: path.to_owned(),
+            source: Box::new(TranslatorError::Io {
+                path: path.to_owned(),
+                source,
+            }),
+        };
+        let real = dir.canonicalize().map_err(|e| io(dir, e))?;
+        let inside = self
+            .roots
+            .iter()
+            .filter_map(|r| r.canonicalize().ok())
+            .any(|root| real.starts_with(root));
+        if !inside {
+            return Err(ServeError::OutsideRoots {
+                expert: expert.to_owned(),
+                path: dir.to_owned(),
+                roots: self
+                    .roots
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        for file in [artifact::WEIGHTS_FILE, artifact::MANIFEST_FILE] {
+            let path = real.join(file);
+            let bytes = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+            if bytes > self.max_bytes {
+                return Err(ServeError::TooLarge {
+                    expert: expert.to_owned(),
+                    path,
+                    bytes,
+                    cap: self.max_bytes,
+                });
+            }
+        }
+        Ok(real)
+    }
 }
 
 /// One expert as a node serves it.
@@ -123,6 +222,8 @@ pub struct Served {
     /// The kernels its models run on (the binary's choice); translator codes' products follow
     /// the prefill's.
     pub kernels: KernelChoice,
+    /// Where it may load translators from.
+    pub translator_source: TranslatorSource,
 }
 
 impl Served {
@@ -153,6 +254,7 @@ impl Served {
                 experts: BTreeMap::new(),
                 documents: None,
                 kernels,
+                translator_source: TranslatorSource::of(config),
             });
         }
         let base = file.load_model_with(kernels).map_err(base_err)?;
@@ -163,6 +265,7 @@ impl Served {
             AdapterModeConfig::Auto if config.experts.len() > 1 => AdapterMode::OnTheFly,
             AdapterModeConfig::Auto => AdapterMode::Merge,
         };
+        let source = TranslatorSource::of(config);
         let mut experts = BTreeMap::new();
         for e in &config.experts {
             let model = match (consumer, e.adapter_file()) {
@@ -170,7 +273,8 @@ impl Served {
                 (true, None) => return Err(ServeError::NoAdapter(e.name.clone())),
                 (true, Some(file)) => Some(Arc::new(expert_model(&base, &e.name, &file, mode)?)),
             };
-            let translator = load_translator(&e.name, &e.translator, &base, model.as_deref())?;
+            let translator =
+                load_translator(&source, &e.name, &e.translator, &base, model.as_deref())?;
             let transfer_kl = match (consumer, e.adapter_file()) {
                 (true, Some(file)) => transfer_kl(&e.name, &file),
                 _ => BTreeMap::new(),
@@ -201,6 +305,7 @@ impl Served {
             experts,
             documents,
             kernels,
+            translator_source: source,
         })
     }
 
@@ -320,6 +425,7 @@ fn expert_model(
 /// The translator of `name`, checked: against the base and the expert model where the node has
 /// it; by the expert's name where it has only the base (a producer).
 pub(crate) fn load_translator(
+    source: &TranslatorSource,
     name: &str,
     dir: &Path,
     base: &Llama,
@@ -330,7 +436,7 @@ pub(crate) fn load_translator(
         path: dir.to_owned(),
         source: Box::new(source),
     };
-    let t = Translator::load(dir).map_err(err)?;
+    let t = Translator::load(&source.folder(name, dir)?).map_err(err)?;
     let index = match expert {
         Some(expert) => t.check_pair(base, expert).map_err(err)?,
         None => {
@@ -357,4 +463,64 @@ pub(crate) fn load_translator(
         }
     };
     Ok((Arc::new(t), index))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn translator_folder(at: &Path, weights: usize) -> PathBuf {
+        std::fs::create_dir_all(at).unwrap();
+        std::fs::write(at.join(artifact::WEIGHTS_FILE), vec![0u8; weights]).unwrap();
+        std::fs::write(at.join(artifact::MANIFEST_FILE), b"{}").unwrap();
+        at.to_owned()
+    }
+
+    #[test]
+    fn a_translator_is_taken_only_from_under_a_root_and_within_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("translators");
+        let source = TranslatorSource {
+            roots: vec![root.clone()],
+            max_bytes: 1000,
+        };
+        let inside = translator_folder(&root.join("mail/v2"), 1000);
+        assert_eq!(
+            source.folder("mail", &inside).unwrap(),
+            inside.canonicalize().unwrap()
+        );
+        let outside = translator_folder(&dir.path().join("elsewhere"), 10);
+        let e = source.folder("mail", &outside).unwrap_err();
+        assert!(matches!(e, ServeError::OutsideRoots { .. }), "{e}");
+        assert!(e.to_string().contains("translator_roots"), "{e}");
+        // Neither `..` nor a link leads out of a root.
+        let dotted = root.join("mail/../../elsewhere");
+        let e = source.folder("mail", &dotted).unwrap_err();
+        assert!(matches!(e, ServeError::OutsideRoots { .. }), "{e}");
+        #[cfg(unix)]
+        {
+            let link = root.join("link");
+            std::os::unix::fs::symlink(&outside, &link).unwrap();
+            let e = source.folder("mail", &link).unwrap_err();
+            assert!(matches!(e, ServeError::OutsideRoots { .. }), "{e}");
+        }
+        let large = translator_folder(&root.join("large"), 1001);
+        let e = source.folder("mail", &large).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ServeError::TooLarge {
+                    bytes: 1001,
+                    cap: 1000,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let missing = source.folder("mail", &root.join("nothing")).unwrap_err();
+        assert!(
+            matches!(missing, ServeError::Translator { .. }),
+            "{missing}"
+        );
+    }
 }

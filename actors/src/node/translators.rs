@@ -27,7 +27,7 @@ use scd_scheduler::{
 use tokio::task::JoinHandle;
 
 use crate::metrics::{NodeMetrics, TranslatorLabels};
-use crate::node::served::{load_translator, ServeError, Served};
+use crate::node::served::{load_translator, ServeError, Served, TranslatorSource};
 
 /// Versions kept besides the current one, for jobs encoded just before a switch.
 const KEPT: usize = 3;
@@ -121,6 +121,8 @@ struct ExpertVersions {
     expert: String,
     /// The expert's model (consumer role), for checking a version against it.
     model: Option<Arc<Llama>>,
+    /// Where its versions may be loaded from.
+    source: Arc<TranslatorSource>,
     current: RwLock<Version>,
     /// Earlier versions, newest last.
     kept: Mutex<VecDeque<Version>>,
@@ -132,6 +134,8 @@ pub(crate) struct NodeTranslators {
     registry: TranslatorRegistry,
     /// The base model where the node loaded it (producer or consumer role).
     base: Option<Arc<Llama>>,
+    /// Where versions may be loaded from.
+    source: Arc<TranslatorSource>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -153,6 +157,7 @@ impl NodeTranslators {
         metrics: Arc<NodeMetrics>,
     ) -> Result<Self, VersionError> {
         let registry = TranslatorRegistry::new(store.clone(), keys.clone());
+        let source = Arc::new(served.translator_source.clone());
         let base_id = &served.base_id;
         let mut experts = BTreeMap::new();
         let mut tasks = Vec::new();
@@ -179,6 +184,7 @@ impl NodeTranslators {
                 base: base_id.clone(),
                 expert: name.clone(),
                 model: e.model.clone(),
+                source: source.clone(),
                 current: RwLock::new(Version {
                     name: configured,
                     translator,
@@ -207,6 +213,7 @@ impl NodeTranslators {
             experts,
             registry,
             base: served.base.clone(),
+            source,
             tasks,
         })
     }
@@ -289,9 +296,11 @@ impl NodeTranslators {
             blob: blob.to_owned(),
             source: Box::new(source),
         };
+        let source = self.source.clone();
         let translator = tokio::task::spawn_blocking(move || match ours {
-            Some(base) => load_translator(&name, &path, &base, None).map(|(t, _)| t),
+            Some(base) => load_translator(&source, &name, &path, &base, None).map(|(t, _)| t),
             None => {
+                let path = source.folder(&name, &path)?;
                 Translator::load(&path)
                     .map(Arc::new)
                     .map_err(|source| ServeError::Translator {
@@ -380,6 +389,7 @@ impl ExpertVersions {
         live: &ActiveTranslator,
     ) -> Result<Version, VersionError> {
         let (base, model, expert) = (base.clone(), self.model.clone(), self.expert.clone());
+        let source = self.source.clone();
         let blob = PathBuf::from(live.blob.strip_prefix("file://").unwrap_or(&live.blob));
         let load_err = |source| VersionError::Load {
             expert: self.expert.clone(),
@@ -389,7 +399,7 @@ impl ExpertVersions {
             source: Box::new(source),
         };
         let loaded = tokio::task::spawn_blocking(move || {
-            load_translator(&expert, &blob, &base, model.as_deref())
+            load_translator(&source, &expert, &blob, &base, model.as_deref())
         })
         .await
         .map_err(|e| VersionError::Task(e.to_string()))?

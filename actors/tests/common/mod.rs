@@ -190,10 +190,14 @@ pub fn config_with(
     // references; adaptive ranks have tests of their own.
     let text = format!(
         "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n{extra}\n\
-         [models]\nbase = \"{}\"\n\n{experts}\n[store]\nkind = \"embedded\"\n\n\
+         [models]\nbase = \"{}\"\ntranslator_roots = [\"{}\", \"{}\"]\n\n{experts}\n\
+         [store]\nkind = \"embedded\"\n\n\
          [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n\n\
          [codec]\nranks = \"default\"\n",
-        model_path().display()
+        model_path().display(),
+        // The shipped experts, and the temporary folders tests write other versions in.
+        repo().join("experts").display(),
+        std::env::temp_dir().display(),
     );
     NodeConfig::parse(&text, &repo()).unwrap()
 }
