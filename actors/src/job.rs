@@ -161,6 +161,19 @@ impl JobError {
         )
     }
 
+    /// Whether the error says this consumer's receive budget was spent by the jobs it already
+    /// holds: the consumer is healthy and the job sound, so the attempt goes back to the
+    /// queue (another consumer, or this one once it has room) rather than failing. A frame
+    /// larger than the whole budget is no such case: no wait makes it fit.
+    pub fn receiver_full(&self) -> bool {
+        matches!(
+            self,
+            JobError::Decoder(DecoderError::Transfer(RecvError::OverBudget(
+                scd_transport::BudgetError::Exhausted { .. }
+            )))
+        )
+    }
+
     /// Whether the error says the consumer vanished while the codes were going out: the
     /// attempt can run again on another consumer, and this producer is not to blame.
     pub fn consumer_lost(&self) -> bool {

@@ -614,6 +614,13 @@ impl ConsumerHalf {
                         reason,
                         blame: Blame::Producer,
                     }
+                } else if error.receiver_full() {
+                    // Busy, not broken: the next attempt goes to another consumer while one
+                    // is free (the blame steers it away), else back here once there is room.
+                    Action::HandBack {
+                        reason,
+                        blame: Blame::Consumer,
+                    }
                 } else if stopped && error.is_knock_on() {
                     Action::Stop
                 } else {
@@ -1042,6 +1049,37 @@ mod tests {
                 blame: Blame::Producer,
                 ..
             }
+        ));
+        let full = JobError::Decoder(DecoderError::Transfer(RecvError::OverBudget(
+            scd_transport::BudgetError::Exhausted {
+                requested: 1 << 20,
+                in_use: 63 << 20,
+                total: 64 << 20,
+            },
+        )));
+        assert!(matches!(
+            start().handle(ConsumerEvent::Failed {
+                error: &full,
+                stopped: false
+            }),
+            Action::HandBack {
+                blame: Blame::Consumer,
+                ..
+            }
+        ));
+        // A frame over the whole budget never fits: that fails.
+        let never = JobError::Decoder(DecoderError::Transfer(RecvError::OverBudget(
+            scd_transport::BudgetError::FrameOverTotal {
+                len: 65 << 20,
+                total: 64 << 20,
+            },
+        )));
+        assert!(matches!(
+            start().handle(ConsumerEvent::Failed {
+                error: &never,
+                stopped: false
+            }),
+            Action::Fail { .. }
         ));
         let gone = JobError::ActorGone("decoder");
         assert!(matches!(

@@ -330,7 +330,8 @@ where
 pub enum Blame {
     /// The producer died, left or dropped the stream.
     Producer,
-    /// The consumer died or left.
+    /// The consumer died or left, or had no room to receive the job (its receive budget
+    /// spent by other jobs).
     Consumer,
     /// Neither (a node handing its work back as it drains, an actor restarting).
     Nobody,
