@@ -61,6 +61,9 @@ pub enum PkiError {
     /// A name that cannot be a DNS name and file stem.
     #[error("invalid name {0:?}: use 1-63 characters of a-z, 0-9 and '-', not starting or ending with '-'")]
     InvalidName(String),
+    /// An extra certificate name that is neither an IP address nor a DNS name.
+    #[error("invalid extra name {0:?}: give an IP address or a DNS name (labels of a-z, 0-9 and '-', the first may be '*')")]
+    InvalidAltName(String),
     /// A role string other than `node` or `admin`.
     #[error("unknown role {0:?}: expected node or admin")]
     UnknownRole(String),
@@ -114,6 +117,28 @@ pub fn validate_name(name: &str) -> Result<(), PkiError> {
     }
 }
 
+/// Check an extra name for a certificate: an IP address, or a DNS name of labels as
+/// [`validate_name`] takes them, the first of which may be `*` (a wildcard).
+pub fn validate_alt_name(alt: &str) -> Result<(), PkiError> {
+    if alt.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    let mut labels = alt.split('.').peekable();
+    if labels.peek() == Some(&"*") {
+        labels.next();
+    }
+    let mut any = false;
+    for label in labels {
+        validate_name(label).map_err(|_| PkiError::InvalidAltName(alt.to_owned()))?;
+        any = true;
+    }
+    if any && alt.len() <= 253 {
+        Ok(())
+    } else {
+        Err(PkiError::InvalidAltName(alt.to_owned()))
+    }
+}
+
 /// A cluster certificate authority held in memory.
 pub struct ClusterCa {
     cert_pem: String,
@@ -149,9 +174,25 @@ impl ClusterCa {
 
     /// Issue a certificate for `name` with `role`; returns (certificate PEM, key PEM).
     pub fn issue_pem(&self, name: &str, role: Role) -> Result<(String, String), PkiError> {
+        self.issue_pem_also_for(name, role, &[])
+    }
+
+    /// Issue a certificate for `name` with `role` that also names `also` (host names or IP
+    /// addresses, [`validate_alt_name`]): a server reached by other names than its own, such
+    /// as an etcd member behind a Service or on 127.0.0.1.
+    pub fn issue_pem_also_for(
+        &self,
+        name: &str,
+        role: Role,
+        also: &[String],
+    ) -> Result<(String, String), PkiError> {
         validate_name(name)?;
+        for alt in also {
+            validate_alt_name(alt)?;
+        }
         let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, &self.key)?;
-        let mut params = CertificateParams::new(vec![name.to_owned()])?;
+        let names = std::iter::once(name.to_owned()).chain(also.iter().cloned());
+        let mut params = CertificateParams::new(names.collect::<Vec<_>>())?;
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, name);
         dn.push(DnType::OrganizationalUnitName, role.as_str());
@@ -246,6 +287,16 @@ pub fn init_ca_dir(dir: &Path, cluster: &str) -> Result<Vec<PathBuf>, PkiError> 
 /// `scd cert issue`: issue `<name>.pem` and `<name>.key` (0600) in `dir` with the CA found
 /// there. Returns the paths written.
 pub fn issue_in_dir(dir: &Path, name: &str, role: Role) -> Result<Vec<PathBuf>, PkiError> {
+    issue_in_dir_also_for(dir, name, role, &[])
+}
+
+/// [`issue_in_dir`], the certificate also naming `also` ([`ClusterCa::issue_pem_also_for`]).
+pub fn issue_in_dir_also_for(
+    dir: &Path,
+    name: &str,
+    role: Role,
+    also: &[String],
+) -> Result<Vec<PathBuf>, PkiError> {
     validate_name(name)?;
     let ca = ClusterCa::load(dir)?;
     let cert_path = dir.join(format!("{name}.pem"));
@@ -255,7 +306,7 @@ pub fn issue_in_dir(dir: &Path, name: &str, role: Role) -> Result<Vec<PathBuf>, 
             return Err(PkiError::Exists(p.clone()));
         }
     }
-    let (cert, key) = ca.issue_pem(name, role)?;
+    let (cert, key) = ca.issue_pem_also_for(name, role, also)?;
     write_new(&key_path, key.as_bytes(), 0o600)?;
     write_new(&cert_path, cert.as_bytes(), 0o644)?;
     Ok(vec![cert_path, key_path])
@@ -367,6 +418,31 @@ mod tests {
         for bad in ["", "-a", "a-", "A", "a/b", "../x", "a.b", &"x".repeat(64)] {
             assert!(validate_name(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn extra_names() {
+        for ok in [
+            "127.0.0.1",
+            "::1",
+            "etcd",
+            "etcd-0.etcd.scd.svc",
+            "*.etcd.scd.svc",
+        ] {
+            validate_alt_name(ok).unwrap();
+        }
+        for bad in [
+            "", ".", "a..b", "*", "a.*.b", "Etcd", "a b", "etcd.", "-a.b",
+        ] {
+            assert!(
+                matches!(validate_alt_name(bad), Err(PkiError::InvalidAltName(_))),
+                "{bad}"
+            );
+        }
+        let ca = ClusterCa::generate("test").unwrap();
+        assert!(ca
+            .issue_pem_also_for("etcd", Role::Node, &["a..b".into()])
+            .is_err());
     }
 
     #[test]
