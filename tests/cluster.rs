@@ -1,6 +1,7 @@
 //! End-to-end: three `scd node` processes (a producer that is also a scheduler replica, a
 //! consumer of the mail expert, a consumer of the sotu expert that is a second scheduler
-//! replica) on a real etcd, with certificates from `scd cert`. Jobs submitted as records in etcd
+//! replica) on a real etcd reached over TLS with client certificates from its own CA, as the
+//! shipped configs run it, with certificates from `scd cert`. Jobs submitted as records in etcd
 //! run across the processes in every mode, and each result is what `scd generate --transfer`
 //! produces in one process for the same prompt; a bad job fails with its reason; SIGTERM drains a
 //! node, which leaves the cluster at once (its lease revoked, not left to expire).
@@ -14,8 +15,8 @@ use std::time::{Duration, Instant};
 use scd_actors::ClusterClient;
 use scd_models::tokenizer::Tokenizer;
 use scd_models::GgufFile;
-use scd_scheduler::{EtcdServer, EtcdStore, JobId, JobRequest, JobState, Keys, MetaStore, Mode};
-use scd_transport::pki::{init_ca_dir, issue_in_dir};
+use scd_scheduler::{EtcdServer, JobId, JobRequest, JobState, Keys, MetaStore, Mode, ServingTls};
+use scd_transport::pki::{init_ca_dir, issue_in_dir, issue_in_dir_also_for};
 use scd_transport::Role;
 
 const PROMPT: &str =
@@ -78,6 +79,9 @@ fn write_config(
     etcd: &str,
     prefix: &str,
 ) -> PathBuf {
+    // Each node's etcd client certificate, from etcd's CA (see `etcd_over_tls`).
+    let etcd_pki = dir.join("etcd");
+    issue_in_dir(&etcd_pki, id, Role::Node).unwrap();
     let mut text = format!(
         "[node]\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\nroles = [{roles}]\n\n\
          [models]\nbase = \"{}\"\ntranslator_roots = [\"{}\", \"{}\"]\n\n",
@@ -97,7 +101,8 @@ fn write_config(
         ));
     }
     text.push_str(&format!(
-        "[store]\nkind = \"etcd\"\nendpoints = [\"{etcd}\"]\nprefix = \"{prefix}\"\n\n\
+        "[store]\nkind = \"etcd\"\nendpoints = [\"{etcd}\"]\nprefix = \"{prefix}\"\n\
+         ca = \"etcd/ca.pem\"\ncert = \"etcd/{id}.pem\"\nkey = \"etcd/{id}.key\"\n\n\
          [tls]\nca = \"ca.pem\"\ncert = \"{id}.pem\"\nkey = \"{id}.key\"\n\n\
          [codec]\n# The translator's own ranks: results compare with `scd generate`.\n\
          ranks = \"default\"\n"
@@ -148,23 +153,39 @@ fn admin_address(node: &NodeProc) -> String {
 /// A node's id, roles and experts (name, whether it loads the adapter).
 type NodeSpec<'a> = (&'a str, &'a str, Vec<(&'a str, bool)>);
 
-/// Starts a node process per spec on the etcd at `endpoint` and waits until all have
-/// registered; returns them with a client of the cluster.
+/// An etcd as the shipped configs run it: clients over TLS only, each with a certificate from
+/// etcd's own CA, made in `dir/etcd` (the nodes' client certificates are issued there by
+/// [`write_config`]).
+async fn etcd_over_tls(dir: &Path) -> EtcdServer {
+    let pki = dir.join("etcd");
+    init_ca_dir(&pki, "test-etcd").unwrap();
+    issue_in_dir_also_for(&pki, "etcd", Role::Node, &["127.0.0.1".into()]).unwrap();
+    EtcdServer::start_tls(ServingTls {
+        ca: pki.join("ca.pem"),
+        cert: pki.join("etcd.pem"),
+        key: pki.join("etcd.key"),
+    })
+    .await
+    .expect("etcd is needed: `make setup` installs it")
+}
+
+/// Starts a node process per spec on `etcd` and waits until all have registered; returns them
+/// with a client of the cluster.
 async fn start_cluster(
     pki: &Path,
-    endpoint: &str,
+    etcd: &EtcdServer,
     prefix: &str,
     specs: &[NodeSpec<'_>],
 ) -> (Vec<NodeProc>, ClusterClient) {
+    let endpoint = etcd.endpoint();
     let mut nodes: Vec<NodeProc> = specs
         .iter()
         .map(|(id, roles, experts)| {
-            let cfg = write_config(pki, id, roles, experts, endpoint, prefix);
+            let cfg = write_config(pki, id, roles, experts, &endpoint, prefix);
             spawn_node(pki, id, &cfg)
         })
         .collect();
-    let store: Arc<dyn MetaStore> =
-        Arc::new(EtcdStore::connect(&[endpoint.to_owned()]).await.unwrap());
+    let store: Arc<dyn MetaStore> = Arc::new(etcd.store().await.unwrap());
     let client = ClusterClient::new(store, Keys::new(prefix));
     let started = Instant::now();
     loop {
@@ -214,18 +235,15 @@ fn in_process_for(expert: &str, mode: Mode, prompt: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sigterm() {
-    let etcd = EtcdServer::start()
-        .await
-        .expect("etcd is needed: `make setup` installs it");
     let dir = tempfile::tempdir().unwrap();
     let pki = dir.path();
+    let etcd = etcd_over_tls(pki).await;
     init_ca_dir(pki, "test").unwrap();
     for id in ["producer", "consumer-a", "consumer-b"] {
         issue_in_dir(pki, id, Role::Node).unwrap();
     }
     issue_in_dir(pki, "ops", Role::Admin).unwrap();
     let prefix = "/scd-e2e";
-    let endpoint = etcd.endpoint();
     let configs = [
         (
             "producer",
@@ -239,7 +257,7 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
             vec![("sotu", true)],
         ),
     ];
-    let (mut nodes, client) = start_cluster(pki, &endpoint, prefix, &configs).await;
+    let (mut nodes, client) = start_cluster(pki, &etcd, prefix, &configs).await;
 
     let file = GgufFile::open(model_path()).unwrap();
     let tok = Tokenizer::from_gguf(file.content()).unwrap();
@@ -818,24 +836,21 @@ async fn job_in_flight(
 /// elsewhere answer what one process answers, and exactly one scheduler leads at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
-    let mut etcd = EtcdServer::start()
-        .await
-        .expect("etcd is needed: `make setup` installs it");
     let dir = tempfile::tempdir().unwrap();
     let pki = dir.path();
+    let mut etcd = etcd_over_tls(pki).await;
     init_ca_dir(pki, "test").unwrap();
     for id in ["p1", "p2", "c1", "c2"] {
         issue_in_dir(pki, id, Role::Node).unwrap();
     }
     let prefix = "/scd-faults";
-    let endpoint = etcd.endpoint();
     let specs: [NodeSpec; 4] = [
         ("p1", "\"producer\", \"scheduler\"", vec![("mail", false)]),
         ("p2", "\"producer\", \"scheduler\"", vec![("mail", false)]),
         ("c1", "\"consumer\"", vec![("mail", true)]),
         ("c2", "\"consumer\"", vec![("mail", true)]),
     ];
-    let (mut nodes, client) = start_cluster(pki, &endpoint, prefix, &specs).await;
+    let (mut nodes, client) = start_cluster(pki, &etcd, prefix, &specs).await;
     let file = GgufFile::open(model_path()).unwrap();
     let tok = Tokenizer::from_gguf(file.content()).unwrap();
     let submit = |i: usize| {

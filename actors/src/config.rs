@@ -137,6 +137,10 @@ pub struct GatewayConfig {
     /// `api_keys`: bearer tokens the API accepts (`Authorization: Bearer <key>`); empty: the
     /// API is open to anyone who can reach `node.http_listen` (a warning says so at start).
     pub api_keys: Vec<String>,
+    /// `api_keys_file`: a file of more keys, one per line (blank lines and lines starting
+    /// with `#` skipped), so that the keys need not sit in the config (a Compose or Kubernetes
+    /// secret mounted as a file). Read when the config is loaded, into `api_keys`.
+    pub api_keys_file: Option<PathBuf>,
     /// `default_mode`: the transfer mode of a request that names none (the `scd_mode` field of
     /// a request picks another); default `auto`, the producer's choice per job.
     pub default_mode: scd_transport::Mode,
@@ -151,6 +155,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             api_keys: Vec::new(),
+            api_keys_file: None,
             default_mode: scd_transport::Mode::Auto,
             max_requests_per_key: 16,
         }
@@ -424,10 +429,47 @@ pub enum StoreConfig {
         /// roots.
         #[serde(default = "default_prefix")]
         prefix: String,
+        /// `ca`: the CA certificate (PEM) etcd's serving certificate chains to; with it etcd
+        /// is reached over TLS (endpoints `https://` or without a scheme).
+        #[serde(default)]
+        ca: Option<PathBuf>,
+        /// `cert`: this node's client certificate for an etcd started with
+        /// `--client-cert-auth` (issued from etcd's CA, e.g. by `scd cert issue`).
+        #[serde(default)]
+        cert: Option<PathBuf>,
+        /// `key`: `cert`'s private key.
+        #[serde(default)]
+        key: Option<PathBuf>,
     },
 }
 
 impl StoreConfig {
+    /// What the etcd client presents and trusts, read from `ca`, `cert` and `key`; `None`
+    /// for an embedded store or a plain-HTTP etcd.
+    pub fn etcd_tls(&self) -> Result<Option<scd_scheduler::EtcdTls>, ConfigError> {
+        let StoreConfig::Etcd { ca, cert, key, .. } = self else {
+            return Ok(None);
+        };
+        let read = |key: &str, path: &Path| {
+            std::fs::read(path).map_err(|source| ConfigError::Unreadable {
+                key: key.to_owned(),
+                path: path.to_owned(),
+                source,
+            })
+        };
+        let Some(ca) = ca else {
+            return Ok(None);
+        };
+        let client = match (cert, key) {
+            (Some(cert), Some(key)) => Some((read("store.cert", cert)?, read("store.key", key)?)),
+            _ => None,
+        };
+        Ok(Some(scd_scheduler::EtcdTls {
+            ca_pem: read("store.ca", ca)?,
+            client,
+        }))
+    }
+
     /// The root of every key, as `scd_scheduler::Keys::new` takes it.
     pub fn prefix(&self) -> &str {
         match self {
@@ -668,8 +710,12 @@ impl NodeConfig {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_default();
-        let config = Self::parse(&text, &dir)?;
+        let mut config = Self::parse(&text, &dir)?;
         config.validate_files()?;
+        if let Some(file) = &config.gateway.api_keys_file {
+            let keys = read_api_keys(file)?;
+            config.gateway.api_keys.extend(keys);
+        }
         Ok(config)
     }
 
@@ -999,6 +1045,52 @@ impl NodeConfig {
                 ));
             }
         }
+        if let StoreConfig::Etcd {
+            endpoints,
+            ca,
+            cert,
+            key,
+            ..
+        } = &self.store
+        {
+            if cert.is_some() != key.is_some() {
+                return Err(invalid(
+                    "store.cert",
+                    "store.cert and store.key go together: give both, or neither".to_owned(),
+                ));
+            }
+            match ca {
+                Some(_) => {
+                    if let Some(plain) = endpoints.iter().find(|e| e.starts_with("http://")) {
+                        return Err(invalid(
+                            "store.endpoints",
+                            format!(
+                                "{plain:?} is plain HTTP but store.ca asks for TLS: write \
+                                 https:// (or no scheme)"
+                            ),
+                        ));
+                    }
+                }
+                None if cert.is_some() => {
+                    return Err(required(
+                        "store.ca",
+                        "with store.cert: the CA that signed etcd's certificate, so that \
+                         the node knows it talks to etcd",
+                    ));
+                }
+                None => {
+                    if let Some(tls) = endpoints.iter().find(|e| e.starts_with("https://")) {
+                        return Err(required(
+                            "store.ca",
+                            &format!(
+                                "for {tls:?}: the CA that signed etcd's certificate (no \
+                                 system roots are trusted)"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
@@ -1054,6 +1146,14 @@ impl NodeConfig {
         at(&mut self.tls.ca);
         at(&mut self.tls.cert);
         at(&mut self.tls.key);
+        if let StoreConfig::Etcd { ca, cert, key, .. } = &mut self.store {
+            for path in [ca, cert, key].into_iter().flatten() {
+                at(path);
+            }
+        }
+        if let Some(file) = &mut self.gateway.api_keys_file {
+            at(file);
+        }
         if let Some(d) = &mut self.documents {
             at(&mut d.dir);
             if let Some(w) = &mut d.writer {
@@ -1128,8 +1228,62 @@ impl NodeConfig {
         ] {
             files.push((key.to_owned(), path.clone(), pki.clone()));
         }
+        if let StoreConfig::Etcd { ca, cert, key, .. } = &self.store {
+            let pki = format!(
+                "etcd's own CA comes from `scd cert init --dir <etcd folder>`, this node's \
+                 client certificate from `scd cert issue --dir <etcd folder> --name {id} \
+                 --role node` (docs/deploy.md, \"etcd over TLS\")"
+            );
+            for (key, path) in [("store.ca", ca), ("store.cert", cert), ("store.key", key)] {
+                if let Some(path) = path {
+                    files.push((key.to_owned(), path.clone(), pki.clone()));
+                }
+            }
+        }
         files
     }
+}
+
+/// The keys of `gateway.api_keys_file`: one per line, blank lines and `#` comments skipped;
+/// each must fit an HTTP header as a bearer token (visible ASCII, no spaces), and the file
+/// must hold at least one, since a file named but empty would open the API to anyone.
+fn read_api_keys(file: &Path) -> Result<Vec<String>, ConfigError> {
+    const KEY: &str = "gateway.api_keys_file";
+    let text = fs::read_to_string(file).map_err(|source| ConfigError::Unreadable {
+        key: KEY.to_owned(),
+        path: file.to_owned(),
+        source,
+    })?;
+    let mut keys = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if !line.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(invalid(
+                KEY,
+                format!(
+                    "{} line {}: a key is visible ASCII without spaces (it travels as \
+                     `Authorization: Bearer <key>`)",
+                    file.display(),
+                    n + 1
+                ),
+            ));
+        }
+        keys.push(line.to_owned());
+    }
+    if keys.is_empty() {
+        return Err(invalid(
+            KEY,
+            format!(
+                "{} holds no key: write one per line (e.g. `openssl rand -hex 24`), or leave \
+                 api_keys_file out",
+                file.display()
+            ),
+        ));
+    }
+    Ok(keys)
 }
 
 /// `host:port`, optionally behind `http://` or `https://`, as etcd's client takes them.
@@ -1201,6 +1355,34 @@ key = "pki/node-a.key"
     }
 
     #[test]
+    fn api_keys_come_from_the_config_and_its_key_file() {
+        let (dir, file) = fixture();
+        let d = dir.path();
+        let with_file = |keys_file: &str| {
+            let text = format!(
+                "{VALID}\n[gateway]\napi_keys = [\"inline-key\"]\napi_keys_file = \"{keys_file}\"\n"
+            );
+            fs::write(&file, text).unwrap();
+            NodeConfig::load(&file)
+        };
+        fs::write(d.join("keys"), "# the ops team\n\n  key-one  \nkey-two\n").unwrap();
+        let config = with_file("keys").unwrap();
+        assert_eq!(config.gateway.api_keys_file, Some(d.join("keys")));
+        assert_eq!(
+            config.gateway.api_keys,
+            ["inline-key", "key-one", "key-two"].map(String::from)
+        );
+        let err = with_file("missing").unwrap_err().to_string();
+        assert!(err.starts_with("gateway.api_keys_file"), "{err}");
+        fs::write(d.join("empty"), "# nothing yet\n").unwrap();
+        let err = with_file("empty").unwrap_err().to_string();
+        assert!(err.contains("holds no key"), "{err}");
+        fs::write(d.join("spaced"), "two words\n").unwrap();
+        let err = with_file("spaced").unwrap_err().to_string();
+        assert!(err.contains("line 1"), "{err}");
+    }
+
+    #[test]
     fn a_valid_config_loads_with_its_values_and_defaults() {
         let (dir, file) = fixture();
         let config = NodeConfig::load(&file).unwrap();
@@ -1230,6 +1412,9 @@ key = "pki/node-a.key"
             StoreConfig::Etcd {
                 endpoints: vec!["127.0.0.1:2379".into(), "http://10.0.0.2:2379".into()],
                 prefix: "/scd/v1".into(),
+                ca: None,
+                cert: None,
+                key: None,
             }
         );
         assert_eq!(config.tracing, TracingConfig::default());
@@ -1555,6 +1740,48 @@ frames_in_flight = 16
             NodeConfig::load(&config),
             Err(ConfigError::BadCertificate { .. })
         ));
+    }
+
+    #[test]
+    fn etcd_over_tls_needs_its_ca_and_a_whole_client_identity() {
+        let plain = "endpoints = [\"127.0.0.1:2379\", \"http://10.0.0.2:2379\"]";
+        let tls = "endpoints = [\"etcd:2379\", \"https://10.0.0.2:2379\"]\n\
+                   ca = \"etcd/ca.pem\"\ncert = \"etcd/node-a.pem\"\nkey = \"etcd/node-a.key\"";
+        let config = parse(&VALID.replace(plain, tls)).unwrap();
+        let StoreConfig::Etcd { ca, cert, key, .. } = &config.store else {
+            panic!("{:?}", config.store);
+        };
+        assert_eq!(ca.as_deref(), Some(Path::new("/cfg/etcd/ca.pem")));
+        assert_eq!(cert.as_deref(), Some(Path::new("/cfg/etcd/node-a.pem")));
+        assert_eq!(key.as_deref(), Some(Path::new("/cfg/etcd/node-a.key")));
+        // Server authentication only: the CA without a client certificate.
+        let ca_only = tls
+            .replace("cert = \"etcd/node-a.pem\"\n", "")
+            .replace("key = \"etcd/node-a.key\"", "");
+        parse(&VALID.replace(plain, &ca_only)).unwrap();
+        let cases = [
+            (tls.replace("key = \"etcd/node-a.key\"", ""), "store.cert"),
+            (
+                tls.replace("https://10.0.0.2", "http://10.0.0.2"),
+                "store.endpoints",
+            ),
+            (tls.replace("ca = \"etcd/ca.pem\"\n", ""), "store.ca"),
+            (ca_only.replace("ca = \"etcd/ca.pem\"\n", ""), "store.ca"),
+        ];
+        for (store, key) in cases {
+            let err = parse(&VALID.replace(plain, &store))
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with(key), "{store}: {err}");
+        }
+        // An embedded store has nothing to reach over TLS: the keys are unknown there.
+        let embedded = VALID
+            .replace("kind = \"etcd\"", "kind = \"embedded\"")
+            .replace(&format!("{plain}\n"), "");
+        parse(&embedded).unwrap();
+        let err = parse(&embedded.replace("[store]\n", "[store]\nca = \"etcd/ca.pem\"\n"));
+        assert!(err.unwrap_err().to_string().contains("`ca`"));
+        assert!(parse(&VALID).unwrap().store.etcd_tls().unwrap().is_none());
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use etcd_client::{Client, ConnectOptions};
 
-use crate::store::{EtcdStore, StoreError};
+use crate::store::{EtcdStore, EtcdTls, StoreError};
 
 /// Errors starting the test etcd.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +61,29 @@ pub enum EtcdServerError {
     },
 }
 
+/// PEM files for an etcd that serves its clients over TLS and asks each for a certificate
+/// (`--client-cert-auth`), as every shipped etcd config does.
+#[derive(Debug, Clone)]
+pub struct ServingTls {
+    /// The CA that signed `cert` and that clients' certificates must chain to.
+    pub ca: PathBuf,
+    /// etcd's certificate, valid for 127.0.0.1 and usable as a client's too (the harness
+    /// probes with it).
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+}
+
+impl ServingTls {
+    /// The harness's own client credentials: the CA, and etcd's certificate as a client's.
+    fn client(&self) -> std::io::Result<EtcdTls> {
+        Ok(EtcdTls {
+            ca_pem: std::fs::read(&self.ca)?,
+            client: Some((std::fs::read(&self.cert)?, std::fs::read(&self.key)?)),
+        })
+    }
+}
+
 /// A running etcd owned by this process.
 #[derive(Debug)]
 pub struct EtcdServer {
@@ -73,6 +96,10 @@ pub struct EtcdServer {
     compaction_retention: String,
     /// `--quota-backend-bytes`, where set (etcd's default, 2 GiB, otherwise).
     quota_backend_bytes: Option<u64>,
+    /// Clients served over TLS with certificates, where set.
+    tls: Option<ServingTls>,
+    /// What this harness presents as a client of it then.
+    client_tls: Option<EtcdTls>,
 }
 
 /// The history the test etcd keeps: auto-compaction as in every shipped etcd config
@@ -94,14 +121,27 @@ impl EtcdServer {
     /// Starts etcd on the given loopback ports and waits until it answers. Fails with
     /// [`EtcdServerError::Foreign`] if another etcd answers on `client_port`.
     pub async fn start_on(client_port: u16, peer_port: u16) -> Result<Self, EtcdServerError> {
-        Self::start_with(client_port, peer_port, COMPACTION_RETENTION, None).await
+        Self::start_with(client_port, peer_port, COMPACTION_RETENTION, None, None).await
+    }
+
+    /// Starts etcd on free loopback ports serving clients over TLS only, each client required
+    /// to present a certificate signed by `tls.ca`.
+    pub async fn start_tls(tls: ServingTls) -> Result<Self, EtcdServerError> {
+        Self::start_with(
+            free_port()?,
+            free_port()?,
+            COMPACTION_RETENTION,
+            None,
+            Some(tls),
+        )
+        .await
     }
 
     /// Starts etcd on free loopback ports, compacting its history periodically down to the
     /// last `retention` (etcd's duration syntax, such as `1m`; below an hour etcd compacts
     /// every `retention`).
     pub async fn start_compacting(retention: &str) -> Result<Self, EtcdServerError> {
-        Self::start_with(free_port()?, free_port()?, retention, None).await
+        Self::start_with(free_port()?, free_port()?, retention, None, None).await
     }
 
     /// Starts etcd on free loopback ports with a backend quota of `bytes`: past it etcd raises
@@ -112,6 +152,7 @@ impl EtcdServer {
             free_port()?,
             COMPACTION_RETENTION,
             Some(bytes),
+            None,
         )
         .await
     }
@@ -121,6 +162,7 @@ impl EtcdServer {
         peer_port: u16,
         retention: &str,
         quota_backend_bytes: Option<u64>,
+        tls: Option<ServingTls>,
     ) -> Result<Self, EtcdServerError> {
         let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
         let dir = tempfile::Builder::new().prefix("scd-etcd-").tempdir()?;
@@ -133,14 +175,23 @@ impl EtcdServer {
             child: None,
             compaction_retention: retention.to_string(),
             quota_backend_bytes,
+            client_tls: tls.as_ref().map(ServingTls::client).transpose()?,
+            tls,
         };
         server.spawn().await?;
         Ok(server)
     }
 
-    /// The client URL.
+    /// The client URL (`https://` where it serves TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// What a client needs to reach a TLS etcd: its CA, and etcd's own certificate as the
+    /// client's. `None` for a plain one.
+    pub fn client_tls(&self) -> Option<&EtcdTls> {
+        self.client_tls.as_ref()
     }
 
     /// The client port.
@@ -168,9 +219,9 @@ impl EtcdServer {
         self.dir.path().join("data")
     }
 
-    /// Connects a store to it.
+    /// Connects a store to it (with [`Self::client_tls`] where it serves TLS).
     pub async fn store(&self) -> Result<EtcdStore, StoreError> {
-        EtcdStore::connect(&[self.endpoint()]).await
+        EtcdStore::connect_with(&[self.endpoint()], self.client_tls()).await
     }
 
     /// Kills the process (SIGKILL: no graceful shutdown) and waits for it to exit.
@@ -235,6 +286,14 @@ impl EtcdServer {
                 self.quota_backend_bytes
                     .map(|b| format!("--quota-backend-bytes={b}")),
             )
+            .args(self.tls.iter().flat_map(|t| {
+                [
+                    format!("--cert-file={}", t.cert.display()),
+                    format!("--key-file={}", t.key.display()),
+                    format!("--trusted-ca-file={}", t.ca.display()),
+                    "--client-cert-auth".to_owned(),
+                ]
+            }))
             .arg("--logger")
             .arg("zap")
             .arg("--log-level")
@@ -252,9 +311,10 @@ impl EtcdServer {
     /// caught even while our child is still failing to bind it.
     async fn wait_ready(&mut self, log: &Path) -> Result<(), EtcdServerError> {
         let endpoint = self.endpoint();
+        let tls = self.client_tls.clone();
         let started = tokio::time::Instant::now();
         while started.elapsed() < READY_TIMEOUT {
-            let probe = tokio::time::timeout(PROBE_TIMEOUT, probe(&endpoint)).await;
+            let probe = tokio::time::timeout(PROBE_TIMEOUT, probe(&endpoint, tls.as_ref())).await;
             // An empty name is a member that has not published its attributes yet: ask again.
             if let Ok(Some(answer)) = probe.map(|a| a.filter(|a| !a.name.is_empty())) {
                 if answer.name != self.name {
@@ -315,10 +375,13 @@ impl Answer {
 /// Asks whoever answers at `endpoint` which member it is (`status` names the member that
 /// answered, by id; the member list maps the id to its name), and whether it serves reads.
 /// `None` while nothing answers.
-async fn probe(endpoint: &str) -> Option<Answer> {
-    let options = ConnectOptions::new()
+async fn probe(endpoint: &str, tls: Option<&EtcdTls>) -> Option<Answer> {
+    let mut options = ConnectOptions::new()
         .with_connect_timeout(PROBE_TIMEOUT)
         .with_timeout(PROBE_TIMEOUT);
+    if let Some(tls) = tls {
+        options = options.with_tls(tls.client_config());
+    }
     let mut client = Client::connect([endpoint], Some(options)).await.ok()?;
     let status = client.status().await.ok()?;
     let id = status.header()?.member_id();

@@ -51,7 +51,7 @@ pub use assign::{
 };
 pub use documents::{DocumentError, DocumentRecord, DocumentRegistry, MAX_DOCUMENT_TOKENS};
 #[cfg(feature = "test-util")]
-pub use etcd_server::{EtcdServer, EtcdServerError};
+pub use etcd_server::{EtcdServer, EtcdServerError, ServingTls};
 pub use jobs::{
     ArchiveConfig, Blame, DocumentsRecord, JobError, JobRecord, JobStore, ModeChoice, ModeEstimate,
     ModeFallback, RanksChoice, RanksRule, Retired,
@@ -66,7 +66,7 @@ pub use scd_types::{
     JobId, JobRequest, JobResult, JobState, Mode, Ranks, StageSpan, TraceContext, TranslatorHash,
 };
 pub use service::{AttemptDeadline, Scheduler, SchedulerConfig, SchedulerError};
-pub use store::{EmbeddedStore, EtcdStore, MetaStore, StoreError};
+pub use store::{EmbeddedStore, EtcdStore, EtcdTls, MetaStore, StoreError};
 pub use translators::{
     check_translator, ActiveTranslator, Degraded, PairTranslators, StaleTranslator,
     TranslatorError, TranslatorManifest, TranslatorRegistry, TranslatorWatcher,

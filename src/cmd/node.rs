@@ -32,13 +32,27 @@ pub async fn open_store(config: &StoreConfig) -> anyhow::Result<Arc<dyn MetaStor
     Ok(match config {
         StoreConfig::Embedded { .. } => Arc::new(EmbeddedStore::new()),
         StoreConfig::Etcd { endpoints, .. } => {
-            Arc::new(EtcdStore::connect(endpoints).await.with_context(|| {
-                format!(
-                    "connecting to etcd at {}: is it running? (make test starts one; \
+            let tls = config.etcd_tls()?;
+            let store = EtcdStore::connect_with(endpoints, tls.as_ref())
+                .await
+                .with_context(|| {
+                    format!(
+                        "connecting to etcd at {}: is it running? (make test starts one; \
                          ops/ has how to run one for a cluster)",
-                    endpoints.join(", ")
-                )
-            })?)
+                        endpoints.join(", ")
+                    )
+                })?;
+            // The connection is lazy, and a node may start before etcd: nothing is refused
+            // here, but a certificate etcd will not take (or one of etcd's this node does not
+            // trust) is said now, with its cause, rather than as retries later.
+            if let Err(e) = store.get("/scd-connect-probe").await {
+                tracing::warn!(
+                    "etcd at {} did not answer yet; the node keeps trying: {:#}",
+                    endpoints.join(", "),
+                    anyhow::Error::new(e)
+                );
+            }
+            Arc::new(store)
         }
     })
 }

@@ -323,7 +323,7 @@ impl Node {
                 })?;
             http_addr = Some(listener.local_addr().map_err(NodeError::Address)?);
             if config.gateway.api_keys.is_empty() {
-                tracing::warn!(node = id, %listen, "the HTTP API takes requests without an API key: set [gateway] api_keys to require one");
+                tracing::warn!(node = id, %listen, "the HTTP API takes requests without an API key: set [gateway] api_keys or api_keys_file to require one");
             }
             tasks.push(tokio::spawn(gateway::serve(
                 work.clone(),

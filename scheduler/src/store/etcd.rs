@@ -42,15 +42,60 @@ impl std::fmt::Debug for EtcdStore {
     }
 }
 
+/// The client's side of etcd's TLS, PEM: the CA that signed etcd's serving certificates
+/// (`--trusted-ca-file` on etcd's side names the one for clients) and, for an etcd started with
+/// `--client-cert-auth`, this client's certificate and key.
+#[derive(Clone)]
+pub struct EtcdTls {
+    /// The CA certificate(s) etcd's serving certificate must chain to.
+    pub ca_pem: Vec<u8>,
+    /// This client's certificate and private key.
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("EtcdTls")
+            .field("client_certificate", &self.client.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdTls {
+    /// etcd-client's (tonic's) form of it.
+    pub(crate) fn client_config(&self) -> etcd_client::TlsOptions {
+        let config = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem));
+        match &self.client {
+            Some((cert, key)) => config.identity(etcd_client::Identity::from_pem(cert, key)),
+            None => config,
+        }
+    }
+}
+
 impl EtcdStore {
-    /// Connects to etcd. The connection is lazy underneath: a store created while etcd is down
-    /// starts working when it comes up.
+    /// Connects to etcd over plain HTTP. The connection is lazy underneath: a store created
+    /// while etcd is down starts working when it comes up.
     pub async fn connect(endpoints: &[String]) -> Result<Self, StoreError> {
-        let options = ConnectOptions::new()
+        Self::connect_with(endpoints, None).await
+    }
+
+    /// Connects to etcd, over TLS where `tls` is given (endpoints then `https://` or without a
+    /// scheme). A certificate etcd refuses, or one of etcd's this client does not trust, shows
+    /// at the first request, as [`StoreError::Etcd`] with the TLS error as its source.
+    pub async fn connect_with(
+        endpoints: &[String],
+        tls: Option<&EtcdTls>,
+    ) -> Result<Self, StoreError> {
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             // HTTP/2 pings notice a dead server on an idle watch or keep-alive stream.
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
+        if let Some(tls) = tls {
+            options = options.with_tls(tls.client_config());
+        }
         let client = deadline("connect", Client::connect(endpoints, Some(options))).await?;
         Ok(Self {
             client,

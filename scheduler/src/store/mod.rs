@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 pub use embedded::EmbeddedStore;
-pub use etcd::EtcdStore;
+pub use etcd::{EtcdStore, EtcdTls};
 
 /// A lease id as etcd hands it out.
 pub type LeaseId = i64;
@@ -229,7 +229,7 @@ pub struct WatchEvent {
 pub enum StoreError {
     /// etcd could not be reached or refused the request.
     #[error(
-        "etcd {op} failed: {source} (is etcd running and reachable at the configured endpoints?)"
+        "etcd {op} failed: {source} (is etcd running and reachable at the configured endpoints? over TLS, do it and this node take each other's certificates: [store] ca, cert, key?)"
     )]
     Etcd {
         /// The operation that failed.
