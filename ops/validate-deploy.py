@@ -8,7 +8,9 @@ with the Python of ops/setup.sh's virtual environment (ops/requirements-test.txt
 - Docker Compose: ops/compose/compose.yaml against the Compose Specification's JSON schema
   (the copy check-jsonschema ships), then what the schema cannot see: services named in
   depends_on exist, committed files it mounts exist, Prometheus' targets are the nodes'
-  metrics ports.
+  metrics ports; and who may touch the control plane: no container mounts a CA key or a
+  whole folder of keys, etcd serves TLS with client certificates on no host port, every
+  node's [store] is on TLS with files it mounts, the gateway requires API keys.
 - Kubernetes: `kubectl kustomize` renders every overlay under ops/k8s/overlays; every object
   of a built-in kind is validated, strictly (unknown fields refused), against the Kubernetes
   OpenAPI schemas kubernetes-validate ships for each version in K8S_VERSIONS (no network); the
@@ -17,7 +19,8 @@ with the Python of ops/setup.sh's virtual environment (ops/requirements-test.txt
   an error. Then the references between objects: Services select pods and name their ports,
   volumes name ConfigMaps, Secrets and claims that exist (or that docs/deploy.md has the
   operator create), probes hit /livez and /readyz on the metrics port, the drain fits in the
-  grace period, a NetworkPolicy admits QUIC over UDP, each init container's script fills its
+  grace period, a NetworkPolicy admits QUIC over UDP, etcd serves its clients over TLS with
+  certificates and each node's [store] names its members by https:// with TLS files it mounts, each init container's script fills its
   node config template into a TOML file whose id, ports and addresses agree with the pod.
   (actors/tests/deploy.rs parses the same templates with the node's own config parser.)
 - Grafana and Prometheus: the dashboard's panels and the scrape configs are well formed, and
@@ -48,7 +51,7 @@ import yaml
 
 K8S_VERSIONS = ["1.29.0", "1.37.0"]
 #: Secrets the operator creates before applying (docs/deploy.md, "Secrets").
-OPERATOR_SECRETS = {"scd-pki", "etcd-peer-tls", "scd-gateway"}
+OPERATOR_SECRETS = {"scd-pki", "etcd-peer-tls", "scd-etcd-client", "scd-gateway"}
 #: Custom resources: (apiVersion, kind) -> schema file in ops/k8s/crd-schemas.
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_v1_servicemonitor.json",
@@ -251,6 +254,35 @@ def check_compose(p, root):
                     f"{name}'s metrics port is {port_of(listen)}; the image's HEALTHCHECK asks 9100")
     p.check(all(t.split(":")[0] in services for t in targets), "ops/compose/prometheus.yml",
             f"a target that is no service: {sorted(targets)}")
+    # Who may touch the control plane: no CA key in any container, and no folder of keys
+    # (a node mounts its own files); etcd on TLS with client certificates and no host port;
+    # every node's [store] on TLS with files it mounts; the gateway with API keys.
+    for name, s in services.items():
+        for v in s.get("volumes") or []:
+            source = v.split(":")[0] if isinstance(v, str) else v.get("source", "")
+            p.check(not source.endswith(".key") or not pathlib.Path(source).name.startswith("ca"),
+                    where, f"{name} mounts a CA key ({source}): issue certificates on the host")
+            p.check(not source.rstrip("/").endswith("pki"), where,
+                    f"{name} mounts the whole folder {source}, CA key included: mount its files")
+    etcd = services.get("etcd", {})
+    args = " ".join(etcd.get("command") or [])
+    p.check("--listen-client-urls=https://" in args and "--client-cert-auth" in args, where,
+            "etcd: clients over TLS with certificates (--client-cert-auth)")
+    p.check(not etcd.get("ports"), where, f"etcd publishes {etcd.get('ports')} on the host")
+    for name, cfg in configs.items():
+        store = cfg.get("store", {})
+        targets_in = {v.split(":")[1] for v in services[name].get("volumes") or []
+                      if isinstance(v, str) and v.count(":") >= 1}
+        p.check(all(e.startswith("https://") for e in store.get("endpoints", [])), where,
+                f"{name}: etcd endpoints {store.get('endpoints')} are not https://")
+        for key in ("ca", "cert", "key"):
+            path = store.get(key)
+            p.check(path in targets_in, where,
+                    f"{name}: store.{key} {path} is not a file it mounts")
+        if "gateway" in cfg["node"].get("roles", []):
+            keys = cfg.get("gateway", {})
+            p.check(keys.get("api_keys") or keys.get("api_keys_file") in targets_in, where,
+                    f"{name}: the HTTP API without API keys (gateway.api_keys_file, mounted)")
     grafana = services.get("grafana", {})
     mounts = [v.split(":")[0] for v in grafana.get("volumes", [])]
     p.check("../grafana/dashboards" in mounts and "../grafana/provisioning" in mounts, where,
@@ -451,6 +483,9 @@ def check_references(p, where, docs, tmp):
         args = " ".join(pod_spec(etcd)["spec"]["containers"][0].get("command", []))
         p.check("--peer-cert-file" in args and "--peer-client-cert-auth" in args, where,
                 "etcd: peers on mutual TLS")
+        p.check("--listen-client-urls=https://" in args and "--client-cert-auth" in args
+                and "--trusted-ca-file" in args, where,
+                "etcd: clients over TLS with certificates (--client-cert-auth)")
     # QUIC is UDP: some NetworkPolicy admits it to the nodes.
     udp = [n for n, np in by_kind.get("NetworkPolicy", {}).items()
            for rule in np["spec"].get("ingress", []) for port in rule.get("ports", [])
@@ -543,12 +578,19 @@ def check_node(p, where, wname, w, pod, node, configmaps, services, by_kind, tmp
     endpoints = cfg["store"]["endpoints"]
     etcd = by_kind.get("StatefulSet", {}).get("etcd")
     if etcd:
-        members = {f"etcd-{i}.etcd:2379" for i in range(etcd["spec"]["replicas"])}
+        ns = etcd["metadata"]["namespace"]
+        members = {f"https://etcd-{i}.etcd.{ns}.svc:2379" for i in range(etcd["spec"]["replicas"])}
         p.check(set(endpoints) == members, where,
                 f"{wname}: etcd endpoints {endpoints}, members {sorted(members)}")
     else:
-        p.check(endpoints and all(":" in e for e in endpoints), where,
-                f"{wname}: etcd endpoints {endpoints}")
+        p.check(endpoints and all(e.startswith("https://") for e in endpoints), where,
+                f"{wname}: etcd endpoints {endpoints} (https://host:port)")
+    # etcd over TLS with a client certificate, its files on a mount.
+    for key in ("ca", "cert", "key"):
+        path = cfg["store"].get(key)
+        if p.check(path is not None, where, f"{wname}: store.{key} missing (etcd over TLS)"):
+            p.check(str(pathlib.Path(path).parent) in mounts, where,
+                    f"{wname}: store.{key} {path} is on no mount")
 
 
 # --- Grafana, Prometheus -----------------------------------------------------------------
