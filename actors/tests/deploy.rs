@@ -157,19 +157,16 @@ async fn etcd_over_tls_admits_only_clients_with_its_certificates() {
         cert: client.map(|d| d.join("node-a.pem")),
         key: client.map(|d| d.join("node-a.key")),
     };
-    let open = |store: StoreConfig| async move {
-        let tls = store.etcd_tls().unwrap();
-        assert!(tls.is_some());
-        EtcdStore::connect_with(&[endpoint_of(&store)], tls.as_ref())
-            .await
-            .unwrap()
+    let open = |store: StoreConfig| {
+        let endpoint = endpoint.clone();
+        async move {
+            let tls = store.etcd_tls().unwrap();
+            assert!(tls.is_some());
+            EtcdStore::connect_with(&[endpoint], tls.as_ref())
+                .await
+                .unwrap()
+        }
     };
-    fn endpoint_of(store: &StoreConfig) -> String {
-        let StoreConfig::Etcd { endpoints, .. } = store else {
-            unreachable!()
-        };
-        endpoints[0].clone()
-    }
 
     let node = open(section(&pki, Some(&pki))).await;
     node.put("/scd/v1/tls-check", b"yes".to_vec(), None)

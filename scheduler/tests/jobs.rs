@@ -943,15 +943,12 @@ async fn a_full_node_is_given_nothing_more_until_its_work_ends(b: Backend) {
         }
         s
     };
-    let assigned: Vec<JobId> = {
-        let mut a = Vec::new();
-        for id in &ids {
-            if jobs.get(*id).await.unwrap().unwrap().state == JobState::Assigned {
-                a.push(*id);
-            }
-        }
-        a
-    };
+    let assigned: Vec<JobId> = ids
+        .iter()
+        .zip(states().await)
+        .filter(|(_, s)| *s == JobState::Assigned)
+        .map(|(id, _)| *id)
+        .collect();
     let waiting = *ids.iter().find(|id| !assigned.contains(id)).unwrap();
     // Again, from the records alone: both nodes hold two jobs.
     assert_eq!(pass().await.jobs_assigned, 0);
