@@ -4,6 +4,9 @@
 //! lives. The scheduler must take the new incarnation as the old one leaving: the job the old
 //! one held is handed back and runs to the end once, and the admission count comes back to the
 //! number of unfinished jobs. An in-process restart stands in for `kill -9` and a new process.
+//!
+//! The failpoints are process-wide and keyed by node id, and the tests run at once: each test
+//! names the nodes it kills (or holds) differently from every other test here.
 
 mod common;
 
@@ -127,7 +130,7 @@ async fn a_producer_killed_between_claim_and_stream_and_restarted_under_its_id_l
     let producer = cluster
         .start(&config("prefill-r", "\"producer\"", true))
         .await;
-    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let consumer = cluster.start(&config("mail-p", "\"consumer\"", true)).await;
 
     let id = cluster
         .client
@@ -180,7 +183,7 @@ async fn a_stream_through_a_consumer_killed_mid_decode_reads_exactly_the_final_a
     let mut producer = config("prefill-0", "\"producer\"", true);
     producer.codec.ranks = RankSetting::Adaptive;
     let producer = cluster.start(&producer).await;
-    let consumer = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let consumer = cluster.start(&config("mail-s", "\"consumer\"", true)).await;
 
     // Counting goes on for long: the job is decoding when the consumer dies.
     let count: String = (1..=40).map(|i| format!("{i}, ")).collect();
@@ -216,9 +219,9 @@ async fn a_stream_through_a_consumer_killed_mid_decode_reads_exactly_the_final_a
         assert!(tokio::time::Instant::now() < deadline, "no job decoding");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    failpoints::silence("mail-0", true);
+    failpoints::silence("mail-s", true);
     consumer.kill().await;
-    failpoints::silence("mail-0", false);
+    failpoints::silence("mail-s", false);
     jobs.update(id, |j| {
         if let Some(o) = j.output.as_mut() {
             o.tokens.extend([1000, 1000, 1000]);
@@ -227,7 +230,7 @@ async fn a_stream_through_a_consumer_killed_mid_decode_reads_exactly_the_final_a
     })
     .await
     .unwrap();
-    let again = cluster.start(&config("mail-0", "\"consumer\"", true)).await;
+    let again = cluster.start(&config("mail-s", "\"consumer\"", true)).await;
 
     let reply = reading.await.unwrap();
     let job = cluster.client.wait(id, WAIT).await.unwrap();

@@ -100,8 +100,9 @@ pub(crate) struct Work {
     pub load: watch::Sender<usize>,
     /// The node's registration: where it announces the documents it holds compiled.
     pub registration: Arc<scd_scheduler::Registration>,
-    /// Connections to consumer nodes, by node id.
-    pub links: Mutex<HashMap<String, Connection>>,
+    /// Connections to consumer nodes, by node id, each with the registration epoch of the
+    /// incarnation it reaches.
+    pub links: Mutex<HashMap<String, Link>>,
     /// What this consumer measures of its jobs' last step, for `auto` on the producers.
     pub finish_costs: crate::mode_planner::CostsPerToken,
     /// What this producer measures of its encoding, for `auto`.
@@ -610,7 +611,7 @@ impl Work {
             .consumer
             .clone()
             .ok_or_else(|| Refusal::ConsumerGone("(none recorded)".into()))?;
-        let connection = self.link(&consumer).await?;
+        let connection = self.link(&consumer, job.consumer_epoch).await?;
         let producer = read(&self.actors)
             .producer()
             .ok_or(Refusal::Codec("this node has no producer role".into()))?;
@@ -653,15 +654,30 @@ impl Work {
             .map_err(|e| Refusal::Codec(e.to_string()))
     }
 
-    /// A connection to consumer node `node`, opened on first use and again after it closed.
-    async fn link(&self, node: &str) -> Result<Connection, Refusal> {
+    /// A connection to consumer node `node` as of registration `epoch` (`None`: any), opened
+    /// on first use and again after it closed or the node restarted.
+    ///
+    /// A node killed without closing its connections leaves them open here until QUIC's idle
+    /// timeout; a stream opened on one would wait that long. The job record names the
+    /// incarnation it was assigned to, so a link to another one is dropped, not reused.
+    async fn link(&self, node: &str, epoch: Option<u64>) -> Result<Connection, Refusal> {
         let mut links = self.links.lock().await;
-        if let Some(c) = links.get(node).filter(|c| !c.is_closed()) {
-            return Ok(c.clone());
+        if let Some(link) = links.get(node) {
+            if !link.connection.is_closed() && same_incarnation(link.epoch, epoch) {
+                return Ok(link.connection.clone());
+            }
+            link.connection.close("the peer restarted");
+            links.remove(node);
         }
-        // The node view follows a watch; a node that joined a moment ago may be known to the
-        // scheduler that assigned the job before it reaches this view: ask the store then.
-        let known = self.nodes.snapshot().get(node).cloned();
+        // The node view follows a watch; a node that joined (or restarted) a moment ago may be
+        // known to the scheduler that assigned the job before it reaches this view: ask the
+        // store then.
+        let known = self
+            .nodes
+            .snapshot()
+            .get(node)
+            .filter(|info| same_incarnation(info.epoch, epoch))
+            .cloned();
         let info = match known {
             Some(info) => info,
             None => self
@@ -683,7 +699,13 @@ impl Work {
             .connect(addr, node)
             .await
             .map_err(|e| connect_err(e.to_string()))?;
-        links.insert(node.to_owned(), connection.clone());
+        links.insert(
+            node.to_owned(),
+            Link {
+                epoch: info.epoch,
+                connection: connection.clone(),
+            },
+        );
         Ok(connection)
     }
 
@@ -1413,6 +1435,22 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
     }
 }
 
+/// An open connection to a consumer node and the registration epoch of the incarnation it
+/// reaches (`0`: unknown).
+pub struct Link {
+    epoch: u64,
+    connection: Connection,
+}
+
+/// Whether a node known under epoch `have` is the incarnation `want` names; an unknown epoch
+/// on either side (`0`, `None`: records from before epochs) matches.
+fn same_incarnation(have: u64, want: Option<u64>) -> bool {
+    match want {
+        Some(want) => have == 0 || want == 0 || have == want,
+        None => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! Final writes against a store that refuses writes for a while (a wrapper over the
@@ -1609,5 +1647,17 @@ mod tests {
             matches!(result, Err(RecordError::NotFound(_))),
             "{result:?}"
         );
+    }
+
+    #[test]
+    fn a_link_serves_only_the_incarnation_the_job_names() {
+        assert!(same_incarnation(7, Some(7)));
+        assert!(
+            !same_incarnation(7, Some(8)),
+            "a restarted node is another link"
+        );
+        assert!(same_incarnation(7, None));
+        assert!(same_incarnation(0, Some(8)));
+        assert!(same_incarnation(7, Some(0)));
     }
 }
