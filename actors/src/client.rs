@@ -441,46 +441,42 @@ impl ClusterClient {
         }
     }
 
-    /// Calls `on_change` with the job's record as it is now and again after each change,
-    /// until it is done, failed or cancelled; the final record.
+    /// Calls `on_change` with the job's record as it is now and again after each change
+    /// (the output its consumer appends included), until it is done, failed or cancelled; the
+    /// final record.
     pub async fn follow(
         &self,
         id: JobId,
         mut on_change: impl FnMut(&JobRecord),
     ) -> Result<JobRecord, ClientError> {
-        let key = self.keys.job(id);
-        let read = |kv: &scd_scheduler::store::KeyValue| {
-            scd_scheduler::envelope::decode::<JobRecord>(&kv.key, &kv.value)
-                .map_err(|e| ClientError::Record(RecordError::from(e)))
-        };
+        let mut last: Option<JobRecord> = None;
         loop {
-            let Some(kv) = self.store.get(&key).await? else {
-                // A finished job's record moves to the archive after a while.
-                return match self.jobs.get(id).await? {
-                    Some(job) if job.state.is_finished() => {
-                        on_change(&job);
-                        Ok(job)
-                    }
-                    _ => Err(ClientError::Gone(id)),
-                };
-            };
-            let job = read(&kv)?;
-            on_change(&job);
-            if job.state.is_finished() {
-                return Ok(job);
-            }
-            let mut watch = self.store.watch_prefix(&key, kv.mod_revision + 1).await?;
+            // Watch first, then read: whatever changes after the read wakes a watch. The
+            // record and the output appended beside it are two prefixes.
+            let mut records = self.store.watch_prefix(&self.keys.job(id), 0).await?;
+            let mut appended = self
+                .store
+                .watch_prefix(&self.keys.job_progress(id), 0)
+                .await?;
             loop {
-                match watch.next().await {
-                    Some(Ok(event)) if event.kind == scd_scheduler::store::EventKind::Put => {
-                        let job = read(&event.kv)?;
-                        on_change(&job);
-                        if job.state.is_finished() {
-                            return Ok(job);
-                        }
-                    }
-                    Some(Ok(_)) => return Err(ClientError::Gone(id)),
-                    // A broken watch: read the record again and watch anew.
+                // A finished job's record moves to the archive after a while; `get` reads it
+                // there.
+                let job = self.jobs.get(id).await?.ok_or(ClientError::Gone(id))?;
+                if last.as_ref() != Some(&job) {
+                    on_change(&job);
+                }
+                if job.state.is_finished() {
+                    return Ok(job);
+                }
+                last = Some(job);
+                let event = tokio::select! {
+                    e = records.next() => e,
+                    e = appended.next() => e,
+                };
+                match event {
+                    // Any change means: read the job again.
+                    Some(Ok(_)) => {}
+                    // A broken watch: watch anew.
                     Some(Err(_)) | None => break,
                 }
             }

@@ -210,11 +210,14 @@ async fn a_stream_through_a_consumer_killed_mid_decode_reads_exactly_the_final_a
     let jobs = JobStore::new(cluster.store.clone(), Keys::default());
     let deadline = tokio::time::Instant::now() + WAIT;
     let id = loop {
-        let decoding = jobs.list().await.unwrap().into_iter().find(|(j, _)| {
-            j.state == JobState::Decoding && j.output.as_ref().is_some_and(|o| o.tokens.len() >= 4)
-        });
-        if let Some((j, _)) = decoding {
-            break j.id;
+        // A listing shows a decoding record as last written; `get` adds the tokens appended
+        // since.
+        let listed = jobs.list().await.unwrap();
+        if let Some((j, _)) = listed.iter().find(|(j, _)| j.state == JobState::Decoding) {
+            let now = jobs.get(j.id).await.unwrap().unwrap();
+            if now.output.as_ref().is_some_and(|o| o.tokens.len() >= 4) {
+                break j.id;
+            }
         }
         assert!(tokio::time::Instant::now() < deadline, "no job decoding");
         tokio::time::sleep(Duration::from_millis(20)).await;

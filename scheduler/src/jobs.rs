@@ -18,6 +18,9 @@ use crate::leader::LeaderGuard;
 use crate::store::{Compare, MetaStore, StoreError, Txn, TxnOp};
 use crate::translators::backoff;
 
+mod progress;
+pub use progress::{Appended, FOLD_AFTER_BATCHES};
+
 /// One state change in a job's life.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StateEntry {
@@ -567,18 +570,26 @@ impl JobStore {
             .await
     }
 
-    /// Reads a job, live or archived, waiting out a brief store outage.
+    /// Reads a job, live or archived, waiting out a brief store outage; a decoding job's
+    /// output includes what its consumer appended since the record was written
+    /// ([`JobStore::append_output`]).
     pub async fn get(&self, id: JobId) -> Result<Option<JobRecord>, JobError> {
-        for key in [self.keys.job(id), self.keys.archived_job(id)] {
-            if let Some(kv) = patiently(|| self.store.get(&key)).await? {
-                return Ok(Some(envelope::decode(&kv.key, &kv.value)?));
-            }
+        let live = self.keys.job(id);
+        if let Some(kv) = patiently(|| self.store.get(&live)).await? {
+            return progress::with_batches(self.store.as_ref(), &self.keys, &kv)
+                .await
+                .map(Some);
         }
-        Ok(None)
+        let archived = self.keys.archived_job(id);
+        match patiently(|| self.store.get(&archived)).await? {
+            Some(kv) => Ok(Some(envelope::decode(&kv.key, &kv.value)?)),
+            None => Ok(None),
+        }
     }
 
     /// Every live job (unfinished, or finished and not archived yet) with its modification
-    /// revision (unreadable records are skipped and logged).
+    /// revision (unreadable records are skipped and logged). A decoding job's output is as its
+    /// record was last written: what its consumer appended since is read by [`JobStore::get`].
     pub async fn list(&self) -> Result<Vec<(JobRecord, i64)>, JobError> {
         self.list_under(&self.keys.jobs_prefix()).await
     }
@@ -786,7 +797,15 @@ impl JobStore {
             let Some(kv) = patiently(|| self.store.get(&key)).await? else {
                 return Err(JobError::NotFound(id));
             };
-            let before: JobRecord = envelope::decode(&kv.key, &kv.value)?;
+            let mut before: JobRecord = envelope::decode(&kv.key, &kv.value)?;
+            // The output appended since the record was written goes into it with this change.
+            let pending = if progress::may_have_batches(before.state) {
+                let pending = progress::Pending::read(self.store.as_ref(), &self.keys, id).await?;
+                pending.fold_into(&mut before);
+                pending
+            } else {
+                progress::Pending::default()
+            };
             let mut job = before.clone();
             change(&mut job)?;
             if job == before {
@@ -796,9 +815,11 @@ impl JobStore {
             job.updated_at_ms = job.updated_at_ms.max(now_ms());
             let mut compares = vec![Compare::mod_revision(key.clone(), kv.mod_revision)];
             compares.extend(guard.map(LeaderGuard::compare));
-            let txn = Txn::new()
-                .when(compares)
-                .and_then([TxnOp::put(key.clone(), envelope::encode(&job)?)]);
+            compares.extend(pending.unchanged());
+            let txn = Txn::new().when(compares).and_then(
+                std::iter::once(TxnOp::put(key.clone(), envelope::encode(&job)?))
+                    .chain(pending.deletes()),
+            );
             if patiently(|| self.store.txn(txn.clone())).await?.succeeded {
                 return Ok(job);
             }

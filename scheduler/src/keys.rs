@@ -165,6 +165,18 @@ impl Keys {
         format!("{}{job_id}", self.archived_jobs_prefix())
     }
 
+    /// `<root>/progress/`: the output a decoding job's consumer appends between record
+    /// writes ([`crate::jobs::JobStore::append_output`]); outside the jobs prefix, so that a
+    /// listing of jobs reads records only.
+    pub fn progress_prefix(&self) -> String {
+        format!("{}/progress/", self.root)
+    }
+
+    /// `<root>/progress/<job-id>/`: every key of one job's appended output.
+    pub fn job_progress(&self, job_id: JobId) -> String {
+        format!("{}{job_id}/", self.progress_prefix())
+    }
+
     /// `<root>/documents/`
     pub fn documents_prefix(&self) -> String {
         format!("{}/documents/", self.root)
@@ -220,6 +232,11 @@ mod tests {
             k.archived_job(JobId::from_u128(0xa1)),
             "/scd/v1/archive/jobs/000000000000000000000000000000a1"
         );
+        assert_eq!(
+            k.job_progress(JobId::from_u128(0xa1)),
+            "/scd/v1/progress/000000000000000000000000000000a1/"
+        );
+        assert!(!k.progress_prefix().starts_with(&k.jobs_prefix()));
         // The live prefix does not hold the archive.
         assert!(!k.archived_jobs_prefix().starts_with(&k.jobs_prefix()));
         assert_eq!(

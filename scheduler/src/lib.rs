@@ -53,8 +53,8 @@ pub use documents::{DocumentError, DocumentRecord, DocumentRegistry, MAX_DOCUMEN
 #[cfg(feature = "test-util")]
 pub use etcd_server::{EtcdServer, EtcdServerError, ServingTls};
 pub use jobs::{
-    ArchiveConfig, Blame, DocumentsRecord, JobError, JobRecord, JobStore, ModeChoice, ModeEstimate,
-    ModeFallback, RanksChoice, RanksRule, Retired,
+    Appended, ArchiveConfig, Blame, DocumentsRecord, JobError, JobRecord, JobStore, ModeChoice,
+    ModeEstimate, ModeFallback, RanksChoice, RanksRule, Retired,
 };
 pub use keys::Keys;
 pub use leader::{Candidate, ElectionConfig, LeaderGuard, Leadership};

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::store::EventKind;
 use scd_scheduler::{
-    envelope, ArchiveConfig, EtcdServer, ExpertSpec, JobError, JobId, JobRecord, JobRequest,
-    JobResult, JobState, JobStore, Keys, MetaStore, Mode, NodeInfo, Registration,
+    envelope, Appended, ArchiveConfig, EtcdServer, ExpertSpec, JobError, JobId, JobRecord,
+    JobRequest, JobResult, JobState, JobStore, Keys, MetaStore, Mode, NodeInfo, Registration,
     RegistrationConfig, Scheduler, SchedulerConfig,
 };
 use tokio::sync::Semaphore;
@@ -86,7 +86,7 @@ async fn seed(store: &dyn MetaStore, keys: &Keys) -> usize {
 }
 
 /// One assigned attempt driven as the producer and consumer nodes would: prefilling,
-/// transferring, decoding, two progress writes of the tokens so far, done. Returns whether it
+/// transferring, decoding, three batches of the tokens so far, done. Returns whether it
 /// ended done (false: the scheduler moved the job on meanwhile).
 async fn drive(jobs: &JobStore, id: JobId, attempt: u32) -> Result<bool, JobError> {
     let mine = |j: &JobRecord| j.attempts == attempt && j.state.is_running();
@@ -108,17 +108,21 @@ async fn drive(jobs: &JobStore, id: JobId, attempt: u32) -> Result<bool, JobErro
             return Ok(false);
         }
     }
-    for tokens in [4u32, 8] {
-        jobs.update(id, |j| {
-            if mine(j) {
-                j.output = Some(JobResult {
-                    tokens: (0..tokens).collect(),
-                    stop: String::new(),
-                });
-            }
-            Ok(())
-        })
-        .await?;
+    // The tokens so far, appended beside the record as the consumer nodes do.
+    for tokens in [4u32, 8, 12] {
+        let shown: Vec<u32> = (0..tokens).collect();
+        if jobs.append_output(id, &shown, mine).await? == Appended::WriteTheRecord {
+            jobs.update(id, |j| {
+                if mine(j) {
+                    j.output = Some(JobResult {
+                        tokens: shown.clone(),
+                        stop: String::new(),
+                    });
+                }
+                Ok(())
+            })
+            .await?;
+        }
     }
     let j = jobs
         .update(id, |j| {

@@ -1131,7 +1131,20 @@ impl Work {
         if failpoints::silenced(&self.id) {
             return;
         }
-        let written = self.jobs.update(job, |j| half.progress(j, now_ms())).await;
+        // The new tokens go into a small key of their own; the record (prompt and all) is
+        // written only to move it to `decoding` and every few seconds to fold the batches in.
+        let appended = self
+            .jobs
+            .append_output(job, half.tokens(), |j| half.attempt().holds(j))
+            .await;
+        let written = match appended {
+            Ok(scd_scheduler::Appended::WriteTheRecord) => self
+                .jobs
+                .update(job, |j| half.progress(j, now_ms()))
+                .await
+                .map(drop),
+            other => other.map(drop),
+        };
         if let Err(e) = written {
             tracing::debug!(%job, error = %e, "recording progress failed");
         }
