@@ -555,6 +555,9 @@ pub struct Limits {
     /// Largest translator file (weights or manifest) the node loads, in MiB: a version the
     /// store names is read whole into memory. Default 1024.
     pub translator_mib: u64,
+    /// Memory the caches of the jobs this node decodes may hold at once, in MiB (consumer
+    /// role): see [`crate::kv_budget`]. Default 2048.
+    pub kv_mib: u64,
 }
 
 impl Default for Limits {
@@ -572,6 +575,7 @@ impl Default for Limits {
             attempt_base_s: 300,
             attempt_ms_per_token: 1000,
             translator_mib: 1024,
+            kv_mib: 2048,
         }
     }
 }
@@ -1781,7 +1785,7 @@ frames_in_flight = 16
         parse(&embedded).unwrap();
         let err = parse(&embedded.replace("[store]\n", "[store]\nca = \"etcd/ca.pem\"\n"));
         assert!(err.unwrap_err().to_string().contains("`ca`"));
-        assert!(parse(&VALID).unwrap().store.etcd_tls().unwrap().is_none());
+        assert!(parse(VALID).unwrap().store.etcd_tls().unwrap().is_none());
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub mod encoder;
 pub mod follow;
 mod halves;
 pub mod job;
+pub mod kv_budget;
 pub mod lifecycle;
 pub mod metrics;
 pub mod mode_planner;

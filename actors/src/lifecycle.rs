@@ -90,6 +90,9 @@ pub enum Refusal {
     /// The job's documents could not be read.
     #[error("reading the job's documents: {0}")]
     Documents(String),
+    /// The consumer's cache memory (`[limits] kv_mib`) has no room for the job.
+    #[error(transparent)]
+    Kv(#[from] crate::kv_budget::KvRefusal),
 }
 
 impl Refusal {
@@ -580,6 +583,14 @@ impl ConsumerHalf {
     /// The next action after `event`.
     pub fn handle(&mut self, event: ConsumerEvent<'_>) -> Action {
         let action = match (self.phase, event) {
+            // No room for its caches here: busy, not broken; the blame steers the next attempt
+            // to another consumer while one is free.
+            (Phase::Starting, ConsumerEvent::Refused(refusal @ Refusal::Kv(_))) => {
+                Action::HandBack {
+                    reason: self.attempt.reason(refusal),
+                    blame: Blame::Consumer,
+                }
+            }
             (Phase::Starting, ConsumerEvent::Refused(refusal)) => Action::Fail {
                 reason: self.attempt.reason(refusal),
             },
@@ -1115,6 +1126,28 @@ mod tests {
                 reason: "consumer node-a: this node does not serve expert nope".into()
             }
         );
+        // No room for the job's caches: handed back, blaming this consumer, busy or too large.
+        for kv in [
+            crate::kv_budget::KvRefusal::Busy {
+                need_mib: 3,
+                free_mib: 1,
+                limit_mib: 4,
+            },
+            crate::kv_budget::KvRefusal::TooLarge {
+                need_mib: 5,
+                limit_mib: 4,
+            },
+        ] {
+            let (mut half, _) = ConsumerHalf::new(JobId::random(), 1, ME);
+            let refusal = Refusal::Kv(kv.clone());
+            assert_eq!(
+                half.handle(ConsumerEvent::Refused(&refusal)),
+                Action::HandBack {
+                    reason: format!("consumer node-a: {kv}"),
+                    blame: Blame::Consumer
+                }
+            );
+        }
     }
 
     #[test]

@@ -1313,3 +1313,52 @@ async fn a_stream_refused_without_a_record_is_handed_back_and_runs_again() {
         node.shutdown(Duration::ZERO).await;
     }
 }
+
+/// A consumer whose `[limits] kv_mib` cannot hold a job's caches hands the job back rather
+/// than rebuilding them (issue R1 §4: the consumer bounds its own cache memory); with no other
+/// consumer the job ends failed, saying which limit and by how much, and holds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_without_room_for_a_jobs_caches_hands_it_back() {
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let scheduler = cluster
+        .start(&config("sched-0", "\"scheduler\"", false))
+        .await;
+    let producer = cluster
+        .start(&config("prefill-0", "\"producer\"", true))
+        .await;
+    let small = config_with(
+        "mail-k",
+        "\"consumer\"",
+        true,
+        &repo().join("experts/mail/translator"),
+        "[limits]\nkv_mib = 1\n",
+    );
+    assert_eq!(small.limits.kv_mib, 1);
+    let consumer = cluster.start(&small).await;
+
+    let id = cluster
+        .client
+        .submit("mail", Mode::Raw, request(&prompt, 16))
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    let error = job.error.clone().unwrap_or_default();
+    assert!(
+        error.contains("mail-k") && error.contains("[limits] kv_mib (1)"),
+        "{error}"
+    );
+    // Handed back each time (blaming the consumer), not failed at the first refusal.
+    assert_eq!(job.attempts, job.max_attempts, "{:?}", job.history);
+    assert!(job.failed_consumers.contains(&"mail-k".to_string()));
+    assert!(job.failed_producers.is_empty());
+    assert!(
+        job.output.is_none(),
+        "no cache was rebuilt, nothing decoded"
+    );
+    for node in [consumer, producer, scheduler] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}

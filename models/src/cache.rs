@@ -73,6 +73,14 @@ impl KvCache {
         }
     }
 
+    /// The most bytes a cache for `cfg`'s model holds for `positions` positions: at f32 (the
+    /// width while it is rebuilt) with the spare rows its buffers grow by. What a consumer
+    /// reserves for a job before rebuilding its cache.
+    pub fn peak_bytes(cfg: &LlamaConfig, positions: usize) -> u64 {
+        let per_row = 2 * cfg.num_kv_heads * cfg.head_dim * std::mem::size_of::<f32>();
+        (cfg.num_layers * per_row) as u64 * (positions + GROW_ROWS) as u64
+    }
+
     /// A cache from per-layer `(K after RoPE, V)`, each `(T, kv_heads * head_dim)`, one pair per
     /// layer of the model. New tokens will be placed from `next_position` on (usually `T`).
     pub fn from_post_rope(

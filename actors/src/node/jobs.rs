@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use ractor::ActorRef;
 use scd_models::codec::CodecOptions;
-use scd_models::{GenerateParams, Sampling, StopReason};
+use scd_models::{GenerateParams, KvCache, Sampling, StopReason};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
     JobRecord, JobRequest, JobResult, JobState, JobStore, Keys, LiveNodes, MetaStore, Mode,
@@ -103,6 +103,8 @@ pub(crate) struct Work {
     /// Connections to consumer nodes, by node id, each with the registration epoch of the
     /// incarnation it reaches.
     pub links: Mutex<HashMap<String, Link>>,
+    /// What the caches of the jobs this consumer decodes may hold at once.
+    pub kv: crate::kv_budget::KvBudget,
     /// What this consumer measures of its jobs' last step, for `auto` on the producers.
     pub finish_costs: crate::mode_planner::CostsPerToken,
     /// What this producer measures of its encoding, for `auto`.
@@ -776,7 +778,14 @@ impl Work {
                 Err(refusal) => set_up = Err(refusal),
             }
         }
-        let (decoder, mut params, codec, prompt) = match set_up {
+        // Room for every expert's cache of the whole answer, held until the job ends here.
+        let set_up = set_up.and_then(|s| {
+            let positions = s.3.len() + s.1.max_tokens;
+            let bytes = KvCache::peak_bytes(&self.served.config, positions)
+                .saturating_mul(1 + others.len() as u64);
+            Ok((s, self.kv.reserve(bytes)?))
+        });
+        let ((decoder, mut params, codec, prompt), _kv) = match set_up {
             Ok(s) => s,
             Err(refusal) => {
                 receiver.cancel(&refusal.to_string()).await;

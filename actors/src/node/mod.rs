@@ -304,6 +304,7 @@ impl Node {
             load,
             registration: registration.clone(),
             links: Mutex::new(HashMap::new()),
+            kv: crate::kv_budget::KvBudget::new(config.limits.kv_mib),
             finish_costs: crate::mode_planner::CostsPerToken::default(),
             encode_costs: crate::mode_planner::CostsPerToken::default(),
             serve_costs: crate::mode_planner::CostsPerToken::default(),
