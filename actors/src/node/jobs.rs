@@ -668,7 +668,9 @@ impl Work {
             if !link.connection.is_closed() && same_incarnation(link.epoch, epoch) {
                 return Ok(link.connection.clone());
             }
-            link.connection.close("the peer restarted");
+            // Closed already, or reaching an incarnation that is gone.
+            link.connection
+                .close("replaced by a connection to the node's new incarnation");
             links.remove(node);
         }
         // The node view follows a watch; a node that joined (or restarted) a moment ago may be
@@ -779,11 +781,12 @@ impl Work {
             }
         }
         // Room for every expert's cache of the whole answer, held until the job ends here.
-        let set_up = set_up.and_then(|s| {
-            let positions = s.3.len() + s.1.max_tokens;
+        let set_up = set_up.and_then(|(decoder, params, codec, prompt)| {
+            let positions = prompt.len() + params.max_tokens;
             let bytes = KvCache::peak_bytes(&self.served.config, positions)
                 .saturating_mul(1 + others.len() as u64);
-            Ok((s, self.kv.reserve(bytes)?))
+            let held = self.kv.reserve(bytes)?;
+            Ok(((decoder, params, codec, prompt), held))
         });
         let ((decoder, mut params, codec, prompt), _kv) = match set_up {
             Ok(s) => s,
@@ -1459,7 +1462,7 @@ pub(crate) async fn follow_jobs(work: Arc<Work>) {
 
 /// An open connection to a consumer node and the registration epoch of the incarnation it
 /// reaches (`0`: unknown).
-pub struct Link {
+pub(crate) struct Link {
     epoch: u64,
     connection: Connection,
 }

@@ -73,8 +73,8 @@ pub enum Appended {
 /// A job's appended output as read before a change of its record.
 #[derive(Debug, Default)]
 pub(super) struct Pending {
-    /// The head key and its revision (`None`: no batches).
-    head: Option<(String, i64)>,
+    /// The head key's revision (`None`: no batches).
+    head: Option<i64>,
     /// The head key's name, present or not (empty: nothing was read).
     head_name: String,
     /// Every key under the job's progress prefix.
@@ -98,7 +98,7 @@ impl Pending {
         };
         for kv in listing.kvs {
             if kv.key == head_name {
-                pending.head = Some((kv.key.clone(), kv.mod_revision));
+                pending.head = Some(kv.mod_revision);
             } else {
                 match envelope::decode::<Batch>(&kv.key, &kv.value) {
                     Ok(batch) => pending.batches.push(batch),
@@ -135,8 +135,8 @@ impl Pending {
     /// The compare that fails if a batch was appended since the read (none when nothing was
     /// read: [`Pending::default`]).
     pub(super) fn unchanged(&self) -> Option<Compare> {
-        match &self.head {
-            Some((key, revision)) => Some(Compare::mod_revision(key.clone(), *revision)),
+        match self.head {
+            Some(revision) => Some(Compare::mod_revision(self.head_name.clone(), revision)),
             None if self.head_name.is_empty() => None,
             None => Some(Compare::absent(self.head_name.clone())),
         }
@@ -173,7 +173,7 @@ impl JobStore {
                 return Err(JobError::NotFound(id));
             };
             let job: JobRecord = envelope::decode(&kv.key, &kv.value)?;
-            if !holds(&job) || job.state.is_finished() {
+            if !holds(&job) {
                 return Ok(Appended::Nothing);
             }
             if job.state != JobState::Decoding {
