@@ -21,7 +21,7 @@
 //! * [`service`]: the scheduler replica that ties them together while it leads.
 //! * `etcd_server` (feature `test-util`, off by default): a throwaway etcd process for tests,
 //!   examples and local runs, which checks that the etcd answering on its port is the one it
-//!   started.
+//!   started; and `store::HookedStore`, a store wrapper through which tests inject faults.
 //!
 //! Job ids, job states, modes, translator hashes and trace contexts are the shared types of
 //! `scd-types`, re-exported here, so the records hold the same values the wire and the command

@@ -4,14 +4,9 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
 use common::{eventually, within, Backend, TTL};
-use scd_scheduler::store::{
-    EventKind, KeyValue, Lease, LeaseId, Listing, MetaStore, StoreError, Txn, TxnOutcome,
-    WatchStream,
-};
+use scd_scheduler::store::{EventKind, HookedStore, LeaseId, MetaStore};
 use scd_scheduler::{LiveNodes, NodeInfo, Registration, RegistrationConfig, RegistrationEvent};
 
 fn config() -> RegistrationConfig {
@@ -123,63 +118,16 @@ async fn a_lost_lease_reregisters_on_its_own(b: Backend) {
     within("listed again", live.wait_for(|m| m.contains_key("n1"))).await;
 }
 
-/// A store whose keep-alive answers slowly, as an overloaded etcd would.
-#[derive(Debug)]
-struct SlowKeepAlive {
-    inner: Arc<dyn MetaStore>,
-    delay: Duration,
-}
-
-#[async_trait]
-impl MetaStore for SlowKeepAlive {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
-        self.inner.get_prefix(prefix).await
-    }
-    async fn put(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        lease: Option<LeaseId>,
-    ) -> Result<i64, StoreError> {
-        self.inner.put(key, value, lease).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        self.inner.delete(key).await
-    }
-    async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
-        self.inner.txn(txn).await
-    }
-    async fn grant_lease(&self, ttl: Duration) -> Result<Lease, StoreError> {
-        self.inner.grant_lease(ttl).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, StoreError> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.inner.revoke_lease(lease).await
-    }
-    async fn watch_prefix(
-        &self,
-        prefix: &str,
-        from_revision: i64,
-    ) -> Result<WatchStream, StoreError> {
-        self.inner.watch_prefix(prefix, from_revision).await
-    }
-    async fn compact(&self, revision: i64) -> Result<(), StoreError> {
-        self.inner.compact(revision).await
-    }
-}
-
 async fn slow_renewals_do_not_drop_a_node(b: Backend) {
     // Each renewal takes 40% of the TTL, longer than the renewal period itself.
-    let slow: Arc<dyn MetaStore> = Arc::new(SlowKeepAlive {
-        inner: b.client().await,
-        delay: TTL * 2 / 5,
-    });
+    // Renewals answered slowly, as an overloaded etcd would.
+    let delay = TTL * 2 / 5;
+    let slow: Arc<dyn MetaStore> = Arc::new(HookedStore::new(b.client().await).before_keep_alive(
+        move || async move {
+            tokio::time::sleep(delay).await;
+            Ok(())
+        },
+    ));
     let reg = Registration::register(slow, &b.keys, node("slow"), config())
         .await
         .unwrap();

@@ -6,14 +6,12 @@
 mod common;
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use async_trait::async_trait;
 use common::{within, Backend};
 use scd_scheduler::jobs::{now_ms, Blame, FOLD_AFTER_BATCHES};
-use scd_scheduler::store::{KeyValue, Lease, LeaseId, Listing, Txn, TxnOutcome, WatchStream};
+use scd_scheduler::store::HookedStore;
 use scd_scheduler::{Appended, JobId, JobRecord, JobResult, JobState, JobStore, Mode};
-use scd_scheduler::{EmbeddedStore, Keys, MetaStore, StoreError};
+use scd_scheduler::{EmbeddedStore, Keys, MetaStore};
 
 /// A job in `decoding`, attempt 1, showing `shown`.
 async fn decoding(jobs: &JobStore, shown: &[u32]) -> JobId {
@@ -185,88 +183,39 @@ async fn a_fold_racing_appends_loses_no_token(b: Backend) {
     assert_eq!(jobs.output_batches(id).await.unwrap(), 0);
 }
 
-/// A store that, once armed, appends `tokens` to job `id`'s output through another writer just
-/// before the next transaction goes through: a batch landing between a fold's read and its
-/// write, every time.
-#[derive(Debug)]
-struct BatchBeforeTxn {
-    inner: Arc<dyn MetaStore>,
-    keys: Keys,
-    armed: Mutex<Option<(JobId, Vec<u32>)>>,
-}
-
-#[async_trait]
-impl MetaStore for BatchBeforeTxn {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
-        self.inner.get(key).await
-    }
-    async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
-        self.inner.get_prefix(prefix).await
-    }
-    async fn put(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        lease: Option<LeaseId>,
-    ) -> Result<i64, StoreError> {
-        self.inner.put(key, value, lease).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        self.inner.delete(key).await
-    }
-    async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
-        let armed = self.armed.lock().unwrap().take();
-        if let Some((id, tokens)) = armed {
-            let other = JobStore::new(self.inner.clone(), self.keys.clone());
-            let wrote = other.append_output(id, &tokens, first_attempt).await;
-            assert_eq!(wrote.unwrap(), Appended::Written);
-        }
-        self.inner.txn(txn).await
-    }
-    async fn grant_lease(&self, ttl: Duration) -> Result<Lease, StoreError> {
-        self.inner.grant_lease(ttl).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, StoreError> {
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.inner.revoke_lease(lease).await
-    }
-    async fn watch_prefix(
-        &self,
-        prefix: &str,
-        from_revision: i64,
-    ) -> Result<WatchStream, StoreError> {
-        self.inner.watch_prefix(prefix, from_revision).await
-    }
-    async fn compact(&self, revision: i64) -> Result<(), StoreError> {
-        self.inner.compact(revision).await
-    }
-}
-
 /// A hand-back whose read of the batches is overtaken by one more: the compare on the head
 /// makes it read again, so the retried record shows that batch too and no key is left behind.
 #[tokio::test]
 async fn a_batch_landing_during_a_fold_is_folded_not_orphaned() {
     let keys = Keys::new("/t");
     let inner: Arc<dyn MetaStore> = Arc::new(EmbeddedStore::new());
-    let racing = Arc::new(BatchBeforeTxn {
-        inner: inner.clone(),
-        keys: keys.clone(),
-        armed: Mutex::new(None),
-    });
     let plain = JobStore::new(inner.clone(), keys.clone());
     let id = decoding(&plain, &[1]).await;
     let wrote = plain.append_output(id, &[1, 2], first_attempt);
     assert_eq!(wrote.await.unwrap(), Appended::Written);
 
-    *racing.armed.lock().unwrap() = Some((id, vec![1, 2, 3]));
-    let scheduler = JobStore::new(racing.clone(), keys.clone());
+    // Once armed, the next transaction is preceded by another writer's batch: one landing
+    // between a fold's read and its write, every time.
+    let armed: Arc<Mutex<Option<Vec<u32>>>> = Arc::new(Mutex::new(Some(vec![1, 2, 3])));
+    let racing = HookedStore::new(inner.clone()).before_txn({
+        let (armed, other) = (armed.clone(), plain.clone());
+        move || {
+            let (tokens, other) = (armed.lock().unwrap().take(), other.clone());
+            async move {
+                if let Some(tokens) = tokens {
+                    let wrote = other.append_output(id, &tokens, first_attempt).await;
+                    assert_eq!(wrote.unwrap(), Appended::Written);
+                }
+                Ok(())
+            }
+        }
+    });
+    let scheduler = JobStore::new(Arc::new(racing), keys.clone());
     let back = scheduler
         .update(id, |j| j.retry("consumer lost", Blame::Consumer, now_ms()))
         .await
         .unwrap();
-    assert!(racing.armed.lock().unwrap().is_none(), "the batch landed");
+    assert!(armed.lock().unwrap().is_none(), "the batch landed");
     assert_eq!(back.state, JobState::Queued);
     assert_eq!(
         tokens(&back),

@@ -1484,71 +1484,12 @@ mod tests {
 
     use std::time::Duration;
 
-    use async_trait::async_trait;
     use scd_scheduler::jobs::Blame;
-    use scd_scheduler::store::{KeyValue, Txn};
-    use scd_scheduler::store::{Lease, LeaseId, Listing, TxnOutcome, WatchStream};
+    use scd_scheduler::store::HookedStore;
     use scd_scheduler::{EmbeddedStore, JobError as RecordError, Mode, StoreError};
     use tokio::time::Instant;
 
     use super::*;
-
-    /// A store whose transactions fail as if etcd were away until `until`.
-    #[derive(Debug)]
-    struct AwayUntil {
-        inner: Arc<dyn MetaStore>,
-        until: StdMutex<Instant>,
-    }
-
-    #[async_trait]
-    impl MetaStore for AwayUntil {
-        async fn get(&self, key: &str) -> Result<Option<KeyValue>, StoreError> {
-            self.inner.get(key).await
-        }
-        async fn get_prefix(&self, prefix: &str) -> Result<Listing, StoreError> {
-            self.inner.get_prefix(prefix).await
-        }
-        async fn put(
-            &self,
-            key: &str,
-            value: Vec<u8>,
-            lease: Option<LeaseId>,
-        ) -> Result<i64, StoreError> {
-            self.inner.put(key, value, lease).await
-        }
-        async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-            self.inner.delete(key).await
-        }
-        async fn txn(&self, txn: Txn) -> Result<TxnOutcome, StoreError> {
-            let until = *self.until.lock().unwrap_or_else(|p| p.into_inner());
-            if Instant::now() < until {
-                return Err(StoreError::Timeout {
-                    op: "txn",
-                    after: Duration::from_secs(1),
-                });
-            }
-            self.inner.txn(txn).await
-        }
-        async fn grant_lease(&self, ttl: Duration) -> Result<Lease, StoreError> {
-            self.inner.grant_lease(ttl).await
-        }
-        async fn keep_alive(&self, lease: LeaseId) -> Result<Duration, StoreError> {
-            self.inner.keep_alive(lease).await
-        }
-        async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-            self.inner.revoke_lease(lease).await
-        }
-        async fn watch_prefix(
-            &self,
-            prefix: &str,
-            from_revision: i64,
-        ) -> Result<WatchStream, StoreError> {
-            self.inner.watch_prefix(prefix, from_revision).await
-        }
-        async fn compact(&self, revision: i64) -> Result<(), StoreError> {
-            self.inner.compact(revision).await
-        }
-    }
 
     /// A job in `decoding` on attempt 1 (p1 to c1), the consumer's [`Attempt`] of it, the
     /// store as everyone else sees it and the job store of a node behind an outage of
@@ -1568,10 +1509,17 @@ mod tests {
             job.transition(s, 2).unwrap();
         }
         others.create(&job).await.unwrap();
-        let away = Arc::new(AwayUntil {
-            inner,
-            until: StdMutex::new(Instant::now() + outage),
-        });
+        // Transactions fail as if etcd were away until then.
+        let until = Instant::now() + outage;
+        let away = Arc::new(HookedStore::new(inner).before_txn(move || async move {
+            match Instant::now() < until {
+                true => Err(StoreError::Timeout {
+                    op: "txn",
+                    after: Duration::from_secs(1),
+                }),
+                false => Ok(()),
+            }
+        }));
         let attempt = Attempt {
             job: id,
             attempt: 1,

@@ -1,9 +1,12 @@
 //! The `MetaStore` trait: the small part of etcd's API that scd relies on, with the types that
 //! travel through it. Two implementations share these semantics exactly: [`EtcdStore`] and
-//! [`EmbeddedStore`]; one test suite (`tests/store_suite.rs`) runs against both.
+//! [`EmbeddedStore`]; one test suite (`tests/store_suite.rs`) runs against both. With feature
+//! `test-util`, [`HookedStore`] wraps either to inject the faults tests need.
 
 mod embedded;
 mod etcd;
+#[cfg(feature = "test-util")]
+mod hooked;
 
 use std::fmt;
 use std::time::Duration;
@@ -14,6 +17,8 @@ use tokio::task::JoinHandle;
 
 pub use embedded::EmbeddedStore;
 pub use etcd::{EtcdStore, EtcdTls};
+#[cfg(feature = "test-util")]
+pub use hooked::{Hook, HookedStore};
 
 /// A lease id as etcd hands it out.
 pub type LeaseId = i64;
