@@ -1362,3 +1362,62 @@ async fn a_consumer_without_room_for_a_jobs_caches_hands_it_back() {
         node.shutdown(Duration::ZERO).await;
     }
 }
+
+/// A job naming documents decodes after their compiled rows, so its consumer reserves room for
+/// those too: here the prompt and the answer alone fit the consumer's `kv_mib`, and with the
+/// document they do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_reserves_room_for_a_jobs_documents_too() {
+    use scd_models::KvCache;
+    use scd_scheduler::DocumentRegistry;
+    let m = models();
+    let prompt = prompt(m);
+    let cluster = Cluster::new();
+    let translator = repo().join("experts/mail/translator");
+    let store_dir = tempfile::tempdir().unwrap();
+    let documents = format!("[documents]\ndir = \"{}\"\n", store_dir.path().display());
+    let producer = cluster
+        .start(&config_with(
+            "prefill-0",
+            "\"producer\", \"scheduler\"",
+            true,
+            &translator,
+            &documents,
+        ))
+        .await;
+    let max_tokens = 4;
+    let cfg = m.base.config();
+    let kv_mib = KvCache::peak_bytes(cfg, prompt.len() + max_tokens).div_ceil(1 << 20);
+    let limits = format!("[limits]\nkv_mib = {kv_mib}\n");
+    let small = config_with("mail-d", "\"consumer\"", true, &translator, &limits);
+    let consumer = cluster.start(&small).await;
+
+    let sentence = "The keeper logged every ship that passed the rock. ";
+    let document = m.tok.encode(&sentence.repeat(20), false).unwrap();
+    let with_document = document.len() + prompt.len() + max_tokens;
+    assert!(KvCache::peak_bytes(cfg, with_document) > kv_mib << 20);
+    let registry = DocumentRegistry::new(cluster.store.clone(), Keys::default());
+    let record = registry
+        .add(common::MODEL_FILE, document, None)
+        .await
+        .unwrap();
+    let mut ask = request(&prompt, max_tokens);
+    ask.documents = vec![record.id];
+    let id = cluster
+        .client
+        .submit("mail", Mode::Oracle, ask)
+        .await
+        .unwrap();
+    let job = cluster.client.wait(id, WAIT).await.unwrap();
+    assert_eq!(job.state, JobState::Failed, "{job:?}");
+    let error = job.error.clone().unwrap_or_default();
+    assert!(
+        error.contains("mail-d") && error.contains(&format!("[limits] kv_mib ({kv_mib})")),
+        "{error}"
+    );
+    assert_eq!(job.attempts, job.max_attempts, "{:?}", job.history);
+    assert!(job.output.is_none(), "nothing decoded");
+    for node in [consumer, producer] {
+        node.shutdown(Duration::ZERO).await;
+    }
+}

@@ -618,17 +618,7 @@ impl Work {
             .producer()
             .ok_or(Refusal::Codec("this node has no producer role".into()))?;
         if !request.documents.is_empty() {
-            let registry =
-                scd_scheduler::DocumentRegistry::new(self.store.clone(), self.keys.clone());
-            let mut documents = Vec::with_capacity(request.documents.len());
-            for id in &request.documents {
-                let record = registry
-                    .get(id)
-                    .await
-                    .map_err(|e| Refusal::Documents(format!("document {id}: {e}")))?
-                    .ok_or_else(|| Refusal::UnknownDocument(id.clone()))?;
-                documents.push((record.id, record.tokens));
-            }
+            let documents = self.documents_of(request).await?;
             let after = request.prompt.len() + request.max_tokens as usize;
             return producer
                 .start_documents(
@@ -756,6 +746,21 @@ impl Work {
         });
     }
 
+    /// The documents `request` names (SemPIC), read from their records: id and tokens, in order.
+    async fn documents_of(&self, request: &JobRequest) -> Result<Vec<(String, Vec<u32>)>, Refusal> {
+        let registry = scd_scheduler::DocumentRegistry::new(self.store.clone(), self.keys.clone());
+        let mut documents = Vec::with_capacity(request.documents.len());
+        for id in &request.documents {
+            let record = registry
+                .get(id)
+                .await
+                .map_err(|e| Refusal::Documents(format!("document {id}: {e}")))?
+                .ok_or_else(|| Refusal::UnknownDocument(id.clone()))?;
+            documents.push((record.id, record.tokens));
+        }
+        Ok(documents)
+    }
+
     /// The consumer half of a job whose stream arrived: its [`ConsumerHalf`]'s actions
     /// carried out.
     async fn run_consumer(&self, job: JobRecord, receiver: JobReceiver, cancel: CancellationToken) {
@@ -780,9 +785,17 @@ impl Work {
                 Err(refusal) => set_up = Err(refusal),
             }
         }
-        // Room for every expert's cache of the whole answer, held until the job ends here.
+        // Room for every expert's cache of the whole answer (after the documents' compiled
+        // rows, where it names any), held until the job ends here.
+        let document_rows = match (&set_up, job.request.as_ref()) {
+            (Ok(_), Some(r)) if !r.documents.is_empty() => self
+                .documents_of(r)
+                .await
+                .map(|d| d.iter().map(|(_, tokens)| tokens.len()).sum()),
+            _ => Ok(0),
+        };
         let set_up = set_up.and_then(|(decoder, params, codec, prompt)| {
-            let positions = prompt.len() + params.max_tokens;
+            let positions = document_rows? + prompt.len() + params.max_tokens;
             let bytes = KvCache::peak_bytes(&self.served.config, positions)
                 .saturating_mul(1 + others.len() as u64);
             let held = self.kv.reserve(bytes)?;
