@@ -552,6 +552,10 @@ pub struct Limits {
     pub attempt_base_s: u64,
     /// Milliseconds an attempt's deadline grows per token the job may generate. Default 1000.
     pub attempt_ms_per_token: u64,
+    /// Seconds a queued job may wait while no live node hosts its expert before it fails saying
+    /// so (its consumers died, left or lost the store, and none came back). Read by the
+    /// scheduler role. Default 30.
+    pub orphan_grace_s: u64,
     /// Largest translator file (weights or manifest) the node loads, in MiB: a version the
     /// store names is read whole into memory. Default 1024.
     pub translator_mib: u64,
@@ -574,6 +578,7 @@ impl Default for Limits {
             archived_jobs_max: 10_000,
             attempt_base_s: 300,
             attempt_ms_per_token: 1000,
+            orphan_grace_s: 30,
             translator_mib: 1024,
             kv_mib: 2048,
         }

@@ -253,6 +253,7 @@ impl Node {
                             max_records: config.limits.archived_jobs_max,
                             ..scd_scheduler::ArchiveConfig::default()
                         },
+                        orphan_grace: Duration::from_secs(config.limits.orphan_grace_s),
                         attempt_deadline: scd_scheduler::AttemptDeadline {
                             base: Duration::from_secs(config.limits.attempt_base_s),
                             per_token: Duration::from_millis(config.limits.attempt_ms_per_token),
