@@ -99,13 +99,16 @@ test-deploy: setup
 test-smoke: setup model data
 	cargo test -p scd --test cli_smoke --no-fail-fast
 
-# The control plane under store faults (issue R1 §2; minutes, so not part of `make test`): a
+# The control plane under faults (issue R1 §2, §5; minutes, so not part of `make test`): a
 # real etcd with a scheduler, a producer and a consumer node running the real model, jobs in
-# flight; etcd stopped 60 s (SIGSTOP), then etcd out of space (NOSPACE under a 16 MiB
-# --quota-backend-bytes, held 20 s, then healed). Each prints a row of submitted / done /
-# failed / lost / duplicated / retries / seconds to recover; BENCHMARKS.md records a run.
-# The restart tests (a node killed and started again under its id) are in `make test`
-# (actors/tests/restarts.rs, scheduler/tests/restarts.rs).
+# flight; the consumer killed and restarted under its id at once; etcd stopped 60 s
+# (SIGSTOP); etcd out of space (NOSPACE under a 16 MiB --quota-backend-bytes, held 20 s, then
+# healed); the producer and the consumer partitioned from each other 60 s; the consumer cut
+# from etcd 60 s. The last two put the producer and the consumer in network namespaces
+# (ops/netns-link.sh: root, or CAP_SYS_ADMIN and CAP_NET_ADMIN) and fail saying so without.
+# Each prints a row of submitted / done / failed / lost / duplicated / retries / seconds to
+# recover; BENCHMARKS.md records a run. The restart tests of `make test`
+# (actors/tests/restarts.rs, scheduler/tests/restarts.rs) check single jobs through restarts.
 .PHONY: faults
 faults: setup model data
 	cargo test -p scd-actors --test faults -- --ignored --nocapture --test-threads 1

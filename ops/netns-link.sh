@@ -8,11 +8,20 @@
 #   ops/netns-link.sh down
 #   ops/netns-link.sh status
 #   ops/netns-link.sh check           exit 0 when namespaces can be created here
+#   ops/netns-link.sh control         also join each namespace to the host by its own unshaped
+#                                     link (host 10.78.1.1 <-> 10.78.1.2 in -a, host 10.78.2.1
+#                                     <-> 10.78.2.2 in -b): a service on the host (etcd) is
+#                                     reached from each side apart from the link between them
+#   ops/netns-link.sh cut LINK        drop every packet on LINK, both ways, silently (a
+#                                     partition, not a refused connection): LINK is data (the
+#                                     shaped a<->b link), ctl-a or ctl-b (the control links)
+#   ops/netns-link.sh heal LINK       undo cut (the data link gets its shaping back)
 #
 # Run a program on either side with: ip netns exec scd-a <cmd> / ip netns exec scd-b <cmd>.
 # SCD_NETNS_PREFIX=<p> names the namespaces <p>-a and <p>-b instead (the transport test uses its
 # process id, so that runs at the same time keep their own links).
-# Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN).
+# Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN). Control addresses are fixed, so one prefix at
+# a time may have control links.
 set -euo pipefail
 
 NS_A=${SCD_NETNS_PREFIX:-scd}-a
@@ -21,6 +30,12 @@ DEV_A=scd-veth-a
 DEV_B=scd-veth-b
 IP_A=10.77.0.1
 IP_B=10.77.0.2
+# The control links' host ends are in the host's namespace, so their names carry the prefix.
+CTL_HOST_A=${NS_A}h
+CTL_HOST_B=${NS_B}h
+CTL_DEV=scd-ctl
+# Where `up` keeps the data link's shaping for `heal`.
+STATE=/run/scd-netns-${SCD_NETNS_PREFIX:-scd}
 
 die() { echo "netns-link: $*" >&2; exit 1; }
 
@@ -35,8 +50,13 @@ check() {
 }
 
 down() {
+    # A veth pair goes with either end, but a namespace is torn down in the background: the
+    # host's ends are deleted now so that an `up` right after finds their names free.
+    ip link del "$CTL_HOST_A" 2>/dev/null || true
+    ip link del "$CTL_HOST_B" 2>/dev/null || true
     ip netns del "$NS_A" 2>/dev/null || true
     ip netns del "$NS_B" 2>/dev/null || true
+    rm -f "$STATE"
 }
 
 shape() {
@@ -68,7 +88,62 @@ up() {
     ip -n "$NS_B" link set "$DEV_B" up
     shape "$NS_A" "$DEV_A" "$rate" "$delay"
     shape "$NS_B" "$DEV_B" "$rate" "$delay"
+    echo "$rate $delay" > "$STATE"
     echo "netns-link: $NS_A ($IP_A) <-> $NS_B ($IP_B), rate $rate, one-way delay $delay"
+}
+
+control() {
+    ip netns list | grep -qw "$NS_A" || die "no link: run up first"
+    local side host ns net
+    for side in a b; do
+        if [[ $side == a ]]; then host=$CTL_HOST_A ns=$NS_A net=10.78.1
+        else host=$CTL_HOST_B ns=$NS_B net=10.78.2; fi
+        ip link add "$host" type veth peer name "$CTL_DEV" netns "$ns"
+        ip addr add "$net.1/24" dev "$host"
+        ip link set "$host" up
+        ip -n "$ns" addr add "$net.2/24" dev "$CTL_DEV"
+        ip -n "$ns" link set "$CTL_DEV" up
+    done
+    echo "netns-link: control links host 10.78.1.1 <-> $NS_A 10.78.1.2, host 10.78.2.1 <-> $NS_B 10.78.2.2"
+}
+
+# The two ends of LINK as "namespace:device" ("-" is the host's namespace).
+ends() {
+    case "$1" in
+        data) echo "$NS_A:$DEV_A $NS_B:$DEV_B" ;;
+        ctl-a) echo "-:$CTL_HOST_A $NS_A:$CTL_DEV" ;;
+        ctl-b) echo "-:$CTL_HOST_B $NS_B:$CTL_DEV" ;;
+        *) die "unknown link '$1' (data, ctl-a or ctl-b)" ;;
+    esac
+}
+
+in_ns() {
+    local ns=$1; shift
+    if [[ $ns == - ]]; then "$@"; else ip netns exec "$ns" "$@"; fi
+}
+
+cut() {
+    local link=${1:?usage: cut data|ctl-a|ctl-b} end
+    # A zero-byte fifo as the root queue drops every packet sent: the device stays up, so
+    # neither side is told (as when a switch between them fails).
+    for end in $(ends "$link"); do
+        in_ns "${end%%:*}" tc qdisc replace dev "${end##*:}" root bfifo limit 0
+    done
+    echo "netns-link: $link cut"
+}
+
+heal() {
+    local link=${1:?usage: heal data|ctl-a|ctl-b} end ns dev
+    for end in $(ends "$link"); do
+        ns=${end%%:*} dev=${end##*:}
+        in_ns "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
+        if [[ $link == data ]]; then
+            [[ -f $STATE ]] || die "the data link's shaping is unknown ($STATE missing)"
+            read -r rate delay < "$STATE"
+            shape "$ns" "$dev" "$rate" "$delay"
+        fi
+    done
+    echo "netns-link: $link healed"
 }
 
 status() {
@@ -89,5 +164,8 @@ case "${1:-}" in
     down) down ;;
     status) status ;;
     check) check ;;
-    *) die "usage: $0 up RATE DELAY | down | status | check" ;;
+    control) control ;;
+    cut) shift; cut "$@" ;;
+    heal) shift; heal "$@" ;;
+    *) die "usage: $0 up RATE DELAY | down | status | check | control | cut LINK | heal LINK" ;;
 esac

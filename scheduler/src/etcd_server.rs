@@ -7,7 +7,7 @@
 //! stray etcd left on the same port by another process would otherwise pass for ours, and a test
 //! would run against someone else's data.
 
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -100,6 +100,9 @@ pub struct EtcdServer {
     tls: Option<ServingTls>,
     /// What this harness presents as a client of it then.
     client_tls: Option<EtcdTls>,
+    /// Addresses it also serves clients on, besides loopback (the network fault tests, whose
+    /// nodes sit in other network namespaces).
+    also_on: Vec<IpAddr>,
 }
 
 /// The history the test etcd keeps: auto-compaction as in every shipped etcd config
@@ -157,6 +160,23 @@ impl EtcdServer {
         .await
     }
 
+    /// Starts etcd on free ports serving plain clients on loopback and on each of `hosts` too
+    /// (same port): for clients in other network namespaces, see [`Self::endpoint_at`].
+    pub async fn start_also_on(hosts: &[IpAddr]) -> Result<Self, EtcdServerError> {
+        let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
+        let mut server = Self::unstarted(
+            binary,
+            free_port()?,
+            free_port()?,
+            COMPACTION_RETENTION,
+            None,
+            None,
+        )?;
+        server.also_on = hosts.to_vec();
+        server.spawn().await?;
+        Ok(server)
+    }
+
     async fn start_with(
         client_port: u16,
         peer_port: u16,
@@ -165,10 +185,29 @@ impl EtcdServer {
         tls: Option<ServingTls>,
     ) -> Result<Self, EtcdServerError> {
         let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
-        let dir = tempfile::Builder::new().prefix("scd-etcd-").tempdir()?;
-        let mut server = Self {
+        let mut server = Self::unstarted(
             binary,
-            dir,
+            client_port,
+            peer_port,
+            retention,
+            quota_backend_bytes,
+            tls,
+        )?;
+        server.spawn().await?;
+        Ok(server)
+    }
+
+    fn unstarted(
+        binary: PathBuf,
+        client_port: u16,
+        peer_port: u16,
+        retention: &str,
+        quota_backend_bytes: Option<u64>,
+        tls: Option<ServingTls>,
+    ) -> Result<Self, EtcdServerError> {
+        Ok(Self {
+            binary,
+            dir: tempfile::Builder::new().prefix("scd-etcd-").tempdir()?,
             name: unique_name(),
             client_port,
             peer_port,
@@ -177,15 +216,19 @@ impl EtcdServer {
             quota_backend_bytes,
             client_tls: tls.as_ref().map(ServingTls::client).transpose()?,
             tls,
-        };
-        server.spawn().await?;
-        Ok(server)
+            also_on: Vec::new(),
+        })
     }
 
     /// The client URL (`https://` where it serves TLS).
     pub fn endpoint(&self) -> String {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The client URL on one of the addresses given to [`Self::start_also_on`].
+    pub fn endpoint_at(&self, host: IpAddr) -> String {
+        format!("http://{host}:{}", self.client_port)
     }
 
     /// What a client needs to reach a TLS etcd: its CA, and etcd's own certificate as the
@@ -250,7 +293,10 @@ impl EtcdServer {
     }
 
     async fn spawn(&mut self) -> Result<(), EtcdServerError> {
-        let client = self.endpoint();
+        let client = std::iter::once(self.endpoint())
+            .chain(self.also_on.iter().map(|h| self.endpoint_at(*h)))
+            .collect::<Vec<_>>()
+            .join(",");
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log_path = self.dir.path().join("etcd.log");
         let log = std::fs::OpenOptions::new()
