@@ -163,15 +163,7 @@ impl EtcdServer {
     /// Starts etcd on free ports serving plain clients on loopback and on each of `hosts` too
     /// (same port): for clients in other network namespaces, see [`Self::endpoint_at`].
     pub async fn start_also_on(hosts: &[IpAddr]) -> Result<Self, EtcdServerError> {
-        let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
-        let mut server = Self::unstarted(
-            binary,
-            free_port()?,
-            free_port()?,
-            COMPACTION_RETENTION,
-            None,
-            None,
-        )?;
+        let mut server = Self::unstarted(free_port()?, free_port()?, COMPACTION_RETENTION)?;
         server.also_on = hosts.to_vec();
         server.spawn().await?;
         Ok(server)
@@ -184,38 +176,31 @@ impl EtcdServer {
         quota_backend_bytes: Option<u64>,
         tls: Option<ServingTls>,
     ) -> Result<Self, EtcdServerError> {
-        let binary = find_etcd().ok_or(EtcdServerError::BinaryMissing)?;
-        let mut server = Self::unstarted(
-            binary,
-            client_port,
-            peer_port,
-            retention,
-            quota_backend_bytes,
-            tls,
-        )?;
+        let mut server = Self::unstarted(client_port, peer_port, retention)?;
+        server.quota_backend_bytes = quota_backend_bytes;
+        server.client_tls = tls.as_ref().map(ServingTls::client).transpose()?;
+        server.tls = tls;
         server.spawn().await?;
         Ok(server)
     }
 
+    /// A plain etcd on those ports, not started yet.
     fn unstarted(
-        binary: PathBuf,
         client_port: u16,
         peer_port: u16,
         retention: &str,
-        quota_backend_bytes: Option<u64>,
-        tls: Option<ServingTls>,
     ) -> Result<Self, EtcdServerError> {
         Ok(Self {
-            binary,
+            binary: find_etcd().ok_or(EtcdServerError::BinaryMissing)?,
             dir: tempfile::Builder::new().prefix("scd-etcd-").tempdir()?,
             name: unique_name(),
             client_port,
             peer_port,
             child: None,
             compaction_retention: retention.to_string(),
-            quota_backend_bytes,
-            client_tls: tls.as_ref().map(ServingTls::client).transpose()?,
-            tls,
+            quota_backend_bytes: None,
+            tls: None,
+            client_tls: None,
             also_on: Vec::new(),
         })
     }
