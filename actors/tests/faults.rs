@@ -51,7 +51,7 @@ struct Rig {
     client: ClusterClient,
     nodes: Vec<Node>,
     /// Nodes in other network namespaces, each with the runtime whose threads live there.
-    away: Vec<(tokio::runtime::Runtime, Node)>,
+    away: Vec<(AwayRuntime, Node)>,
     /// The namespaces' link, torn down when the rig stops.
     link: Option<Link>,
 }
@@ -156,7 +156,7 @@ impl Link {
     /// A runtime whose threads live in namespace `side` (a or b). A thread starts in the
     /// namespace of the thread that spawns it and a socket belongs to that of the thread that
     /// opens it, so a node started on this runtime listens and connects from there.
-    fn runtime(&self, side: &str) -> tokio::runtime::Runtime {
+    fn runtime(&self, side: &str) -> AwayRuntime {
         let path = format!("/var/run/netns/{}-{side}", self.prefix);
         std::thread::spawn(move || {
             let ns = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
@@ -170,7 +170,31 @@ impl Link {
                 .unwrap()
         })
         .join()
+        .map(|runtime| AwayRuntime(Some(runtime)))
         .unwrap()
+    }
+}
+
+/// A runtime of its own for a namespace's node. Dropping a runtime blocks, which panics inside
+/// the test's runtime: this one is shut down without waiting, so that a failing test reports
+/// its failure and takes its namespaces down instead of aborting.
+struct AwayRuntime(Option<tokio::runtime::Runtime>);
+
+impl AwayRuntime {
+    fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.0.as_ref().expect("running until dropped").spawn(task)
+    }
+}
+
+impl Drop for AwayRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
     }
 }
 
@@ -342,7 +366,6 @@ impl Rig {
     async fn stop(self) {
         for (runtime, node) in self.away {
             let _ = runtime.spawn(node.shutdown(Duration::ZERO)).await;
-            runtime.shutdown_background();
         }
         for node in self.nodes {
             node.shutdown(Duration::ZERO).await;
