@@ -508,8 +508,9 @@ impl Work {
         report.layers.push((Stage::Encode, points.collect()));
         report.wire_bytes = done.sent.wire_bytes;
         if let Some(consumer) = job.consumer.as_deref() {
-            self.ranks
-                .observe_transfer(consumer, report.wire_bytes, done.sent.link_rate);
+            let elapsed = done.sent.span.end - done.sent.span.start;
+            let (bytes, rate) = (report.wire_bytes, done.sent.link_rate);
+            self.ranks.observe_transfer(consumer, bytes, rate, elapsed);
         }
         if let Some(r) = job.request.as_ref() {
             let rows = r.prompt.len().saturating_sub(1);
