@@ -428,7 +428,8 @@ impl ClusterClient {
             Ok(r) => r,
             Err(_) => {
                 let job = self.get(id).await?;
-                let node = |n: Option<String>| n.unwrap_or_else(|| "none".into());
+                let node =
+                    |n: Option<scd_types::NodeId>| n.map_or_else(|| "none".into(), String::from);
                 Err(ClientError::Timeout {
                     id,
                     after: timeout,

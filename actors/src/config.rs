@@ -283,7 +283,7 @@ impl CodeDtypeName {
 pub struct NodeSettings {
     /// The node's name: its key in the store and the name its certificate is issued to
     /// (1-63 characters of a-z, 0-9 and '-').
-    pub id: String,
+    pub id: scd_types::NodeId,
     /// The QUIC endpoint's address (UDP): code streams between nodes and admin clients.
     pub listen: SocketAddr,
     /// What the node does; at least one role.
@@ -798,7 +798,7 @@ impl NodeConfig {
             ConfigError::ForeignCertificate {
                 cert: tls.cert.clone(),
                 ca: tls.ca.clone(),
-                id: self.node.id.clone(),
+                id: self.node.id.to_string(),
                 source: Box::new(source),
             }
         })?;
@@ -847,7 +847,7 @@ impl NodeConfig {
                 .roles
                 .iter()
                 .any(|r| !matches!(r, NodeRole::Gateway | NodeRole::Scheduler));
-            if dialed && *name != self.node.id {
+            if dialed && name != self.node.id.as_str() {
                 return Err(invalid(
                     "tls.name",
                     format!(

@@ -662,7 +662,7 @@ mod tests {
     use crate::decoder::DecoderError;
     use crate::producer::ProducerError;
     use crate::transfer::TransferError;
-    use scd_scheduler::{JobRequest, Mode, StageSpan};
+    use scd_scheduler::{JobRequest, Mode, NodeId, StageSpan};
     use scd_transport::{RecvError, SendError};
     use scd_types::Stage;
 
@@ -682,8 +682,8 @@ mod tests {
         });
         j.created_at_ms = 1_000;
         j.attempts = 1;
-        j.producer = Some(producer.into());
-        j.consumer = Some(consumer.into());
+        j.producer = Some(NodeId::new(producer).unwrap());
+        j.consumer = Some(NodeId::new(consumer).unwrap());
         j.state = state;
         j
     }

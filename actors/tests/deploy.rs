@@ -109,7 +109,7 @@ async fn readyz_follows_the_registration_and_livez_the_process() {
 
     // Still there as the store lists it serving nothing (a drain advertises that): not ready.
     let stop_serving = scd_scheduler::envelope::encode(&scd_scheduler::NodeInfo::new(
-        "prefill-0",
+        scd_scheduler::NodeId::from_static("prefill-0"),
         "127.0.0.1:1",
         0,
     ))

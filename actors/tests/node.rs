@@ -16,7 +16,9 @@ use scd_actors::config::RankSetting;
 use scd_actors::{ClientError, JobCodec};
 use scd_models::codec::CodecOptions;
 use scd_models::translator::Translator;
-use scd_scheduler::{JobState, Keys, Mode, RanksRule, TranslatorManifest, TranslatorRegistry};
+use scd_scheduler::{
+    JobState, Keys, Mode, NodeId, RanksRule, TranslatorManifest, TranslatorRegistry,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_reference() {
@@ -1294,8 +1296,12 @@ async fn a_stream_refused_without_a_record_is_handed_back_and_runs_again() {
     let prompt = prompt(m);
     let mut job = JobRecord::new(JobId::random(), "mail", Mode::Raw, 3)
         .with_request(request(&prompt, MAX_TOKENS));
-    job.assign("prefill-0", "prefill-1", scd_scheduler::jobs::now_ms())
-        .unwrap();
+    job.assign(
+        &NodeId::from_static("prefill-0"),
+        &NodeId::from_static("prefill-1"),
+        scd_scheduler::jobs::now_ms(),
+    )
+    .unwrap();
     JobStore::new(cluster.store.clone(), Keys::default())
         .create(&job)
         .await
@@ -1352,7 +1358,9 @@ async fn a_consumer_without_room_for_a_jobs_caches_hands_it_back() {
     );
     // Handed back each time (blaming the consumer), not failed at the first refusal.
     assert_eq!(job.attempts, job.max_attempts, "{:?}", job.history);
-    assert!(job.failed_consumers.contains(&"mail-k".to_string()));
+    assert!(job
+        .failed_consumers
+        .contains(&NodeId::from_static("mail-k")));
     assert!(job.failed_producers.is_empty());
     assert!(
         job.output.is_none(),

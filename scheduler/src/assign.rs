@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::membership::{NodeInfo, NodeMap};
+use scd_types::NodeId;
 
 /// One expert model to build a pool for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,7 +46,7 @@ impl ExpertSpec {
 }
 
 /// Pools by expert id; each pool is a sorted list of producer node ids.
-pub type Pools = BTreeMap<String, Vec<String>>;
+pub type Pools = BTreeMap<String, Vec<NodeId>>;
 
 const EPS: f64 = 1e-9;
 
@@ -86,16 +87,16 @@ pub fn compute_pools(nodes: &NodeMap, experts: &[ExpertSpec], previous: &Pools) 
 
     struct Plan<'a> {
         spec: &'a ExpertSpec,
-        eligible: Vec<String>,
+        eligible: Vec<NodeId>,
         target: usize,
         share: f64,
-        members: Vec<String>,
+        members: Vec<NodeId>,
     }
 
     let mut plans: Vec<Plan<'_>> = experts
         .iter()
         .map(|spec| {
-            let eligible: Vec<String> = producers
+            let eligible: Vec<NodeId> = producers
                 .values()
                 .filter(|p| p.node.producer_models.iter().any(|m| m == &spec.base_model))
                 .map(|p| p.node.id.clone())
@@ -106,7 +107,7 @@ pub fn compute_pools(nodes: &NodeMap, experts: &[ExpertSpec], previous: &Pools) 
             } else {
                 spec.demand.max(0.0) / target as f64
             };
-            let mut members: Vec<String> = previous
+            let mut members: Vec<NodeId> = previous
                 .get(&spec.expert)
                 .into_iter()
                 .flatten()
@@ -182,7 +183,7 @@ pub fn compute_pools(nodes: &NodeMap, experts: &[ExpertSpec], previous: &Pools) 
     // Rebalance with single moves while one strictly helps; bounded for safety.
     let max_moves = plans.iter().map(|p| p.target).sum::<usize>() * 4 + 8;
     for _ in 0..max_moves {
-        let mut best: Option<(f64, usize, String, String)> = None;
+        let mut best: Option<(f64, usize, NodeId, NodeId)> = None;
         for (i, plan) in plans.iter().enumerate() {
             if plan.share <= 0.0 {
                 continue;
@@ -237,7 +238,7 @@ pub fn compute_pools(nodes: &NodeMap, experts: &[ExpertSpec], previous: &Pools) 
         .collect()
 }
 
-fn busiest(members: &[String], producers: &BTreeMap<&str, Producer<'_>>) -> Option<usize> {
+fn busiest(members: &[NodeId], producers: &BTreeMap<&str, Producer<'_>>) -> Option<usize> {
     members
         .iter()
         .enumerate()
@@ -269,7 +270,7 @@ pub fn pool_changes(before: &Pools, after: &Pools) -> usize {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProducerChoice {
     /// Its node id.
-    pub producer: String,
+    pub producer: NodeId,
     /// How many leading prompt blocks it already holds.
     pub matched_blocks: usize,
     /// How many of the job's documents it holds compiled.
@@ -282,11 +283,11 @@ pub struct ProducerChoice {
 /// `prompt_hashes` (chained block hashes, see [`crate::prefix`]), then the lowest load per
 /// capacity, then the id.
 pub fn choose_producer(
-    pool: &[String],
+    pool: &[NodeId],
     nodes: &NodeMap,
     prompt_hashes: &[String],
     documents: &[String],
-    exclude: &[String],
+    exclude: &[NodeId],
 ) -> Option<ProducerChoice> {
     let candidates: Vec<&NodeInfo> = pool
         .iter()
@@ -334,8 +335,8 @@ pub fn choose_producer(
 pub fn choose_consumer<S: AsRef<str>>(
     experts: &[S],
     nodes: &NodeMap,
-    excluded: &[String],
-) -> Option<String> {
+    excluded: &[NodeId],
+) -> Option<NodeId> {
     let hosts = || {
         nodes.values().filter(|n| {
             experts
@@ -363,9 +364,13 @@ mod tests {
     use super::*;
 
     fn producer(id: &str, capacity: u32, bases: &[&str]) -> NodeInfo {
-        let mut n = NodeInfo::new(id, "127.0.0.1:1", capacity);
+        let mut n = NodeInfo::new(NodeId::new(id).unwrap(), "127.0.0.1:1", capacity);
         n.producer_models = bases.iter().map(|b| b.to_string()).collect();
         n
+    }
+
+    fn ids(list: &[&str]) -> Vec<NodeId> {
+        list.iter().map(|id| NodeId::new(*id).unwrap()).collect()
     }
 
     fn nodes(list: Vec<NodeInfo>) -> NodeMap {
@@ -412,7 +417,7 @@ mod tests {
 
     #[test]
     fn only_producers_of_the_base_model_are_eligible() {
-        let mut consumer = NodeInfo::new("c", "x", 4);
+        let mut consumer = NodeInfo::new(NodeId::from_static("c"), "x", 4);
         consumer.consumer_models = vec!["e0".into()];
         let ns = nodes(vec![
             producer("a", 4, &["base"]),
@@ -457,7 +462,7 @@ mod tests {
         for (expert, members) in &before {
             if members.iter().any(|m| m == "p1") {
                 assert_eq!(after[expert].len(), 2);
-                assert!(!after[expert].contains(&"p1".to_string()));
+                assert!(!after[expert].contains(&NodeId::from_static("p1")));
                 let kept: Vec<_> = members.iter().filter(|m| *m != "p1").collect();
                 assert!(
                     kept.iter().all(|k| after[expert].contains(k)),
@@ -487,7 +492,7 @@ mod tests {
         let before = compute_pools(&ns, &experts(6, 1), &Pools::new());
         assert_eq!(memberships(&before, "p0"), 3);
         let mut more = ns.clone();
-        more.insert("p2".into(), producer("p2", 4, &["base"]));
+        more.insert(NodeId::from_static("p2"), producer("p2", 4, &["base"]));
         let after = compute_pools(&more, &experts(6, 1), &before);
         assert_eq!(memberships(&after, "p2"), 2);
         assert_eq!(memberships(&after, "p0"), 2);
@@ -504,9 +509,9 @@ mod tests {
             producer("a", 1, &["base"]),
             producer("b", 10, &["base"]),
         ]);
-        let previous: Pools = [("e0".to_string(), vec!["a".to_string(), "b".to_string()])].into();
+        let previous: Pools = [("e0".to_string(), ids(&["a", "b"]))].into();
         let pools = compute_pools(&ns, &experts(1, 1), &previous);
-        assert_eq!(pools["e0"], vec!["b".to_string()]);
+        assert_eq!(pools["e0"], ids(&["b"]));
     }
 
     #[test]
@@ -519,13 +524,13 @@ mod tests {
         b.load = 3;
         c.load = 0;
         let ns = nodes(vec![a.clone(), b.clone(), c.clone()]);
-        let pool: Vec<String> = vec!["a".into(), "b".into(), "c".into()];
+        let pool: Vec<NodeId> = ["a", "b", "c"].map(NodeId::from_static).to_vec();
         let prompt = vec!["h0".to_string(), "h1".to_string(), "h2".to_string()];
         let pick = choose_producer(&pool, &ns, &prompt, &[], &[]).unwrap();
         assert_eq!(
             pick,
             ProducerChoice {
-                producer: "b".into(),
+                producer: NodeId::from_static("b"),
                 matched_blocks: 2,
                 held_documents: 0,
             }
@@ -544,12 +549,12 @@ mod tests {
         );
         // Excluded or dead members are never chosen.
         assert_eq!(
-            choose_producer(&pool, &ns, &prompt, &[], &["a".into()])
+            choose_producer(&pool, &ns, &prompt, &[], &ids(&["a"]))
                 .unwrap()
                 .producer,
             "c"
         );
-        assert!(choose_producer(&["gone".into()], &ns, &prompt, &[], &[]).is_none());
+        assert!(choose_producer(&ids(&["gone"]), &ns, &prompt, &[], &[]).is_none());
     }
 
     #[test]
@@ -559,7 +564,7 @@ mod tests {
         let b = producer("b", 4, &["base"]);
         let ns = nodes(vec![a, b]);
         let pick = choose_producer(
-            &["a".into(), "b".into()],
+            &ids(&["a", "b"]),
             &ns,
             &["h0".into(), "h1".into()],
             &[],
@@ -583,7 +588,7 @@ mod tests {
         b.load = 3;
         b.prefix_hashes = vec![];
         c.prefix_hashes = vec!["h0".into()];
-        let pool: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let pool: Vec<NodeId> = ["a", "b", "c", "d"].map(NodeId::from_static).to_vec();
         let ns = nodes(vec![a, b, c, d.clone()]);
         let docs = ["d1".to_string(), "d2".to_string()];
         // Held documents before prefix and load.
@@ -594,18 +599,18 @@ mod tests {
         let other = ["d9".to_string()];
         let pick = choose_producer(&pool, &ns, &["h0".into()], &other, &[]).unwrap();
         assert_eq!((pick.producer.as_str(), pick.matched_blocks), ("c", 1));
-        assert!(choose_producer(&["d".into()], &ns, &[], &other, &[]).is_none());
+        assert!(choose_producer(&ids(&["d"]), &ns, &[], &other, &[]).is_none());
         // A job without documents may go anywhere.
         let ns = nodes(vec![d]);
-        assert!(choose_producer(&["d".into()], &ns, &[], &[], &[]).is_some());
+        assert!(choose_producer(&ids(&["d"]), &ns, &[], &[], &[]).is_some());
     }
 
     #[test]
     fn consumer_is_a_node_hosting_the_expert() {
-        let mut c1 = NodeInfo::new("c1", "x", 2);
+        let mut c1 = NodeInfo::new(NodeId::from_static("c1"), "x", 2);
         c1.consumer_models = vec!["sotu".into()];
         c1.load = 2;
-        let mut c2 = NodeInfo::new("c2", "x", 2);
+        let mut c2 = NodeInfo::new(NodeId::from_static("c2"), "x", 2);
         c2.consumer_models = vec!["sotu".into(), "law".into()];
         let ns = nodes(vec![c1, c2, producer("p", 1, &["base"])]);
         assert_eq!(choose_consumer(&["sotu"], &ns, &[]).as_deref(), Some("c2"));
@@ -618,9 +623,9 @@ mod tests {
         assert_eq!(choose_consumer(&["sotu", "none"], &ns, &[]), None);
         // A consumer that lost the job is avoided while another hosts the expert, and used
         // when it is the only one.
-        let c2 = vec!["c2".to_string()];
+        let c2 = ids(&["c2"]);
         assert_eq!(choose_consumer(&["sotu"], &ns, &c2).as_deref(), Some("c1"));
-        let both = vec!["c1".to_string(), "c2".to_string()];
+        let both = ids(&["c1", "c2"]);
         assert_eq!(
             choose_consumer(&["sotu"], &ns, &both).as_deref(),
             Some("c2")

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use scd_types::{
-    JobId, JobRequest, JobResult, JobState, Mode, Ranks, StageSpan, TraceContext, TranslatorHash,
+    JobId, JobRequest, JobResult, JobState, Mode, NodeId, Ranks, StageSpan, TraceContext,
+    TranslatorHash,
 };
 use serde::{Deserialize, Serialize};
 
@@ -30,7 +31,7 @@ pub struct StateEntry {
     pub at_ms: u64,
     /// The producer at that moment.
     #[serde(default)]
-    pub producer: Option<String>,
+    pub producer: Option<NodeId>,
 }
 
 /// The ranks a producer chose for an attempt's codes, and on what grounds.
@@ -170,10 +171,10 @@ pub struct JobRecord {
     pub trace: TraceContext,
     /// Producer node, once assigned.
     #[serde(default)]
-    pub producer: Option<String>,
+    pub producer: Option<NodeId>,
     /// Consumer node, once assigned.
     #[serde(default)]
-    pub consumer: Option<String>,
+    pub consumer: Option<NodeId>,
     /// The registration epoch ([`crate::NodeInfo::epoch`]) of the current attempt's producer,
     /// as the scheduler saw it when assigning (`None`: unknown). The same id under another
     /// epoch is a restarted node, which lost the attempt.
@@ -192,10 +193,10 @@ pub struct JobRecord {
     pub max_attempts: u32,
     /// Producers that lost this job; a retry avoids them while others exist.
     #[serde(default)]
-    pub failed_producers: Vec<String>,
+    pub failed_producers: Vec<NodeId>,
     /// Consumers that lost this job; a retry avoids them while others host the expert.
     #[serde(default)]
-    pub failed_consumers: Vec<String>,
+    pub failed_consumers: Vec<NodeId>,
     /// The prompt's chained block hashes, for prefix affinity.
     #[serde(default)]
     pub prefix_hashes: Vec<String>,
@@ -439,7 +440,12 @@ impl JobRecord {
     }
 
     /// Assigns a queued job (one more attempt).
-    pub fn assign(&mut self, producer: &str, consumer: &str, at_ms: u64) -> Result<(), JobError> {
+    pub fn assign(
+        &mut self,
+        producer: &NodeId,
+        consumer: &NodeId,
+        at_ms: u64,
+    ) -> Result<(), JobError> {
         if self.state != JobState::Queued {
             return Err(JobError::InvalidTransition {
                 id: self.id,
@@ -447,8 +453,8 @@ impl JobRecord {
                 to: JobState::Assigned,
             });
         }
-        self.producer = Some(producer.to_string());
-        self.consumer = Some(consumer.to_string());
+        self.producer = Some(producer.clone());
+        self.consumer = Some(consumer.clone());
         // The caller stamps the new attempt's epochs and deadline, if it knows them.
         self.producer_epoch = None;
         self.consumer_epoch = None;
@@ -1054,7 +1060,8 @@ mod tests {
             job.transition(Prefilling, 1),
             Err(JobError::InvalidTransition { .. })
         ));
-        job.assign("p1", "c1", 10).unwrap();
+        job.assign(&NodeId::from_static("p1"), &NodeId::from_static("c1"), 10)
+            .unwrap();
         for (s, t) in [
             (Prefilling, 20),
             (Transferring, 30),
@@ -1074,13 +1081,15 @@ mod tests {
     #[test]
     fn retries_until_attempts_run_out() {
         let mut job = job(2);
-        job.assign("p1", "c1", 1).unwrap();
+        job.assign(&NodeId::from_static("p1"), &NodeId::from_static("c1"), 1)
+            .unwrap();
         job.transition(Prefilling, 2).unwrap();
         job.retry("producer p1 lost", Blame::Producer, 3).unwrap();
         assert_eq!(job.state, Queued);
-        assert_eq!(job.failed_producers, vec!["p1".to_string()]);
+        assert_eq!(job.failed_producers, vec![NodeId::from_static("p1")]);
         assert!(job.producer.is_none());
-        job.assign("p2", "c1", 4).unwrap();
+        job.assign(&NodeId::from_static("p2"), &NodeId::from_static("c1"), 4)
+            .unwrap();
         assert_eq!(job.attempts, 2);
         job.retry("producer p2 lost", Blame::Producer, 5).unwrap();
         assert_eq!(job.state, Failed);

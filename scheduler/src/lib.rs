@@ -63,7 +63,8 @@ pub use membership::{
 };
 pub use models::{ModelRecord, ModelRegistry};
 pub use scd_types::{
-    JobId, JobRequest, JobResult, JobState, Mode, Ranks, StageSpan, TraceContext, TranslatorHash,
+    JobId, JobRequest, JobResult, JobState, Mode, NodeId, Ranks, StageSpan, TraceContext,
+    TranslatorHash,
 };
 pub use service::{AttemptDeadline, Scheduler, SchedulerConfig, SchedulerError};
 pub use store::{EmbeddedStore, EtcdStore, EtcdTls, MetaStore, StoreError};

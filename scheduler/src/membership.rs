@@ -17,13 +17,13 @@ use tokio::time::Instant;
 use crate::envelope::{self, EnvelopeError};
 use crate::keys::{InvalidId, Keys};
 use crate::store::{EventKind, LeaseId, MetaStore, StoreError, WatchEvent};
-use scd_types::Mode;
+use scd_types::{Mode, NodeId};
 
 /// What a node advertises about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeInfo {
-    /// Unique node id (one key segment).
-    pub id: String,
+    /// Unique node id.
+    pub id: NodeId,
     /// Where its QUIC endpoint listens (`host:port`).
     pub addr: String,
     /// Base models whose prefill this node runs (it is a producer for them).
@@ -70,9 +70,9 @@ fn is_zero(n: &u64) -> bool {
 
 impl NodeInfo {
     /// A node with an id, an address and a capacity, serving nothing yet.
-    pub fn new(id: impl Into<String>, addr: impl Into<String>, capacity: u32) -> Self {
+    pub fn new(id: NodeId, addr: impl Into<String>, capacity: u32) -> Self {
         Self {
-            id: id.into(),
+            id,
             addr: addr.into(),
             producer_models: Vec::new(),
             consumer_models: Vec::new(),
@@ -223,7 +223,7 @@ impl Registration {
     }
 
     /// The node id.
-    pub fn node_id(&self) -> String {
+    pub fn node_id(&self) -> NodeId {
         self.shared.info().id
     }
 
@@ -383,7 +383,7 @@ async fn reregister(shared: &RegShared, ttl: Duration, first_backoff: Duration) 
 }
 
 /// The set of live nodes, by id, kept current by a watch.
-pub type NodeMap = BTreeMap<String, NodeInfo>;
+pub type NodeMap = BTreeMap<NodeId, NodeInfo>;
 
 /// A live view of `/nodes/`: a read, then a watch from the next revision; after compaction, a
 /// history reset, or every minute, it reads again. Dropping it stops the watch.
@@ -442,12 +442,12 @@ async fn list_nodes(
     let listing = store.get_prefix(prefix).await?;
     let mut nodes = NodeMap::new();
     for kv in listing.kvs {
-        let Some(id) = Keys::id_under(prefix, &kv.key) else {
+        let Some(id) = node_id_under(prefix, &kv.key) else {
             continue;
         };
         match envelope::decode::<NodeInfo>(&kv.key, &kv.value) {
             Ok(info) => {
-                nodes.insert(id.to_string(), info);
+                nodes.insert(id, info);
             }
             Err(e) => tracing::warn!(error = %e, "ignoring unreadable node record"),
         }
@@ -509,21 +509,29 @@ async fn follow_nodes(
     }
 }
 
+/// The node a key under `prefix` names; `None` (and a warning) for a key that names none.
+fn node_id_under(prefix: &str, key: &str) -> Option<NodeId> {
+    let id = Keys::id_under(prefix, key)?;
+    NodeId::new(id)
+        .inspect_err(|e| tracing::warn!(key, error = %e, "ignoring a node key"))
+        .ok()
+}
+
 fn apply_node_event(prefix: &str, event: WatchEvent, tx: &watch::Sender<NodeMap>) {
-    let Some(id) = Keys::id_under(prefix, &event.kv.key) else {
+    let Some(id) = node_id_under(prefix, &event.kv.key) else {
         return;
     };
     match event.kind {
         EventKind::Put => match envelope::decode::<NodeInfo>(&event.kv.key, &event.kv.value) {
             Ok(info) => {
                 tx.send_modify(|m| {
-                    m.insert(id.to_string(), info);
+                    m.insert(id, info);
                 });
             }
             Err(e) => tracing::warn!(error = %e, "ignoring unreadable node record"),
         },
         EventKind::Delete => {
-            tx.send_if_modified(|m| m.remove(id).is_some());
+            tx.send_if_modified(|m| m.remove(&id).is_some());
         }
     }
 }

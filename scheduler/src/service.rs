@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use scd_types::Mode;
+use scd_types::{Mode, NodeId};
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
@@ -36,7 +36,7 @@ pub struct PoolRecord {
     /// The expert.
     pub expert: String,
     /// Its producers, sorted.
-    pub producers: Vec<String>,
+    pub producers: Vec<NodeId>,
 }
 
 /// Scheduler settings.

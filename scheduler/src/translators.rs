@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use scd_types::TranslatorHash;
+use scd_types::{NodeId, TranslatorHash};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -77,7 +77,7 @@ pub struct Degraded {
     /// Shadowed jobs the mean is over.
     pub jobs: u32,
     /// The node that measured it.
-    pub by: String,
+    pub by: NodeId,
     /// When (milliseconds since the Unix epoch).
     pub at_ms: u64,
 }

@@ -10,7 +10,7 @@ use common::{eventually, Backend, TTL};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
     envelope, ArchiveConfig, ElectionConfig, ExpertSpec, JobId, JobRecord, JobState, JobStore,
-    Mode, Retired, Scheduler, SchedulerConfig,
+    Mode, NodeId, Retired, Scheduler, SchedulerConfig,
 };
 
 fn sotu_job(id: JobId) -> JobRecord {
@@ -32,7 +32,11 @@ async fn finished_records_move_to_the_archive_and_stay_readable(b: Backend) {
         jobs.create(&sotu_job(id)).await.unwrap();
     }
     jobs.update(done, |j| {
-        j.assign("p", "c", now_ms())?;
+        j.assign(
+            &NodeId::from_static("p"),
+            &NodeId::from_static("c"),
+            now_ms(),
+        )?;
         for s in [
             JobState::Prefilling,
             JobState::Transferring,

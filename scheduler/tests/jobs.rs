@@ -12,8 +12,8 @@ use scd_scheduler::jobs::Blame;
 use scd_scheduler::service::{read_pools, reconcile};
 use scd_scheduler::{
     Candidate, ElectionConfig, ExpertSpec, JobError, JobId, JobRecord, JobState, JobStore, Mode,
-    ModelRecord, ModelRegistry, NodeInfo, NodeMap, Registration, RegistrationConfig, Scheduler,
-    SchedulerConfig,
+    ModelRecord, ModelRegistry, NodeId, NodeInfo, NodeMap, Registration, RegistrationConfig,
+    Scheduler, SchedulerConfig,
 };
 
 /// Waits (bounded) until the job is in `state`.
@@ -82,9 +82,15 @@ async fn the_state_machine_guards_the_record(b: Backend) {
     ));
     // A refused change is not written.
     assert_eq!(jobs.get(j2).await.unwrap().unwrap(), job);
-    jobs.update(j2, |j| j.assign("p1", "c1", now_ms()))
-        .await
-        .unwrap();
+    jobs.update(j2, |j| {
+        j.assign(
+            &NodeId::from_static("p1"),
+            &NodeId::from_static("c1"),
+            now_ms(),
+        )
+    })
+    .await
+    .unwrap();
     for s in [
         JobState::Prefilling,
         JobState::Transferring,
@@ -119,7 +125,11 @@ async fn finished_records_are_kept_for_the_retention_only(b: Backend) {
         jobs.create(&sotu_job(id, 3)).await.unwrap();
     }
     jobs.update(done, |j| {
-        j.assign("p", "c", now_ms())?;
+        j.assign(
+            &NodeId::from_static("p"),
+            &NodeId::from_static("c"),
+            now_ms(),
+        )?;
         for s in [
             JobState::Prefilling,
             JobState::Transferring,
@@ -296,13 +306,13 @@ async fn a_cancelled_job_is_never_assigned_or_retried(b: Backend) {
 }
 
 fn producer(id: &str) -> NodeInfo {
-    let mut n = NodeInfo::new(id, "127.0.0.1:1", 4);
+    let mut n = NodeInfo::new(NodeId::new(id).unwrap(), "127.0.0.1:1", 4);
     n.producer_models = vec!["base".into()];
     n
 }
 
 fn consumer(id: &str) -> NodeInfo {
-    let mut n = NodeInfo::new(id, "127.0.0.1:2", 4);
+    let mut n = NodeInfo::new(NodeId::new(id).unwrap(), "127.0.0.1:2", 4);
     n.consumer_models = vec!["sotu".into()];
     n
 }
@@ -383,7 +393,7 @@ async fn a_job_is_retried_when_its_producer_disappears(b: Backend) {
     let job = jobs.get(id).await.unwrap().unwrap();
     assert_eq!(job.attempts, 2);
     assert_eq!(job.failed_producers, vec![first.clone()]);
-    assert!(job.error.as_deref().unwrap_or("").contains(&first));
+    assert!(job.error.as_deref().unwrap_or("").contains(first.as_str()));
     let states: Vec<JobState> = job.history.iter().map(|h| h.state).collect();
     assert_eq!(
         states,
@@ -566,7 +576,7 @@ async fn experts_come_from_model_records_too(b: Backend) {
             .await
             .unwrap()
             .get("law")
-            == Some(&vec!["p1".to_string()])
+            == Some(&vec![NodeId::from_static("p1")])
     })
     .await;
     assert!(!read_pools(b.store.as_ref(), &b.keys)
@@ -752,7 +762,7 @@ async fn a_degraded_translator_sends_its_jobs_to_a_safer_mode(b: Backend) {
         shadow_kl: 0.9,
         bound: 0.5,
         jobs: 12,
-        by: "c1".into(),
+        by: NodeId::from_static("c1"),
         at_ms: now_ms(),
     };
     let hash = |byte| TranslatorHash::from_bytes([byte; 32]);

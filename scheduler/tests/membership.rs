@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use common::{eventually, within, Backend, TTL};
 use scd_scheduler::store::{EventKind, HookedStore, LeaseId, MetaStore};
-use scd_scheduler::{LiveNodes, NodeInfo, Registration, RegistrationConfig, RegistrationEvent};
+use scd_scheduler::{
+    LiveNodes, NodeId, NodeInfo, Registration, RegistrationConfig, RegistrationEvent,
+};
 
 fn config() -> RegistrationConfig {
     RegistrationConfig {
@@ -17,7 +19,11 @@ fn config() -> RegistrationConfig {
 }
 
 fn node(id: &str) -> NodeInfo {
-    let mut n = NodeInfo::new(id, format!("127.0.0.1:{}", 7000 + id.len()), 4);
+    let mut n = NodeInfo::new(
+        NodeId::new(id).unwrap(),
+        format!("127.0.0.1:{}", 7000 + id.len()),
+        4,
+    );
     n.producer_models = vec!["base".into()];
     n
 }

@@ -11,7 +11,7 @@ use common::{within, Backend};
 use scd_scheduler::jobs::{now_ms, Blame, FOLD_AFTER_BATCHES};
 use scd_scheduler::store::HookedStore;
 use scd_scheduler::{Appended, JobId, JobRecord, JobResult, JobState, JobStore, Mode};
-use scd_scheduler::{EmbeddedStore, Keys, MetaStore};
+use scd_scheduler::{EmbeddedStore, Keys, MetaStore, NodeId};
 
 /// A job in `decoding`, attempt 1, showing `shown`.
 async fn decoding(jobs: &JobStore, shown: &[u32]) -> JobId {
@@ -20,7 +20,11 @@ async fn decoding(jobs: &JobStore, shown: &[u32]) -> JobId {
         .await
         .unwrap();
     jobs.update(id, |j| {
-        j.assign("prefill-0", "sotu-0", now_ms())?;
+        j.assign(
+            &NodeId::from_static("prefill-0"),
+            &NodeId::from_static("sotu-0"),
+            now_ms(),
+        )?;
         for next in [
             JobState::Prefilling,
             JobState::Transferring,
@@ -106,9 +110,15 @@ async fn the_record_is_written_where_a_batch_cannot_be(b: Backend) {
     jobs.create(&JobRecord::new(id, "sotu", Mode::Scd, 3))
         .await
         .unwrap();
-    jobs.update(id, |j| j.assign("prefill-0", "sotu-0", now_ms()))
-        .await
-        .unwrap();
+    jobs.update(id, |j| {
+        j.assign(
+            &NodeId::from_static("prefill-0"),
+            &NodeId::from_static("sotu-0"),
+            now_ms(),
+        )
+    })
+    .await
+    .unwrap();
     let early = jobs.append_output(id, &[1], first_attempt);
     assert_eq!(early.await.unwrap(), Appended::WriteTheRecord);
 

@@ -10,17 +10,18 @@ use common::{eventually, Backend, TTL};
 use scd_scheduler::admission;
 use scd_scheduler::{
     AttemptDeadline, ElectionConfig, ExpertSpec, JobId, JobRecord, JobState, JobStore, Mode,
-    NodeInfo, Registration, RegistrationConfig, RegistrationEvent, Scheduler, SchedulerConfig,
+    NodeId, NodeInfo, Registration, RegistrationConfig, RegistrationEvent, Scheduler,
+    SchedulerConfig,
 };
 
 fn producer(id: &str) -> NodeInfo {
-    let mut n = NodeInfo::new(id, "127.0.0.1:1", 4);
+    let mut n = NodeInfo::new(NodeId::new(id).unwrap(), "127.0.0.1:1", 4);
     n.producer_models = vec!["base".into()];
     n
 }
 
 fn consumer(id: &str) -> NodeInfo {
-    let mut n = NodeInfo::new(id, "127.0.0.1:2", 4);
+    let mut n = NodeInfo::new(NodeId::new(id).unwrap(), "127.0.0.1:2", 4);
     n.consumer_models = vec!["sotu".into()];
     n
 }

@@ -21,8 +21,8 @@ use scd_scheduler::jobs::now_ms;
 use scd_scheduler::store::EventKind;
 use scd_scheduler::{
     envelope, Appended, ArchiveConfig, EtcdServer, ExpertSpec, JobError, JobId, JobRecord,
-    JobRequest, JobResult, JobState, JobStore, Keys, MetaStore, Mode, NodeInfo, Registration,
-    RegistrationConfig, Scheduler, SchedulerConfig,
+    JobRequest, JobResult, JobState, JobStore, Keys, MetaStore, Mode, NodeId, NodeInfo,
+    Registration, RegistrationConfig, Scheduler, SchedulerConfig,
 };
 use tokio::sync::Semaphore;
 
@@ -232,9 +232,9 @@ async fn soak_two_thousand_jobs_over_ten_mib_of_finished_records() {
         mib(db_before)
     );
 
-    let mut producer = NodeInfo::new("p1", "127.0.0.1:1", 64);
+    let mut producer = NodeInfo::new(NodeId::from_static("p1"), "127.0.0.1:1", 64);
     producer.producer_models = vec!["base".into()];
-    let mut consumer = NodeInfo::new("c1", "127.0.0.1:2", 64);
+    let mut consumer = NodeInfo::new(NodeId::from_static("c1"), "127.0.0.1:2", 64);
     consumer.consumer_models = vec!["sotu".into()];
     let mut registrations = Vec::new();
     for info in [producer, consumer] {

@@ -9,7 +9,7 @@
 //! Files: [`job`] (job id and state machine), [`mode`] (the transfer modes), [`translator`] (the
 //! content hash that names a translator version, and the ranks of its codes), [`trace`] (the propagated trace context),
 //! [`code`] (a layer's codes as bytes plus a typed description), [`document`] (the id of a
-//! document that jobs reference and producers compile), [`report`] (what a job's half reports
+//! document that jobs reference and producers compile), [`node`] (a node's id), [`report`] (what a job's half reports
 //! when it ends: its stages, one name each, for the record, the metrics and the trace).
 #![warn(missing_docs)]
 
@@ -17,6 +17,7 @@ pub mod code;
 pub mod document;
 pub mod job;
 pub mod mode;
+pub mod node;
 pub mod report;
 pub mod trace;
 pub mod translator;
@@ -28,6 +29,7 @@ pub use job::{
     ParseJobStateError, RequestError,
 };
 pub use mode::{Mode, ParseModeError};
+pub use node::{InvalidNodeId, NodeId};
 pub use report::{JobReport, LayerPoint, Side, Stage, StageSpan};
 pub use trace::{TraceContext, TraceContextError, TraceEntry};
 pub use translator::{ParseRanksError, ParseTranslatorHashError, Ranks, TranslatorHash};

@@ -62,7 +62,7 @@ use opentelemetry::KeyValue;
 
 /// Everything a node's job handling uses.
 pub(crate) struct Work {
-    pub id: String,
+    pub id: scd_types::NodeId,
     pub store: Arc<dyn MetaStore>,
     pub jobs: JobStore,
     pub served: Arc<Served>,
@@ -590,7 +590,7 @@ impl Work {
     fn trace_attributes(&self, job: &JobRecord) -> Vec<KeyValue> {
         let mut attrs = vec![
             KeyValue::new("scd.job", job.id.to_string()),
-            KeyValue::new("scd.node", self.id.clone()),
+            KeyValue::new("scd.node", self.id.to_string()),
             KeyValue::new("scd.expert", job.expert.clone()),
             KeyValue::new("scd.mode", job.mode.to_string()),
             KeyValue::new("scd.translator", translator_name(job)),
@@ -1500,7 +1500,7 @@ mod tests {
 
     use scd_scheduler::jobs::Blame;
     use scd_scheduler::store::HookedStore;
-    use scd_scheduler::{EmbeddedStore, JobError as RecordError, Mode, StoreError};
+    use scd_scheduler::{EmbeddedStore, JobError as RecordError, Mode, NodeId, StoreError};
     use tokio::time::Instant;
 
     use super::*;
@@ -1514,7 +1514,8 @@ mod tests {
         let others = JobStore::new(inner.clone(), keys.clone());
         let id = JobId::from_u128(7);
         let mut job = JobRecord::new(id, "sotu", Mode::Raw, 3);
-        job.assign("p1", "c1", 1).unwrap();
+        job.assign(&NodeId::from_static("p1"), &NodeId::from_static("c1"), 1)
+            .unwrap();
         for s in [
             JobState::Prefilling,
             JobState::Transferring,
@@ -1567,7 +1568,7 @@ mod tests {
         let stored = others.get(id).await.unwrap().unwrap();
         assert_eq!(
             (stored.state, stored.failed_consumers),
-            (JobState::Queued, vec!["c1".to_string()])
+            (JobState::Queued, vec![NodeId::from_static("c1")])
         );
     }
 
@@ -1579,7 +1580,7 @@ mod tests {
         others
             .update(id, |j| {
                 j.retry("attempt 1 passed its deadline", Blame::Consumer, 4)?;
-                j.assign("p1", "c2", 5)
+                j.assign(&NodeId::from_static("p1"), &NodeId::from_static("c2"), 5)
             })
             .await
             .unwrap();

@@ -121,7 +121,7 @@ pub struct DrainReport {
 
 /// A running node.
 pub struct Node {
-    id: String,
+    id: scd_types::NodeId,
     addr: SocketAddr,
     http_addr: Option<SocketAddr>,
     metrics_addr: Option<SocketAddr>,
@@ -325,7 +325,7 @@ impl Node {
                 })?;
             http_addr = Some(listener.local_addr().map_err(NodeError::Address)?);
             if config.gateway.api_keys.is_empty() {
-                tracing::warn!(node = id, %listen, "the HTTP API takes requests without an API key: set [gateway] api_keys or api_keys_file to require one");
+                tracing::warn!(node = %id, %listen, "the HTTP API takes requests without an API key: set [gateway] api_keys or api_keys_file to require one");
             }
             tasks.push(tokio::spawn(gateway::serve(
                 work.clone(),
@@ -362,7 +362,7 @@ impl Node {
                 cancel.clone(),
             )));
         }
-        tracing::info!(node = id, %addr, producer = producer_role, consumer = consumer_role, "node started");
+        tracing::info!(node = %id, %addr, producer = producer_role, consumer = consumer_role, "node started");
         Ok(Self {
             id,
             addr,
@@ -378,7 +378,7 @@ impl Node {
     }
 
     /// The node's id.
-    pub fn id(&self) -> &str {
+    pub fn id(&self) -> &scd_types::NodeId {
         &self.id
     }
 
@@ -445,7 +445,7 @@ impl Node {
             info.capacity = 0;
         });
         if let Err(e) = stop_serving.await {
-            tracing::warn!(node = self.id, error = %e, "advertising the drain failed");
+            tracing::warn!(node = %self.id, error = %e, "advertising the drain failed");
         }
         // The scheduler places work from its watch of the nodes: a job handed back before that
         // view shows this node serving nothing could come straight back here. This node's own
@@ -496,16 +496,16 @@ impl Node {
             }
         }
         if let Err(e) = self.registration.leave().await {
-            tracing::warn!(node = self.id, error = %e, "revoking the lease failed; the node key goes when it expires");
+            tracing::warn!(node = %self.id, error = %e, "revoking the lease failed; the node key goes when it expires");
         }
         if let Some(s) = self.scheduler.take() {
             if let Err(e) = s.shutdown().await {
-                tracing::warn!(node = self.id, error = %e, "resigning the scheduler leadership failed");
+                tracing::warn!(node = %self.id, error = %e, "resigning the scheduler leadership failed");
             }
         }
         self.stop().await;
         tracing::info!(
-            node = self.id,
+            node = %self.id,
             in_flight,
             handed_back = handed_back.len(),
             "node stopped"

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use scd_types::JobState;
+use scd_types::{JobState, NodeId};
 
 use super::{read_pools, PoolRecord, ReconcileReport, SchedulerConfig, SchedulerError};
 use crate::admission;
@@ -153,7 +153,7 @@ struct JobPass<'a> {
     view: NodeMap,
     /// Nodes whose entry in `view` was read again from the store in this pass
     /// ([`JobPass::refresh_failed_consumers`]).
-    refreshed: BTreeSet<String>,
+    refreshed: BTreeSet<NodeId>,
     /// Per expert, why its translator is not to be used now ([`degraded_pair`]).
     degraded: BTreeMap<String, Option<String>>,
 }
@@ -370,7 +370,7 @@ impl<'a> JobPass<'a> {
     async fn assign(
         &mut self,
         job: &JobRecord,
-        pool: &[String],
+        pool: &[NodeId],
         fallback: Option<String>,
         report: &mut ReconcileReport,
     ) -> Result<(), SchedulerError> {
