@@ -1,6 +1,6 @@
 //! A producer's compiled documents (SemPIC, `docs/method.md` §5.5): the writer that compiles them
 //! (the base model with the SemPIC writer's adapter, between KV-Packet boundary tokens if
-//! configured), and the on-disk store ([`scd_models::pic::DocStore`]) they are compiled into once
+//! configured), and the on-disk store ([`scd_models::sempic::DocStore`]) they are compiled into once
 //! and served from after. The producer actor fetches a job's documents here; on a hit nothing of
 //! the document is computed.
 
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use scd_models::boundary::{Boundary, BoundaryError};
-use scd_models::pic::{CompiledDoc, DocStore, StoreError, WriterVersion};
+use scd_models::sempic::{CompiledDoc, DocStore, StoreError, WriterVersion};
 use scd_models::{AdapterError, AdapterMode, ForwardError, Llama, LoraAdapter};
 use scd_transport::CodeDType;
 

@@ -20,7 +20,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use scd_models::codec::encode_documents;
-use scd_models::pic::StoreError;
+use scd_models::sempic::StoreError;
 use scd_models::{Capture, CodecError, ForwardError, KvCache, LayerCapture, Llama};
 use scd_transport::{CodeFrame, JobId};
 use tokio::runtime::Handle;
@@ -154,7 +154,7 @@ pub struct DocumentsJob {
 pub struct DocumentsServed {
     /// From the first lookup to the last frame handed on.
     pub span: Span,
-    /// The writer version that compiled them ([`scd_models::pic::WriterVersion::id`]).
+    /// The writer version that compiled them ([`scd_models::sempic::WriterVersion::id`]).
     pub writer: String,
     /// The positions they occupy, boundary tokens included.
     pub rows: usize,

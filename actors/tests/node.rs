@@ -1036,7 +1036,7 @@ fn documents_reference(
     docs: &[&[u32]],
     prompt: &[u32],
 ) -> Vec<u32> {
-    use scd_models::pic::{stitch, CompiledDoc};
+    use scd_models::sempic::{stitch, CompiledDoc};
     let compiled: Vec<CompiledDoc> = docs
         .iter()
         .map(|d| CompiledDoc::compile(writer, d).unwrap())
@@ -1094,7 +1094,7 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
             .with_adapter(&adapter, scd_models::AdapterMode::Merge)
             .unwrap()
     };
-    let version = scd_models::pic::WriterVersion::of(&writer, None)
+    let version = scd_models::sempic::WriterVersion::of(&writer, None)
         .unwrap()
         .id();
 
@@ -1210,7 +1210,7 @@ async fn jobs_naming_documents_are_served_compiled_from_the_producers_store() {
     // Refused at submission, with the reason: a document the cluster does not know, a
     // malformed id, and a mode other than oracle.
     let mut unknown = ask([0, 1]);
-    unknown.documents[1] = scd_models::pic::document_id(&[1, 2, 3]);
+    unknown.documents[1] = scd_models::sempic::document_id(&[1, 2, 3]);
     for (req, mode, says) in [
         (unknown, Mode::Oracle, "scd docs add"),
         (

@@ -1,6 +1,6 @@
 //! KV-Packet boundary tokens (`docs/method.md` §2.6 and §5.3, the "packet" baseline): a few
 //! trained soft tokens placed before (header) and after (trailer) every document when it is
-//! compiled alone ([`crate::pic::CompiledDoc::compile_with`]). They are input embeddings, not
+//! compiled alone ([`crate::sempic::CompiledDoc::compile_with`]). They are input embeddings, not
 //! vocabulary tokens: the header gives a document compiled alone something to attend to
 //! besides its own first token, and the trailer's keys and values, stored with the document,
 //! are what later tokens can read a summary from. The model's weights stay as they are.

@@ -183,7 +183,7 @@ pub enum ForwardError {
     /// boundary tokens): stitching never mixes them.
     #[error("documents of writer versions {first} and {other} cannot be stitched together")]
     MixedWriters {
-        /// The first document's writer version ([`crate::pic::WriterVersion::id`]).
+        /// The first document's writer version ([`crate::sempic::WriterVersion::id`]).
         first: String,
         /// Another document's.
         other: String,

@@ -23,8 +23,9 @@
 //! them), `prefill_matmul` (AMX tiles or f32 for prefill), `cache` (the per-layer
 //! KV cache, injectable), `rope` (rotary embedding at arbitrary positions, apply and inverse),
 //! `lora` (adapters), `tokenizer` (byte-level BPE and chat templates), `sampling` and
-//! `generate` (and `batch`, several generations decoded together), `pic` (documents compiled
-//! alone into caches and stitched at request time: SemPIC's serving side); `codec` (the transfer modes: producer-side
+//! `generate` (and `batch`, several generations decoded together), `sempic` (documents compiled
+//! alone into caches and stitched at request time: SemPIC's serving side; `train::sempic` trains
+//! its writer); `codec` (the transfer modes: producer-side
 //! encode into layer codes, consumer-side rebuild of a KV cache) and `translator` (SCD's
 //! calibrated translators: low-rank codes, Patch aligners, calibration); `optim` (AdamW), `train`
 //! (LoRA fine-tuning) and `expert` (an expert folder and its manifest); `corpus` (training
@@ -59,10 +60,10 @@ pub mod metrics;
 mod ops;
 pub mod optim;
 pub mod perplexity;
-pub mod pic;
 pub mod prefill_matmul;
 pub mod rope;
 pub mod sampling;
+pub mod sempic;
 pub mod stats;
 pub mod tokenizer;
 pub mod train;

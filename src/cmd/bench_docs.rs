@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use scd_models::bench::synthetic_tokens;
-use scd_models::pic::{stitch, CompiledDoc};
+use scd_models::sempic::{stitch, CompiledDoc};
 use scd_models::{Input, Llama, LogitsWanted};
 
 /// Arguments of `scd bench docs`.

@@ -2,7 +2,7 @@
 //! the prompt, read over documents that a producer compiled elsewhere and serves from its store.
 //!
 //! The producer places the job's documents one after another ([`encode_documents`]: each
-//! document's keys re-rotated by the offset it lands at, as [`crate::pic::stitch`] does) and
+//! document's keys re-rotated by the offset it lands at, as [`crate::sempic::stitch`] does) and
 //! sends, per layer, every document's keys (after RoPE, at their final positions) and values as
 //! one [`CodeKind::DOC_K`] and one [`CodeKind::DOC_V`] code of `(rows, kv_dim)`, in f32 or
 //! bf16. The consumer ([`Documents`]) takes them as its cache for positions `0..rows` and runs
@@ -25,8 +25,8 @@ use super::{
 };
 use crate::cache::KvCache;
 use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted};
-use crate::pic::CompiledDoc;
 use crate::rope::Rope;
+use crate::sempic::CompiledDoc;
 
 /// The consumer half of a job with documents: the oracle after served compiled documents.
 /// Its mode is [`Mode::Oracle`]: the prompt's state is the consumer's own.

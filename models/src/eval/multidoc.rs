@@ -3,7 +3,7 @@
 //! documents' caches built one of five ways:
 //! - full recompute: a plain prefill of the whole prompt (the upper bound);
 //! - no recompute: every document compiled alone and stitched at request time
-//!   ([`crate::pic`]), only the instruction and the question run with the documents' cache;
+//!   ([`crate::sempic`]), only the instruction and the question run with the documents' cache;
 //! - SemPIC: the same, the documents compiled by a writer (the base with its LoRA, trained by
 //!   [`crate::train::writer`]);
 //! - packet: no recompute with each document compiled between KV-Packet's trained boundary
@@ -28,8 +28,8 @@ use crate::boundary::Boundary;
 use crate::generate::{generate_with_cache, GenerateParams};
 use crate::llama::Llama;
 use crate::metrics::{squad_contains, squad_exact_match, squad_f1};
-use crate::pic::{stitch_after_head, CompiledDoc};
 use crate::rope::Rope;
+use crate::sempic::{stitch_after_head, CompiledDoc};
 use crate::stats::{bootstrap_mean, bootstrap_ratio, Estimate};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::train::sempic::{kl_to_teacher, tail_logits};

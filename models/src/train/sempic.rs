@@ -1,6 +1,6 @@
 //! The SemPIC writer's objective (`docs/method.md` §2.3 and §5.2): the base plus a LoRA (the
 //! writer) compiles each document alone; the frozen base (the reader, LoRA off) stitches the
-//! compiled caches ([`crate::pic`]) and reads the request's own tokens over them. The loss is
+//! compiled caches ([`crate::sempic`]) and reads the request's own tokens over them. The loss is
 //! the KL (temperature 1) from the teacher, the base reading the whole prompt in one prefill,
 //! to that student, averaged over every position after the documents.
 //!
@@ -31,7 +31,7 @@ use crate::error::ForwardError;
 use crate::eval::multidoc::Pieces;
 use crate::llama::{Capture, Input, Llama, LogitsWanted};
 use crate::lora::AdapterMode;
-use crate::pic::{stitch_after_head, CompiledDoc};
+use crate::sempic::{stitch_after_head, CompiledDoc};
 use crate::{DecodeWeights, PrefillMatmul};
 
 /// One training context: documents between the reader's own tokens.

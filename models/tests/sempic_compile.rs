@@ -9,8 +9,8 @@ use candle_core::Tensor;
 use common::{max_abs, max_abs_diff, real, tiny_model, wikitext_tokens};
 use scd_models::boundary::{Boundary, BoundaryError};
 use scd_models::codec::{self, encode_documents, CodecError, Documents, Prefix};
-use scd_models::pic::{stitch, CompiledDoc};
 use scd_models::sampling::argmax;
+use scd_models::sempic::{stitch, CompiledDoc};
 use scd_models::{
     AdapterMode, DecodeWeights, ForwardError, Input, Llama, LogitsWanted, LoraAdapter,
     PrefillMatmul, Proj,
@@ -391,7 +391,7 @@ fn boundary_tokens_round_trip_and_refuse_corrupt_or_foreign_files() {
 #[test]
 fn kv_deviation_compares_documents_moved_by_boundary_tokens_at_their_own_positions() {
     use scd_models::eval::multidoc::{build_items, kv_deviation, pieces, Pieces};
-    use scd_models::pic::stitch_after_head;
+    use scd_models::sempic::stitch_after_head;
     let (model, tok) = real();
     let model = &f32_paths(model);
     let data = scd_models::eval::EvalData::load(&common::eval_data_dir()).unwrap();
@@ -457,7 +457,7 @@ fn the_writer_never_trains_on_an_article_the_evaluation_reads() {
 
 #[test]
 fn the_document_store_compiles_once_and_never_mixes_writers() {
-    use scd_models::pic::{document_id, stitch_after_head, DocStore, StoreError, WriterVersion};
+    use scd_models::sempic::{document_id, stitch_after_head, DocStore, StoreError, WriterVersion};
     let (model, tok) = real();
     let model = &f32_paths(model);
     let words = wikitext_tokens(tok, 200);
