@@ -22,12 +22,7 @@ pub struct InvalidId {
 
 /// Checks that `value` can be one key segment.
 pub fn check_id(what: &'static str, value: &str) -> Result<(), InvalidId> {
-    let ok = !value.is_empty()
-        && value.len() <= 128
-        && !value
-            .chars()
-            .any(|c| c == '/' || c.is_whitespace() || c.is_control());
-    if ok {
+    if scd_types::is_key_segment(value) {
         Ok(())
     } else {
         Err(InvalidId {

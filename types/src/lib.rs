@@ -29,7 +29,7 @@ pub use job::{
     ParseJobStateError, RequestError,
 };
 pub use mode::{Mode, ParseModeError};
-pub use node::{InvalidNodeId, NodeId};
+pub use node::{is_key_segment, InvalidNodeId, NodeId};
 pub use report::{JobReport, LayerPoint, Side, Stage, StageSpan};
 pub use trace::{TraceContext, TraceContextError, TraceEntry};
 pub use translator::{ParseRanksError, ParseTranslatorHashError, Ranks, TranslatorHash};

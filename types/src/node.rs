@@ -7,8 +7,22 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// The longest id a node may have (a store key segment stays short).
-pub const MAX_NODE_ID_LEN: usize = 128;
+/// The longest id a node may have: a store key segment's limit.
+pub const MAX_NODE_ID_LEN: usize = MAX_KEY_SEGMENT_LEN;
+
+/// The longest text a store key segment may be.
+pub const MAX_KEY_SEGMENT_LEN: usize = 128;
+
+/// Whether `s` can be one segment of a store key: not empty, at most [`MAX_KEY_SEGMENT_LEN`]
+/// bytes, no `/`, no whitespace or control characters. Every id the store keys by (nodes,
+/// models, jobs, documents) is held to it.
+pub fn is_key_segment(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_KEY_SEGMENT_LEN
+        && !s
+            .chars()
+            .any(|c| c == '/' || c.is_whitespace() || c.is_control())
+}
 
 /// A node's id, as its configuration names it: its key in the store, the name its QUIC
 /// certificate is issued to, and how job records name the producer and the consumer of an
@@ -32,12 +46,7 @@ impl NodeId {
     /// `id`, checked.
     pub fn new(id: impl Into<String>) -> Result<Self, InvalidNodeId> {
         let id = id.into();
-        let ok = !id.is_empty()
-            && id.len() <= MAX_NODE_ID_LEN
-            && !id
-                .chars()
-                .any(|c| c == '/' || c.is_whitespace() || c.is_control());
-        if ok {
+        if is_key_segment(&id) {
             Ok(Self(id))
         } else {
             Err(InvalidNodeId(id))
