@@ -20,6 +20,7 @@ use crate::job::{JobError, PipelineOptions};
 use crate::producer::{
     DocumentsJob, DocumentsServed, PrefillJob, Prefilled, ProducerError, ProducerMsg,
 };
+use crate::reply::{Step, TokenSource};
 use crate::timeline::Span;
 use crate::transfer::{Inbound, SendJob, TransferError, TransferOutMsg, TransferReport};
 
@@ -225,18 +226,69 @@ pub(crate) struct ConsumerJob {
     pub shadow: Option<oneshot::Sender<scd_models::KvCache>>,
 }
 
-/// The decoder's reply for a job.
-pub(crate) type DecodeReply = oneshot::Receiver<Result<DecodeReport, DecoderError>>;
+/// One job's decoding as it goes: the decoder's tokens, then its report. A
+/// [`TokenSource`]: the decoder's failure ends the tokens early (and cancels the job, so that
+/// its blocking work stops), even while the decoder still holds the token channel.
+pub(crate) struct Decoding {
+    tokens: mpsc::Receiver<u32>,
+    reply: oneshot::Receiver<Result<DecodeReport, DecoderError>>,
+    /// The decoder's answer, once it came.
+    answer: Option<Result<DecodeReport, JobError>>,
+    cancel: CancellationToken,
+}
 
-/// Asks `decoder` to rebuild and decode `job`; the reply, and the tokens as they come.
+impl TokenSource for Decoding {
+    type Outcome = Result<DecodeReport, JobError>;
+
+    async fn next(&mut self) -> Option<Step> {
+        // After a failure the decoder's work may still hold the channel: the tokens end here.
+        if matches!(self.answer, Some(Err(_))) {
+            return None;
+        }
+        loop {
+            tokio::select! {
+                t = self.tokens.recv() => {
+                    let mut tokens = vec![t?];
+                    // What else is queued comes in the same step.
+                    while let Ok(t) = self.tokens.try_recv() {
+                        tokens.push(t);
+                    }
+                    return Some(Step::Tokens(tokens));
+                }
+                r = &mut self.reply, if self.answer.is_none() => {
+                    let r = match r {
+                        Ok(r) => r.map_err(JobError::from),
+                        Err(_) => Err(JobError::ActorGone("decoder")),
+                    };
+                    let failed = r.is_err();
+                    self.answer = Some(r);
+                    if failed {
+                        self.cancel.cancel();
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn finish(mut self) -> Self::Outcome {
+        while self.next().await.is_some() {}
+        match self.answer {
+            Some(answer) => answer,
+            None => settle(self.reply, "decoder", &self.cancel).await,
+        }
+    }
+}
+
+/// Asks `decoder` to rebuild and decode `job`.
 pub(crate) fn start_decode(
     decoder: &ActorRef<DecoderMsg>,
     job: ConsumerJob,
     q: &PipelineOptions,
     cancel: &CancellationToken,
-) -> Result<(DecodeReply, mpsc::Receiver<u32>), JobError> {
-    let (tokens_tx, tokens_rx) = mpsc::channel(q.token_queue.max(1));
-    let decoded = ask(decoder, "decoder", |reply| {
+) -> Result<Decoding, JobError> {
+    let (tokens_tx, tokens) = mpsc::channel(q.token_queue.max(1));
+    let reply = ask(decoder, "decoder", |reply| {
         DecoderMsg::Decode(
             DecodeJob {
                 job: job.job,
@@ -252,7 +304,12 @@ pub(crate) fn start_decode(
             reply,
         )
     })?;
-    Ok((decoded, tokens_rx))
+    Ok(Decoding {
+        tokens,
+        reply,
+        answer: None,
+        cancel: cancel.clone(),
+    })
 }
 
 /// Sends `actor` a request built around a fresh reply port; the receiver of the reply.
@@ -295,4 +352,70 @@ pub(crate) fn cause(mut errors: Vec<JobError>) -> JobError {
     }
     let at = errors.iter().position(|e| !e.is_knock_on()).unwrap_or(0);
     errors.swap_remove(at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoding() -> (
+        Decoding,
+        mpsc::Sender<u32>,
+        oneshot::Sender<Result<DecodeReport, DecoderError>>,
+    ) {
+        let (tokens_tx, tokens) = mpsc::channel(8);
+        let (reply_tx, reply) = oneshot::channel();
+        let d = Decoding {
+            tokens,
+            reply,
+            answer: None,
+            cancel: CancellationToken::new(),
+        };
+        (d, tokens_tx, reply_tx)
+    }
+
+    #[tokio::test]
+    async fn queued_tokens_come_in_one_step() {
+        let (mut d, tx, _reply) = decoding();
+        for t in [3, 4, 5] {
+            tx.send(t).await.unwrap();
+        }
+        match d.next().await {
+            Some(Step::Tokens(t)) => assert_eq!(t, [3, 4, 5]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_decoders_failure_ends_the_tokens_and_cancels_the_job_while_it_holds_the_channel() {
+        let (mut d, tx, reply) = decoding();
+        tx.send(1).await.unwrap();
+        reply.send(Err(DecoderError::Cancelled)).unwrap();
+        let cancel = d.cancel.clone();
+        let mut tokens = Vec::new();
+        while let Some(step) = d.next().await {
+            if let Step::Tokens(t) = step {
+                tokens.extend(t);
+            }
+        }
+        // `tx` is still held: without the reply the tokens would never end.
+        assert!(tokens.len() <= 1, "{tokens:?}");
+        assert!(cancel.is_cancelled());
+        assert!(matches!(
+            d.finish().await,
+            Err(JobError::Decoder(DecoderError::Cancelled))
+        ));
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn a_decoder_gone_without_a_reply_is_actor_gone() {
+        let (d, tx, reply) = decoding();
+        drop(reply);
+        drop(tx);
+        assert!(matches!(
+            d.collect().await.1,
+            Err(JobError::ActorGone("decoder"))
+        ));
+    }
 }

@@ -46,7 +46,9 @@
 //!   consumer, from the translator's quality curve and measured link and prefill speeds.
 //! - [`mode_planner`]: the producer's choice of the mode of a job submitted in mode `auto`
 //!   (lowest expected time to first token under the quality ceiling).
-//! - [`follow`]: a job's record as a client shows it: states, new text, the final record.
+//! - [`reply`]: how a job's tokens come back, one trait ([`reply::TokenSource`]) for the
+//!   decoder's channel, the pipeline's job and the store, and the text they add as they come.
+//! - [`follow`]: a job followed through its record in the store: the client's token source.
 //! - [`metrics`]: the node's Prometheus metrics.
 //! - [`telemetry`]: job traces: the root span at submission, each node's half and its stages,
 //!   exported over OTLP.
@@ -76,6 +78,7 @@ pub mod pipeline;
 pub mod prefix_cache;
 pub mod producer;
 pub mod rank_planner;
+pub mod reply;
 pub mod telemetry;
 pub mod timeline;
 pub mod transfer;
@@ -89,5 +92,6 @@ pub use job::{JobCodec, JobError, JobSpec, PipelineOptions};
 pub use node::{DrainReport, Node, NodeError, ServeError, Served};
 pub use pipeline::{JobOutput, Pipeline, RunningJob, StartError};
 pub use producer::{Producer, ProducerError, ProducerMsg};
+pub use reply::{ReplyText, Step, TokenSource};
 pub use timeline::{FrameArrival, LayerBytes, Span, Timeline};
 pub use transfer::{TransferError, TransferIn, TransferInMsg, TransferOut, TransferOutMsg};

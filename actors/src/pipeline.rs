@@ -35,9 +35,10 @@ use tokio_util::sync::CancellationToken;
 use crate::decode_loop::{DecodeLoop, DecodeStats};
 use crate::decoder::{Decoder, DecoderArgs, DecoderMsg};
 use crate::encoder::Encoder;
-use crate::halves::{self, ask, cause, ConsumerJob, ProducerActors, ProducerReplies};
+use crate::halves::{self, ask, cause, ConsumerJob, Decoding, ProducerActors, ProducerDone};
 use crate::job::{JobError, JobSpec, PipelineOptions};
 use crate::producer::{Producer, ProducerArgs};
+use crate::reply::{Step, TokenSource};
 use crate::timeline::Timeline;
 use crate::transfer::{TransferIn, TransferInArgs, TransferInMsg, TransferOut};
 
@@ -88,27 +89,58 @@ pub struct JobOutput {
     pub timeline: Timeline,
 }
 
-/// A job on its way: read [`RunningJob::tokens`] as they come, or [`RunningJob::wait`] for
+/// A job on its way: a [`TokenSource`] of its tokens as they come, or [`RunningJob::wait`] for
 /// all of them.
 pub struct RunningJob {
     /// The job.
     pub id: JobId,
-    /// The expert's tokens as it generates them; closes when the job ends.
-    pub tokens: mpsc::Receiver<u32>,
-    outcome: JoinHandle<Result<(Timeline, StopReason), JobError>>,
+    submitted: Instant,
+    decoding: Decoding,
+    /// The producer half, settled as it goes, so that its failure cancels the job at once.
+    produced: JoinHandle<Result<ProducerDone, Vec<JobError>>>,
+}
+
+impl TokenSource for RunningJob {
+    /// The timeline and why generation stopped, or the cause of the failure.
+    type Outcome = Result<(Timeline, StopReason), JobError>;
+
+    async fn next(&mut self) -> Option<Step> {
+        self.decoding.next().await
+    }
+
+    async fn finish(self) -> Self::Outcome {
+        let decoded = self.decoding.finish().await;
+        let produced = self
+            .produced
+            .await
+            .map_err(|e| JobError::Internal(e.to_string()))?;
+        let (produced, decoded) = match (produced, decoded) {
+            (Ok(p), Ok(d)) => (p, d),
+            (p, d) => {
+                let mut errors = p.err().unwrap_or_default();
+                errors.extend(d.err());
+                return Err(cause(errors));
+            }
+        };
+        let mut timeline = Timeline::new(self.submitted);
+        timeline.prefill = produced.prefill;
+        timeline.encode = produced.encoded.span;
+        timeline.layer_bytes = produced.encoded.layer_bytes;
+        timeline.transfer = Some(produced.sent.span);
+        timeline.wire_bytes = produced.sent.wire_bytes;
+        timeline.arrivals = decoded.arrivals;
+        timeline.rebuild = Some(decoded.rebuild);
+        timeline.first_token = decoded.first_token;
+        timeline.finished = Instant::now();
+        Ok((timeline, decoded.stop))
+    }
 }
 
 impl RunningJob {
     /// Reads every token and waits for the job's end.
-    pub async fn wait(mut self) -> Result<JobOutput, JobError> {
-        let mut tokens = Vec::new();
-        while let Some(t) = self.tokens.recv().await {
-            tokens.push(t);
-        }
-        let (timeline, stop) = self
-            .outcome
-            .await
-            .map_err(|e| JobError::Internal(e.to_string()))??;
+    pub async fn wait(self) -> Result<JobOutput, JobError> {
+        let (tokens, outcome) = self.collect().await;
+        let (timeline, stop) = outcome?;
         Ok(JobOutput {
             tokens,
             stop,
@@ -333,7 +365,7 @@ impl Pipeline {
             inbound: inbound_rx,
             shadow: None,
         };
-        let (decoded, tokens) = halves::start_decode(&consumer.decoder, decode, q, cancel)?;
+        let decoding = halves::start_decode(&consumer.decoder, decode, q, cancel)?;
         let producer = &self.producer;
         let produced = producer.actors.start(
             job,
@@ -344,11 +376,13 @@ impl Pipeline {
             q,
             cancel,
         )?;
-        let outcome = tokio::spawn(gather(submitted, cancel.clone(), produced, decoded));
+        let cancel = cancel.clone();
+        let produced = tokio::spawn(async move { produced.settle(&cancel).await });
         Ok(RunningJob {
             id: job,
-            tokens,
-            outcome,
+            submitted,
+            decoding,
+            produced,
         })
     }
 
@@ -366,36 +400,4 @@ impl Pipeline {
         self.producer.endpoint.wait_idle().await;
         self.consumer.endpoint.wait_idle().await;
     }
-}
-
-/// Waits for both halves and puts the timeline together, or names the failure's cause.
-async fn gather(
-    submitted: Instant,
-    cancel: CancellationToken,
-    produced: ProducerReplies,
-    decoded: halves::DecodeReply,
-) -> Result<(Timeline, StopReason), JobError> {
-    let (p, d) = tokio::join!(
-        produced.settle(&cancel),
-        halves::settle(decoded, "decoder", &cancel),
-    );
-    let (produced, decoded) = match (p, d) {
-        (Ok(p), Ok(d)) => (p, d),
-        (p, d) => {
-            let mut errors = p.err().unwrap_or_default();
-            errors.extend(d.err());
-            return Err(cause(errors));
-        }
-    };
-    let mut timeline = Timeline::new(submitted);
-    timeline.prefill = produced.prefill;
-    timeline.encode = produced.encoded.span;
-    timeline.layer_bytes = produced.encoded.layer_bytes;
-    timeline.transfer = Some(produced.sent.span);
-    timeline.wire_bytes = produced.sent.wire_bytes;
-    timeline.arrivals = decoded.arrivals;
-    timeline.rebuild = Some(decoded.rebuild);
-    timeline.first_token = decoded.first_token;
-    timeline.finished = Instant::now();
-    Ok((timeline, decoded.stop))
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use common::{models, params, prompt, raw_codec, reference, scd_codec, Models, MAX_TOKENS};
 use scd_actors::{
     DecoderError, JobCodec, JobError, JobOutput, JobSpec, Pipeline, PipelineOptions, ProducerError,
+    Step, TokenSource,
 };
 use scd_models::codec::{CodecOptions, Raw};
 use scd_models::{
@@ -236,7 +237,7 @@ async fn the_root_token_stops_a_running_job_and_shutdown_returns() {
         .await
         .unwrap();
     // Tokens stream before the job ends; cancel after the first.
-    assert!(job.tokens.recv().await.is_some());
+    assert!(matches!(job.next().await, Some(Step::Tokens(_))));
     cancel.cancel();
     let err = job.wait().await.unwrap_err();
     assert!(err.is_knock_on(), "{err:?}");
@@ -371,12 +372,14 @@ async fn concurrent_jobs_decode_in_one_batch_with_the_tokens_each_gets_alone() {
     let mut running = Vec::new();
     for p in &prompts {
         let mut job = pipeline.start_job(spec(p, raw_codec())).await.unwrap();
-        let first = job.tokens.recv().await.expect("a first token");
+        let Some(Step::Tokens(first)) = job.next().await else {
+            panic!("no first token");
+        };
         running.push((job, first));
     }
     let outputs = futures::future::join_all(running.into_iter().map(|(job, first)| async move {
         let out = job.wait().await.unwrap();
-        std::iter::once(first).chain(out.tokens).collect::<Vec<_>>()
+        first.into_iter().chain(out.tokens).collect::<Vec<_>>()
     }))
     .await;
     for (i, (got, want)) in outputs.iter().zip(&alone).enumerate() {

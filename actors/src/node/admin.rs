@@ -17,8 +17,9 @@
 use std::sync::Arc;
 
 use crate::client::ClientError;
-use crate::follow::{Following, Progress, Shown};
+use crate::follow::Following;
 use crate::node::jobs::{check_prompt, Work};
+use crate::reply::{ReplyText, Step, TokenSource};
 use scd_models::Sampling;
 use scd_scheduler::jobs::JobError as RecordError;
 use scd_scheduler::{
@@ -90,9 +91,7 @@ async fn handle(work: &Work, client: &str, call: AdminRequest) {
     tracing::info!(client, ?job, "admin call");
     let result = match request {
         Control::Submit(r) => submit(work, r, &mut replies).await,
-        Control::Watch { job_id } => {
-            follow(work, job_id, &mut replies, Shown::default(), IfGone::Leave).await
-        }
+        Control::Watch { job_id } => follow(work, job_id, &mut replies, None, IfGone::Leave).await,
         Control::Cancel { job_id, reason } => cancel(work, job_id, &reason, &mut replies).await,
         Control::Inspect { topic } => inspect(work, &topic, &mut replies).await,
         Control::Change { topic, body } => change(work, &topic, &body, &mut replies).await,
@@ -181,7 +180,7 @@ async fn submit(work: &Work, r: SubmitRequest, replies: &mut AdminReplies) -> Re
         work,
         r.job_id,
         replies,
-        Shown::after(JobState::Queued),
+        Some(JobState::Queued),
         IfGone::Cancel,
     )
     .await
@@ -501,45 +500,31 @@ fn summary(job: &JobRecord, tok: &scd_models::tokenizer::Tokenizer) -> String {
     .to_string()
 }
 
-/// The admin replies of a followed job's steps: tokens, then statuses (a finished one carrying
-/// the record's summary).
-fn replies_of(
-    job_id: JobId,
-    steps: Vec<Progress>,
-    tok: &scd_models::tokenizer::Tokenizer,
-) -> Vec<Control> {
-    steps
-        .into_iter()
-        .map(|step| match step {
-            Progress::Text { tokens, text } => Control::Tokens {
-                job_id,
-                tokens,
-                text,
-            },
-            Progress::State(state, job) => {
-                let detail = if state.is_finished() {
-                    summary(&job, tok)
-                } else {
-                    match (&job.producer, &job.consumer) {
-                        (Some(p), Some(c)) => format!("producer {p}, consumer {c}"),
-                        _ => String::new(),
-                    }
-                };
-                status(job.id, state, detail)
-            }
-        })
-        .collect()
+/// The status line of a job that moved to a new state.
+fn moved(job: &JobRecord, tok: &scd_models::tokenizer::Tokenizer) -> Control {
+    let detail = if job.state.is_finished() {
+        summary(job, tok)
+    } else {
+        match (&job.producer, &job.consumer) {
+            (Some(p), Some(c)) => format!("producer {p}, consumer {c}"),
+            _ => String::new(),
+        }
+    };
+    status(job.id, job.state, detail)
 }
 
+/// Sends the client the job's reply as it comes: its text, each new state (after `shown`,
+/// which the client has already), and the final record's summary.
 async fn follow(
     work: &Work,
     job: JobId,
     replies: &mut AdminReplies,
-    mut shown: Shown,
+    mut shown: Option<JobState>,
     if_gone: IfGone,
 ) -> Result<(), Refused> {
     let tok = &work.served.tokenizer;
     let mut following = Following::start(&work.client, job);
+    let mut text = ReplyText::default();
     let gone = || async {
         if if_gone == IfGone::Cancel {
             match work
@@ -553,27 +538,30 @@ async fn follow(
         }
     };
     loop {
-        tokio::select! {
-            record = following.next() => match record {
-                Some(record) => {
-                    for msg in replies_of(job, shown.steps(tok, &record), tok) {
-                        if let Err(e) = send(replies, msg).await {
-                            gone().await;
-                            return Err(e);
-                        }
-                    }
+        let msg = tokio::select! {
+            step = following.next() => match step {
+                Some(Step::Tokens(tokens)) => Control::Tokens {
+                    job_id: job,
+                    text: text.push(tok, &tokens),
+                    tokens,
+                },
+                Some(Step::Moved(record)) if shown != Some(record.state) => {
+                    shown = Some(record.state);
+                    moved(&record, tok)
                 }
+                Some(Step::Moved(_)) => continue,
                 None => break,
             },
             () = replies.client_gone() => {
                 gone().await;
                 return Ok(());
             }
+        };
+        if let Err(e) = send(replies, msg).await {
+            gone().await;
+            return Err(e);
         }
     }
-    let last = following.finish().await?;
-    for msg in replies_of(job, shown.steps(tok, &last), tok) {
-        send(replies, msg).await?;
-    }
+    following.finish().await?;
     Ok(())
 }

@@ -37,9 +37,10 @@ use tokio::sync::mpsc;
 
 use crate::client::{ClientError, ClusterClient};
 use crate::config::GatewayConfig;
-use crate::follow::{Following, Progress, Shown};
+use crate::follow::Following;
 use crate::node::bearer;
 use crate::node::jobs::{check_prompt, Work};
+use crate::reply::{ReplyText, Step, TokenSource};
 
 /// Longest a request body may be.
 const MAX_BODY: usize = 4 << 20;
@@ -621,26 +622,26 @@ async fn respond(
     }
     let tok = &g.work.served.tokenizer;
     let abandoned = CancelOnDrop::new(&g.work.client, id, idempotent);
-    let mut following = Following::start(&g.work.client, id);
-    while following.next().await.is_some() {}
-    let job = following.finish().await?;
+    let job = Following::start(&g.work.client, id).finish().await?;
     abandoned.disarm();
     if job.state != JobState::Done {
         return Err(failure(&job));
     }
-    let mut shown = Shown::default();
-    shown.steps(tok, &job);
+    let mut text = ReplyText::default();
+    if let Some(output) = &job.output {
+        text.push(tok, &output.tokens);
+    }
     let completion_tokens = job.output.as_ref().map_or(0, |o| o.tokens.len());
     let choice = match kind {
         Kind::Chat => json!({
             "index": 0,
-            "message": {"role": "assistant", "content": shown.text()},
+            "message": {"role": "assistant", "content": text.as_str()},
             "finish_reason": finish_reason(&job),
             "logprobs": null,
         }),
         Kind::Completion => json!({
             "index": 0,
-            "text": shown.text(),
+            "text": text.as_str(),
             "finish_reason": finish_reason(&job),
             "logprobs": null,
         }),
@@ -710,47 +711,39 @@ fn stream(
             return;
         }
         let tok = &g.work.served.tokenizer;
-        let mut shown = Shown::default();
+        let mut text = ReplyText::default();
         let mut following = Following::start(&g.work.client, id);
-        let (job, steps) = loop {
-            let next = tokio::select! {
-                next = following.next() => next,
+        loop {
+            let step = tokio::select! {
+                step = following.next() => step,
                 // Gone while nothing new came: noticed now, not at the next token.
                 () = tx.closed() => return,
             };
-            let record = match next {
-                Some(r) => r,
-                None => match following.finish().await {
-                    Ok(r) => {
-                        let steps = shown.steps(tok, &r);
-                        break (r, steps);
-                    }
-                    Err(e) => {
-                        let err = ApiError::from(e);
-                        let _ = tx.send(Event::default().data(err.body().to_string())).await;
-                        return;
-                    }
-                },
-            };
-            for step in shown.steps(tok, &record) {
-                if let Progress::Text { text, .. } = step {
+            match step {
+                Some(Step::Tokens(tokens)) => {
+                    let delta = text.push(tok, &tokens);
                     if tx
-                        .send(chunk(json!({"content": text}), None))
+                        .send(chunk(json!({"content": delta}), None))
                         .await
                         .is_err()
                     {
                         return;
                     }
                 }
+                Some(Step::Moved(_)) => {}
+                None => break,
+            }
+        }
+        let job = match following.finish().await {
+            Ok(job) => job,
+            Err(e) => {
+                let err = ApiError::from(e);
+                let _ = tx.send(Event::default().data(err.body().to_string())).await;
+                return;
             }
         };
         // The job has ended: nothing is left to cancel.
         abandoned.disarm();
-        for step in steps {
-            if let Progress::Text { text, .. } = step {
-                let _ = tx.send(chunk(json!({"content": text}), None)).await;
-            }
-        }
         if job.state == JobState::Done {
             let _ = tx.send(chunk(json!({}), Some(finish_reason(&job)))).await;
         } else {

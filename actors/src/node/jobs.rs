@@ -56,6 +56,7 @@ use crate::mode_planner;
 use crate::node::served::Served;
 use crate::node::supervisor::{read, ActorTable};
 use crate::node::translators::NodeTranslators;
+use crate::reply::{Step, TokenSource};
 use crate::telemetry::Telemetry;
 use crate::transfer::TransferInMsg;
 use opentelemetry::KeyValue;
@@ -875,14 +876,13 @@ impl Work {
             inbound: inbound_rx,
             shadow: shadow_tx,
         };
-        let (decoded, mut tokens_rx) =
-            match halves::start_decode(&decoder, decode, &self.queues, &cancel) {
-                Ok(d) => d,
-                Err(e) => {
-                    let action = half.handle(ConsumerEvent::NotStarted(&e.to_string()));
-                    return self.carry_out(half.attempt(), action).await;
-                }
-            };
+        let mut decoding = match halves::start_decode(&decoder, decode, &self.queues, &cancel) {
+            Ok(d) => d,
+            Err(e) => {
+                let action = half.handle(ConsumerEvent::NotStarted(&e.to_string()));
+                return self.carry_out(half.attempt(), action).await;
+            }
+        };
         let mut fan_out = Vec::with_capacity(others.len());
         for ((expert, (decoder, params, codec)), inbound) in others.into_iter().zip(other_inbound) {
             let part = ConsumerJob {
@@ -894,59 +894,32 @@ impl Work {
                 inbound,
                 shadow: None,
             };
-            let (decoded, mut tokens) =
-                match halves::start_decode(&decoder, part, &self.queues, &cancel) {
-                    Ok(d) => d,
-                    Err(e) => {
-                        let cause = format!("fan-out to {expert}: {e}");
-                        let action = half.handle(ConsumerEvent::NotStarted(&cause));
-                        return self.carry_out(half.attempt(), action).await;
-                    }
-                };
-            let cancel = cancel.clone();
-            fan_out.push(tokio::spawn(async move {
-                let mut out = Vec::new();
-                while let Some(t) = tokens.recv().await {
-                    out.push(t);
+            let decoding = match halves::start_decode(&decoder, part, &self.queues, &cancel) {
+                Ok(d) => d,
+                Err(e) => {
+                    let cause = format!("fan-out to {expert}: {e}");
+                    let action = half.handle(ConsumerEvent::NotStarted(&cause));
+                    return self.carry_out(half.attempt(), action).await;
                 }
-                let report = halves::settle(decoded, "decoder", &cancel).await;
-                (expert, report.map(|r| (r, out)))
+            };
+            fan_out.push(tokio::spawn(async move {
+                let (tokens, report) = decoding.collect().await;
+                (expert, report.map(|r| (r, tokens)))
             }));
         }
         half.handle(ConsumerEvent::Started);
-        let mut decoded = decoded;
-        // The decoder's answer, when it comes before its tokens end: a failure, or its actor
-        // died (then its blocking work is stopped through the job's token).
-        let mut early = None;
-        loop {
-            tokio::select! {
-                t = tokens_rx.recv() => match t {
-                    Some(token) => {
-                        let now = Instant::now();
-                        if half.handle(ConsumerEvent::Token { token, now }) == Action::WriteProgress {
-                            self.progress(&half).await;
-                        }
-                    }
-                    None => break,
-                },
-                r = &mut decoded, if early.is_none() => {
-                    let r = match r {
-                        Ok(r) => r.map_err(JobError::from),
-                        Err(_) => Err(JobError::ActorGone("decoder")),
-                    };
-                    let failed = r.is_err();
-                    early = Some(r);
-                    if failed {
-                        cancel.cancel();
-                        break;
-                    }
-                }
+        while let Some(step) = decoding.next().await {
+            let Step::Tokens(tokens) = step else { continue };
+            let now = Instant::now();
+            let mut write = false;
+            for token in tokens {
+                write |= half.handle(ConsumerEvent::Token { token, now }) == Action::WriteProgress;
+            }
+            if write {
+                self.progress(&half).await;
             }
         }
-        let mut result = match early {
-            Some(r) => r,
-            None => halves::settle(decoded, "decoder", &cancel).await,
-        };
+        let mut result = decoding.finish().await;
         let mut outputs = std::collections::BTreeMap::new();
         let mut fan_out_first = Vec::new();
         for part in fan_out {
