@@ -46,7 +46,7 @@ test: setup model data
 	cargo check --manifest-path transport/fuzz/Cargo.toml
 	$(MAKE) --no-print-directory test-deploy
 
-# The control plane's soak (issue R1 §1; minutes, so not part of `make test`): a real etcd
+# The control plane's soak (minutes, so not part of `make test`): a real etcd
 # compacting every minute, over 10 MiB of finished job records in the live prefix, then 2,000
 # small jobs through a scheduler and simulated nodes. It prints jobs/s, the live and archived
 # records and etcd's database size every 5 s; BENCHMARKS.md records a run.
@@ -99,7 +99,7 @@ test-deploy: setup
 test-smoke: setup model data
 	cargo test -p scd --test cli_smoke --no-fail-fast
 
-# The control plane under faults (issue R1 §2, §5; minutes, so not part of `make test`): a
+# The control plane under faults (minutes, so not part of `make test`): a
 # real etcd with a scheduler, a producer and a consumer node running the real model, jobs in
 # flight; the consumer killed and restarted under its id at once; etcd stopped 60 s
 # (SIGSTOP); etcd out of space (NOSPACE under a 16 MiB --quota-backend-bytes, held 20 s, then

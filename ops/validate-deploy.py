@@ -536,7 +536,7 @@ def check_node(p, where, wname, w, pod, node, configmaps, services, by_kind, tmp
                 where, f"{wname}: http_listen {n['http_listen']} is not the http port")
     # The HTTP API: a pod with an http port runs the gateway role, and a gateway is behind a
     # Service of that port. A node without the producer or consumer role loads no weights and
-    # serves no experts, so it mounts no experts either (issue M12).
+    # serves no experts, so it mounts no experts either.
     roles = set(n.get("roles", []))
     if "http" in ports:
         p.check("gateway" in roles and "http_listen" in n, where,

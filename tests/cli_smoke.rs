@@ -522,7 +522,7 @@ fn eval_multidoc_compares_stitching_and_the_sempic_writer() {
     assert_eq!(record["questions"], 1, "{record}");
 }
 
-/// `bench ttft` (issue M8 §1, §2, §4) at its tiniest: the grid runs through an in-process
+/// `bench ttft` at its tiniest: the grid runs through an in-process
 /// cluster, the JSON has every cell with sane values, and `--project` fits the cost model to it
 /// and writes the projection and the plots.
 #[test]

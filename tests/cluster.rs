@@ -582,8 +582,8 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
     // The same weights stored in f32 (the shipped file is bf16): another content hash.
     other.manifest.weights_dtype = scd_models::translator::WeightsDtype::F32;
     let other_hash = other.save(&other_dir).unwrap();
-    // A folder outside the nodes' [models] translator_roots: refused, saying so (issue R1 §4:
-    // a version is a path, and the node reads only the folders meant for it).
+    // A folder outside the nodes' [models] translator_roots: refused, saying so (a version is
+    // a path, and the node reads only the folders meant for it).
     let stray = dir.path().join("elsewhere");
     other.save(&stray).unwrap();
     let out = admin_cmd(&[
@@ -699,7 +699,7 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
         String::from_utf8_lossy(&out.stderr)
     );
 
-    // Ctrl-C on `scd submit` (issue R1 §3): the CLI closes its connection, exits 130, and the
+    // Ctrl-C on `scd submit`: the CLI closes its connection, exits 130, and the
     // node it submitted through cancels the job, which nobody would read now.
     let mut long = Command::new(env!("CARGO_BIN_EXE_scd"))
         .args(["submit", "--node", &admin, "--name", "ops", "--pki-dir"])

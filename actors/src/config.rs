@@ -2068,7 +2068,7 @@ frames_in_flight = 16
                 Some("http://jaeger:4318")
             );
         }
-        // The HTTP API on a node of its own, the producer without it (issue M12).
+        // The HTTP API on a node of its own, the producer without it.
         let gateway =
             NodeConfig::parse(&fs::read_to_string(dir.join("gateway.toml")).unwrap(), &dir)
                 .unwrap();

@@ -1,4 +1,4 @@
-//! Mode `auto` in a cluster (issue M8 §3): the producer picks the mode per job from what it
+//! Mode `auto` in a cluster: the producer picks the mode per job from what it
 //! measured of the link and the two nodes, records the choice and its grounds, and the job
 //! answers exactly as a job submitted in the mode it chose. One consumer on a paced link, one
 //! on loopback; the experts `sotu` (raw transfer under the quality ceiling) and `mail-rope`

@@ -1,5 +1,5 @@
 //! A node's `/metrics` counts the cluster's jobs from the job follower's index, not from a
-//! listing of the store (issue R1 §1).
+//! listing of the store.
 
 use scd_actors::metrics::NodeMetrics;
 use scd_scheduler::{JobId, JobRecord, JobState, Keys, Mode};

@@ -828,7 +828,7 @@ fn the_k8s_node_config_templates_are_valid_configs_once_filled_in() {
     // Traces go where $OTEL_EXPORTER_OTLP_ENDPOINT says (the ConfigMap scd-otel).
     assert_eq!(p.tracing.otlp_endpoint, None);
 
-    // The HTTP API on pods of its own (issue M12): the gateway role alone, the base model for
+    // The HTTP API on pods of its own: the gateway role alone, the base model for
     // its tokenizer, no experts; the HTTP API on 8080. A Deployment's pods share the
     // certificate issued to `gateway`, each registered under its pod's name.
     let gateway = |keys: &str| {

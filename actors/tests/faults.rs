@@ -1,4 +1,4 @@
-//! The control plane under store faults (issue R1 §2; minutes each, so ignored: `make faults`
+//! The control plane under store faults (minutes each, so ignored: `make faults`
 //! runs them): a real etcd, a scheduler node, a producer and a consumer with the real model,
 //! jobs in flight when the fault starts and more after it heals.
 //!

@@ -385,7 +385,7 @@ async fn post_as(
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
-/// The gateway on a node of its own (issue M12): it reads the base model's tokenizer and limits,
+/// The gateway on a node of its own: it reads the base model's tokenizer and limits,
 /// not its weights, and answers a chat as a producer+consumer cluster behind it computes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_gateway_only_node_answers_for_the_cluster_behind_it() {
@@ -460,8 +460,8 @@ async fn a_gateway_only_node_answers_for_the_cluster_behind_it() {
 }
 
 /// A caller without a key is refused before its body is read, and one key has at most
-/// `max_requests_per_key` requests unanswered while others are served (issue R1 §4). What a client
-/// sees is one answer (issue R1 §3): a request sent again with the same
+/// `max_requests_per_key` requests unanswered while others are served. What a client
+/// sees is one answer: a request sent again with the same
 /// `Idempotency-Key` is the same job and gets the same reply (the key with another request is
 /// refused), and a client that goes away before its answer, streaming or not, cancels its job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1321,7 +1321,7 @@ async fn a_stream_refused_without_a_record_is_handed_back_and_runs_again() {
 }
 
 /// A consumer whose `[limits] kv_mib` cannot hold a job's caches hands the job back rather
-/// than rebuilding them (issue R1 §4: the consumer bounds its own cache memory); with no other
+/// than rebuilding them (the consumer bounds its own cache memory); with no other
 /// consumer the job ends failed, saying which limit and by how much, and holds nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_without_room_for_a_jobs_caches_hands_it_back() {

@@ -1,4 +1,4 @@
-//! Nodes killed and started again under the same id at once (issue R1 §2), in one process on
+//! Nodes killed and started again under the same id at once, in one process on
 //! the embedded store: `Node::kill` stops a node as a crash would (no drain, its lease left to
 //! expire) and a new `Node` with the same id registers over its key while the old lease still
 //! lives. The scheduler must take the new incarnation as the old one leaving: the job the old
@@ -86,7 +86,7 @@ async fn a_consumer_killed_while_decoding_and_restarted_under_its_id_loses_no_jo
     consumer.kill().await;
     failpoints::silence("mail-0", false);
     // What a client following the job was shown, made unlike anything the expert would
-    // generate (issue R1 §3): the answer must go on from it, not start over.
+    // generate: the answer must go on from it, not start over.
     let shown = JobStore::new(cluster.store.clone(), Keys::default())
         .update(id, |j| {
             if let Some(o) = j.output.as_mut() {
@@ -159,7 +159,7 @@ async fn a_producer_killed_between_claim_and_stream_and_restarted_under_its_id_l
     }
 }
 
-/// The history a streaming client reads is the answer (issue R1 §3): a chat streamed through
+/// The history a streaming client reads is the answer: a chat streamed through
 /// the gateway in mode scd with adaptive ranks while its consumer is killed mid-decode and
 /// restarted. What the client was shown is made unlike anything the expert would generate
 /// (attempts with other ranks can answer differently; here they would not, by chance), and

@@ -1,4 +1,4 @@
-//! The shipped SCD translators' quality on the real model (issue S2 §3): each expert's
+//! The shipped SCD translators' quality on the real model: each expert's
 //! `experts/<name>/translator` carries the base's prefill to that expert, and this file checks
 //! what BENCHMARKS.md ("SCD translators") reports for them still holds, so that a translator
 //! rebuilt into garbage fails `make test`.

@@ -1,4 +1,4 @@
-//! Finished job records leave the live prefix (issue R1 §1): archived after a while, still
+//! Finished job records leave the live prefix: archived after a while, still
 //! readable by id, removed from the archive by age and by count, and the scheduler's loop does
 //! both on its own.
 

@@ -906,7 +906,7 @@ async fn a_lost_consumer_retries_without_blaming_the_producer(b: Backend) {
     assert!(job.error.unwrap().contains("consumer c1"));
 }
 
-/// A node at its capacity is given nothing more (issue R1 §4), whatever load it advertises:
+/// A node at its capacity is given nothing more, whatever load it advertises:
 /// the scheduler counts the jobs the records show it holding. The producer is free again once
 /// its codes are sent, the consumer once the job ends; the waiting job is assigned then.
 async fn a_full_node_is_given_nothing_more_until_its_work_ends(b: Backend) {

@@ -1,4 +1,4 @@
-//! A decoding job's output appended beside its record (issue R1 §1): the record is not
+//! A decoding job's output appended beside its record: the record is not
 //! rewritten for each batch of tokens, reads show the batches, the next change of the record
 //! folds them in, and a fold racing appends loses no token. On both stores, and on the
 //! embedded store behind a wrapper that lands a batch between a fold's read and its write.

@@ -1,4 +1,4 @@
-//! Restarts and lost attempts (issue R1 §2): a node restarted under the same id within its
+//! Restarts and lost attempts: a node restarted under the same id within its
 //! lease TTL is the old incarnation leaving (its epoch changed), and an attempt past its
 //! deadline is abandoned, so no job stays running for ever holding its admission slot.
 

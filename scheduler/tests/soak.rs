@@ -1,4 +1,4 @@
-//! The control plane's soak (issue R1 §1), `make soak`: a real etcd compacting its history
+//! The control plane's soak, `make soak`: a real etcd compacting its history
 //! every minute, more than 10 MiB of finished job records left in the live prefix (as a day of
 //! jobs left them before the archive existed), then 2,000 small jobs through one scheduler
 //! replica and a simulated producer and consumer that drive each assigned job through its

@@ -47,7 +47,7 @@ async fn prefix_reads_are_scoped_and_sorted(b: Backend) {
 }
 
 /// A listing larger than one page of the etcd store (256 keys) and than the client's 4 MiB
-/// receive limit comes back whole, sorted and scoped, at one revision (issue R1 §1).
+/// receive limit comes back whole, sorted and scoped, at one revision.
 async fn large_listings_come_back_whole(b: Backend) {
     let s = &b.store;
     const KEYS: usize = 600;

@@ -1,4 +1,4 @@
-//! `scd bench ttft` (issue M8 §1): time to first token of every transfer mode over a grid of
+//! `scd bench ttft`: time to first token of every transfer mode over a grid of
 //! links and prompt lengths, through real nodes (an in-process cluster on the embedded store,
 //! QUIC between the nodes, links emulated by the producer's pacing, `[links] pace_mbit`), cold
 //! (the producer prefills the prompt) and warm (the producer holds the prompt's prefix in its
@@ -176,7 +176,7 @@ pub struct Cell {
     pub chosen: BTreeMap<String, usize>,
 }
 
-/// Auto against the fixed modes in one cell (M8 §3's target: never more than 10% slower than
+/// Auto against the fixed modes in one cell (auto's target: never more than 10% slower than
 /// the best fixed mode, never over the quality ceiling where a mode under it exists).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AutoCheck {

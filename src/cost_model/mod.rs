@@ -1,4 +1,4 @@
-//! The TTFT cost model (issue M8 §2): a few constants that say how long a transfer mode takes
+//! The TTFT cost model: a few constants that say how long a transfer mode takes
 //! to its first token, fitted to `scd bench ttft`'s cells, checked against them, then projected
 //! to other hardware. Pure functions; `report` reads a bench record, fits, projects and draws.
 //!

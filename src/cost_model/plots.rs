@@ -1,4 +1,4 @@
-//! The pictures of issue M8 §4, drawn with plotters into SVG and PNG: TTFT against bandwidth
+//! The cost model's pictures, drawn with plotters into SVG and PNG: TTFT against bandwidth
 //! per mode (cold and warm, measured points and the fitted model's curves), KL against payload
 //! (this machine's modes and the paper's), measured against predicted, and the projected
 //! speed-up against bandwidth of the 7B and 32B pairs. Text needs a TrueType font: the first of

@@ -130,7 +130,7 @@ fn side_labels(side: Side) -> SideLabels {
     }
 }
 
-/// Test hooks that stop a node's work at a chosen point, for the restart tests (issue R1 §2).
+/// Test hooks that stop a node's work at a chosen point, for the restart tests.
 /// Nothing outside tests sets them; unset, each costs one lock per job.
 #[doc(hidden)]
 pub mod failpoints {

@@ -1,4 +1,4 @@
-//! A decoding job's output between writes of its record (issue R1 §1).
+//! A decoding job's output between writes of its record.
 //!
 //! A consumer shows its tokens as they come, a few times a second. Rewriting the whole record
 //! each time (request and prompt included) made etcd's history grow with the prompt times the
