@@ -51,7 +51,7 @@ test: setup model data
 # small jobs through a scheduler and simulated nodes. It prints jobs/s, the live and archived
 # records and etcd's database size every 5 s; BENCHMARKS.md records a run.
 soak: setup
-	cargo test -p scd-scheduler --test soak -- --ignored --nocapture
+	cargo test -p scd-scheduler --test integration -- --ignored --nocapture soak::
 
 # $(call cpu_feature_tests,GROUP,FLAGS,NAME[,NOTE]): `make test-GROUP` where /proc/cpuinfo lists
 # every one of FLAGS, else a line saying that the NAME tests did not run and why.
@@ -89,7 +89,7 @@ test-netns: setup
 # kustomize and validated against Kubernetes' schemas and the vendored CRD schemas, the
 # dashboard and scrape configs (ops/validate-deploy.py; a few seconds). The node side of the
 # kit (the probes, the dashboard's series in live scrapes, the k8s node configs) is
-# actors/tests/deploy.rs, part of `cargo test`.
+# actors/tests/integration/deploy.rs, part of `cargo test`.
 .PHONY: test-deploy
 test-deploy: setup
 	.cache/openai-venv/bin/python ops/validate-deploy.py
@@ -108,10 +108,10 @@ test-smoke: setup model data
 # (ops/netns-link.sh: root, or CAP_SYS_ADMIN and CAP_NET_ADMIN) and fail saying so without.
 # Each prints a row of submitted / done / failed / lost / duplicated / retries / seconds to
 # recover; BENCHMARKS.md records a run. The restart tests of `make test`
-# (actors/tests/restarts.rs, scheduler/tests/restarts.rs) check single jobs through restarts.
+# (actors/tests/failpoints/restarts.rs, scheduler/tests/integration/restarts.rs) check single jobs through restarts.
 .PHONY: faults
 faults: setup model data
-	cargo test -p scd-actors --test faults -- --ignored --nocapture --test-threads 1
+	cargo test -p scd-actors --test failpoints -- --ignored --nocapture --test-threads 1 faults::
 
 lint:
 	cargo fmt --all -- --check

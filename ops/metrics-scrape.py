@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Scrape a node's /metrics and parse it with the official Prometheus client's OpenMetrics
-parser (actors/tests/gateway.rs runs this).
+parser (actors/tests/integration/gateway.rs runs this).
 
     metrics-scrape.py URL
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The official `openai` client against scd's HTTP API (actors/tests/gateway.rs runs this).
+"""The official `openai` client against scd's HTTP API (actors/tests/integration/gateway.rs runs this).
 
     openai-check.py BASE_URL API_KEY MODEL [DOCUMENT_ID]
 

@@ -2,7 +2,7 @@
 """A minimal OTLP trace receiver built on the official protobuf definitions and gRPC service
 (`opentelemetry-proto`, `grpcio`): it decodes every export, OTLP/HTTP (POST /v1/traces) or
 OTLP/gRPC (TraceService/Export), and appends each span, as one JSON line with the protocol it
-came by, to OUT (actors/tests/tracing.rs runs it). It prints the HTTP port and the gRPC port,
+came by, to OUT (actors/tests/integration/traces.rs runs it). It prints the HTTP port and the gRPC port,
 on one line, first.
 
     otlp-receiver.py OUT

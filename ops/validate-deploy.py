@@ -22,9 +22,9 @@ with the Python of ops/setup.sh's virtual environment (ops/requirements-test.txt
   grace period, a NetworkPolicy admits QUIC over UDP, etcd serves its clients over TLS with
   certificates and each node's [store] names its members by https:// with TLS files it mounts, each init container's script fills its
   node config template into a TOML file whose id, ports and addresses agree with the pod.
-  (actors/tests/deploy.rs parses the same templates with the node's own config parser.)
+  (actors/tests/integration/deploy.rs parses the same templates with the node's own config parser.)
 - Grafana and Prometheus: the dashboard's panels and the scrape configs are well formed, and
-  the dashboard in the ConfigMap is the file. (actors/tests/deploy.rs checks every series the
+  the dashboard in the ConfigMap is the file. (actors/tests/integration/deploy.rs checks every series the
   dashboard queries against live nodes' scrapes.)
 - Before all that, each tool is shown a broken input and must refuse it, so that a check
   that passes is a check that ran.

@@ -1466,7 +1466,7 @@ fn same_incarnation(have: u64, want: Option<u64>) -> bool {
 #[cfg(test)]
 mod tests {
     //! Final writes against a store that refuses writes for a while (a wrapper over the
-    //! embedded store; the real-etcd outage is `tests/faults.rs`). Time is paused: the waits
+    //! embedded store; the real-etcd outage is `tests/failpoints/faults.rs`). Time is paused: the waits
     //! pass at once and the test reads the same on any machine.
 
     use std::time::Duration;

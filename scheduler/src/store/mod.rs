@@ -1,6 +1,6 @@
 //! The `MetaStore` trait: the small part of etcd's API that scd relies on, with the types that
 //! travel through it. Two implementations share these semantics exactly: [`EtcdStore`] and
-//! [`EmbeddedStore`]; one test suite (`tests/store_suite.rs`) runs against both. With feature
+//! [`EmbeddedStore`]; one test suite (`tests/integration/store_suite.rs`) runs against both. With feature
 //! `test-util`, [`HookedStore`] wraps either to inject the faults tests need.
 
 mod embedded;

@@ -8,11 +8,11 @@
 //! The failpoints are process-wide and keyed by node id, and the tests run at once: each test
 //! names the nodes it kills (or holds) differently from every other test here.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::{config, models, prompt, request, Cluster, WAIT};
+use crate::common::{config, models, prompt, request, Cluster, WAIT};
 use scd_actors::node::failpoints;
 use scd_scheduler::{admission, JobId, JobRecord, JobState, JobStore, Keys, Mode};
 

@@ -2,11 +2,9 @@
 //! readable by id, removed from the archive by age and by count, and the scheduler's loop does
 //! both on its own.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{eventually, Backend, TTL};
+use crate::common::{eventually, Backend, TTL};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
     envelope, ArchiveConfig, ElectionConfig, ExpertSpec, JobId, JobRecord, JobState, JobStore,

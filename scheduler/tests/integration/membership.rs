@@ -1,11 +1,9 @@
 //! Membership: registration under a lease, the live view, lease loss and recovery, slow
 //! renewals, and an etcd restart.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{eventually, within, Backend, TTL};
+use crate::common::{eventually, within, Backend, TTL};
 use scd_scheduler::store::{EventKind, HookedStore, LeaseId, MetaStore};
 use scd_scheduler::{
     LiveNodes, NodeId, NodeInfo, Registration, RegistrationConfig, RegistrationEvent,

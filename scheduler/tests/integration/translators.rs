@@ -1,11 +1,9 @@
 //! Translator versions: publish, activate, roll back, every watcher switching, concurrent
 //! activations, and the stale-hash guard.
 
-mod common;
-
 use std::collections::BTreeMap;
 
-use common::{within, Backend};
+use crate::common::{within, Backend};
 use scd_scheduler::translators::TranslatorError;
 use scd_scheduler::{
     check_translator, StaleTranslator, TranslatorHash, TranslatorManifest, TranslatorRegistry,

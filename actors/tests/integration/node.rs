@@ -4,11 +4,11 @@
 //! result equals the same mode in-process; bad jobs fail with their reason; a draining node
 //! leaves at once and loses no job.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::{
+use crate::common::{
     config, config_with, models, prompt, reference, reference_for, repo, request, Cluster,
     MAX_TOKENS, WAIT,
 };

@@ -1,13 +1,11 @@
 //! Leader election: one leader among concurrent candidates, failover when it dies, hand-over on
 //! resignation, and the fence that stops a deposed leader's writes.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{eventually, within, Backend, TTL};
+use crate::common::{eventually, within, Backend, TTL};
 use scd_scheduler::store::{Compare, Txn, TxnOp};
 use scd_scheduler::{Candidate, ElectionConfig, LeaderGuard, Leadership};
 

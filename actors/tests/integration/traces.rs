@@ -3,11 +3,9 @@
 //! record and the code frames carry. Each node exports to its own in-memory exporter (the
 //! OpenTelemetry SDK's), as separate processes would to a collector.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{config, models, prompt, python, repo, request, Cluster, WAIT};
+use crate::common::{config, models, prompt, python, repo, request, Cluster, WAIT};
 use opentelemetry::trace::{SpanId, TraceContextExt};
 use opentelemetry::Value;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SpanData};

@@ -261,7 +261,8 @@ fn code_files(dir: &Path, out: &mut Vec<PathBuf>) {
         }
         let in_ops = path.strip_prefix(root().join("ops")).is_ok();
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        let own = path.ends_with(file!()) || path.ends_with("actors/tests/user_docs.rs");
+        let own =
+            path.ends_with(file!()) || path.ends_with("actors/tests/integration/user_docs.rs");
         if !own && (ext == "rs" || (in_ops && (ext == "sh" || ext == "py"))) {
             out.push(path);
         }

@@ -1,11 +1,11 @@
 //! One suite for the `MetaStore` contract, run against the embedded store and a real etcd.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{eventually, within, Backend, TTL};
+use crate::common::{eventually, within, Backend, TTL};
 use scd_scheduler::store::{Compare, EventKind, MetaStore, StoreError, Txn, TxnOp};
 
 async fn put_get_delete_and_revisions(b: Backend) {

@@ -18,7 +18,7 @@
 //! admission count must equal the unfinished jobs. Each prints one table row (submitted, done,
 //! failed with reasons, lost, duplicated, seconds to recover) for BENCHMARKS.md.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
@@ -28,7 +28,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{config, config_with, models, prompt, request};
+use crate::common::{config, config_with, models, prompt, request};
 use scd_actors::node::failpoints;
 use scd_actors::{ClusterClient, Node, Served};
 use scd_scheduler::{admission, EtcdServer, JobId, JobState, JobStore, Keys, MetaStore, Mode};

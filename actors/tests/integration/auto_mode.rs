@@ -10,11 +10,9 @@
 //! shows rather than naming a mode. `scd bench ttft` measures auto against every fixed mode on
 //! a quiet machine (BENCHMARKS.md).
 
-mod common;
-
 use std::time::Duration;
 
-use common::{config, models, prompt, repo, request, Cluster};
+use crate::common::{config, models, prompt, repo, request, Cluster};
 use scd_actors::config::{CodeDtypeName, ExpertConfig, NodeConfig};
 use scd_scheduler::{JobRecord, JobState, Mode, ModeEstimate};
 

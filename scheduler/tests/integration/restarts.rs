@@ -2,11 +2,11 @@
 //! lease TTL is the old incarnation leaving (its epoch changed), and an attempt past its
 //! deadline is abandoned, so no job stays running for ever holding its admission slot.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::{eventually, Backend, TTL};
+use crate::common::{eventually, Backend, TTL};
 use scd_scheduler::admission;
 use scd_scheduler::{
     AttemptDeadline, ElectionConfig, ExpertSpec, JobId, JobRecord, JobState, JobStore, Mode,

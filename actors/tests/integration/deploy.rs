@@ -5,7 +5,7 @@
 //! filters by; and etcd as the shipped configs run it, over TLS with client certificates. The
 //! manifests themselves are checked by `make test-deploy` (ops/validate-deploy.py).
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{config_with, python, repo, Cluster};
+use crate::common::{config_with, python, repo, Cluster};
 use scd_scheduler::{Keys, Mode};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,11 +1,9 @@
 //! Durable jobs: compare-and-swap updates under contention, the state machine through the
 //! store, retention, and the leader retrying a job whose producer vanished.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{eventually, within, Backend, TTL};
+use crate::common::{eventually, within, Backend, TTL};
 use scd_scheduler::admission;
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::jobs::Blame;

@@ -3,11 +3,9 @@
 //! folds them in, and a fold racing appends loses no token. On both stores, and on the
 //! embedded store behind a wrapper that lands a batch between a fold's read and its write.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
-use common::{within, Backend};
+use crate::common::{within, Backend};
 use scd_scheduler::jobs::{now_ms, Blame, FOLD_AFTER_BATCHES};
 use scd_scheduler::store::HookedStore;
 use scd_scheduler::{Appended, JobId, JobRecord, JobResult, JobState, JobStore, Mode};

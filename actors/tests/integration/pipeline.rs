@@ -3,11 +3,9 @@
 //! layers stream while the producer is still prefilling, and a corrupt code fails its job
 //! without harming the next.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{models, params, prompt, raw_codec, reference, scd_codec, Models, MAX_TOKENS};
+use crate::common::{models, params, prompt, raw_codec, reference, scd_codec, Models, MAX_TOKENS};
 use scd_actors::{
     DecoderError, JobCodec, JobError, JobOutput, JobSpec, Pipeline, PipelineOptions, ProducerError,
     Step, TokenSource,

@@ -3,12 +3,12 @@
 //! completion and asks for plain ones from a producer node with the gateway role and a consumer
 //! of the mail expert on the embedded store; bad requests get OpenAI-shaped errors.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::Duration;
 
-use common::{config, config_with, python, repo, Cluster};
+use crate::common::{config, config_with, python, repo, Cluster};
 use serde_json::Value;
 
 const KEY: &str = "test-key-1";
