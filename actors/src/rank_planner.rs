@@ -16,6 +16,7 @@ use scd_models::translator::rank_curve::{self, LinkEstimate};
 use scd_models::translator::{RankPolicy, Translator};
 use scd_scheduler::{Mode, RanksChoice, RanksRule};
 use scd_transport::{CodeDType, LinkRate};
+use scd_types::NodeId;
 
 use crate::config::RankSetting;
 
@@ -37,7 +38,7 @@ pub struct RankPlanner {
     policy: RankPolicy,
     dtype: CodeDType,
     /// Bytes per second to each consumer node, by node id.
-    links: Mutex<HashMap<String, Estimate>>,
+    links: Mutex<HashMap<NodeId, Estimate>>,
     /// Seconds of prefill per prompt token.
     prefill_per_token: Mutex<Option<f64>>,
 }
@@ -79,7 +80,7 @@ impl RankPlanner {
     /// for good), so it is raised to the floor.
     pub fn observe_transfer(
         &self,
-        peer: &str,
+        peer: &NodeId,
         bytes: u64,
         rate: Option<LinkRate>,
         elapsed: Duration,
@@ -102,7 +103,7 @@ impl RankPlanner {
                 let secs = elapsed.as_secs_f64();
                 let floor = if secs > 0.0 { bytes as f64 / secs } else { 0.0 };
                 if floor > o {
-                    links.insert(peer.to_string(), Estimate::Measured(floor));
+                    links.insert(peer.clone(), Estimate::Measured(floor));
                 }
                 return;
             }
@@ -113,7 +114,7 @@ impl RankPlanner {
             LinkRate::Measured(_) => Estimate::Measured(new),
             LinkRate::KeptUp(_) => Estimate::KeptUp(new),
         };
-        links.insert(peer.to_string(), estimate);
+        links.insert(peer.clone(), estimate);
     }
 
     /// A prefill of `tokens` tokens took `secs` seconds. A short one (a prompt mostly in the
@@ -238,22 +239,32 @@ mod tests {
         let measured = |r| Some(LinkRate::Measured(r));
         // Streams that took a long time: their floors (bytes / elapsed) are under every rate.
         let long = Duration::from_secs(1 << 20);
-        p.observe_transfer("c", n - 1, measured(1e9), long);
+        p.observe_transfer(&NodeId::from_static("c"), n - 1, measured(1e9), long);
         assert_eq!(p.link("c"), None);
-        p.observe_transfer("c", n, measured(100.0), long);
+        p.observe_transfer(&NodeId::from_static("c"), n, measured(100.0), long);
         assert_eq!(p.link("c"), Some(100.0));
-        p.observe_transfer("c", n, measured(300.0), long);
+        p.observe_transfer(&NodeId::from_static("c"), n, measured(300.0), long);
         assert_eq!(p.link("c"), Some(200.0));
-        p.observe_transfer("c", n, None, long);
-        p.observe_transfer("c", n, measured(f64::INFINITY), long);
+        p.observe_transfer(&NodeId::from_static("c"), n, None, long);
+        p.observe_transfer(&NodeId::from_static("c"), n, measured(f64::INFINITY), long);
         assert_eq!(p.link("c"), Some(200.0));
         // A job the link never held back says little once the link was measured...
-        p.observe_transfer("c", n, Some(LinkRate::KeptUp(1e12)), long);
+        p.observe_transfer(
+            &NodeId::from_static("c"),
+            n,
+            Some(LinkRate::KeptUp(1e12)),
+            long,
+        );
         assert_eq!(p.link("c"), Some(200.0));
         // ...and stands in while nothing was, until a measurement replaces it.
-        p.observe_transfer("fast", n, Some(LinkRate::KeptUp(1e9)), long);
+        p.observe_transfer(
+            &NodeId::from_static("fast"),
+            n,
+            Some(LinkRate::KeptUp(1e9)),
+            long,
+        );
         assert_eq!(p.link("fast"), Some(1e9));
-        p.observe_transfer("fast", n, measured(5e8), long);
+        p.observe_transfer(&NodeId::from_static("fast"), n, measured(5e8), long);
         assert_eq!(p.link("fast"), Some(5e8));
         assert_eq!(p.link("other"), None);
     }
@@ -266,7 +277,7 @@ mod tests {
         let p = RankPlanner::new(RankSetting::Adaptive, RankPolicy::default(), CodeDType::F16);
         let mb = 24u64 << 20;
         p.observe_transfer(
-            "c",
+            &NodeId::from_static("c"),
             mb,
             Some(LinkRate::Measured(50e6)),
             Duration::from_millis(480),
@@ -275,10 +286,15 @@ mod tests {
         // A job that kept up, but over a slow prefill: its floor (24 MiB in 1 s) is under the
         // measure, which stands.
         let burst = Some(LinkRate::KeptUp(1e10));
-        p.observe_transfer("c", mb, burst, Duration::from_secs(1));
+        p.observe_transfer(&NodeId::from_static("c"), mb, burst, Duration::from_secs(1));
         assert_eq!(p.link("c"), Some(50e6));
         // One that carried 24 MiB in 160 ms: the link is at least that fast, not its burst.
-        p.observe_transfer("c", mb, burst, Duration::from_millis(160));
+        p.observe_transfer(
+            &NodeId::from_static("c"),
+            mb,
+            burst,
+            Duration::from_millis(160),
+        );
         let floor = mb as f64 / 0.16;
         assert!(
             (p.link("c").unwrap() - floor).abs() < 1.0,
@@ -287,7 +303,7 @@ mod tests {
         );
         // Measurements go on from there.
         p.observe_transfer(
-            "c",
+            &NodeId::from_static("c"),
             mb,
             Some(LinkRate::Measured(2e8)),
             Duration::from_millis(130),

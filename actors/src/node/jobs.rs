@@ -39,7 +39,7 @@ use scd_scheduler::{
     ModeChoice, StageSpan,
 };
 use scd_transport::{Connection, Endpoint, JobId, JobReceiver};
-use scd_types::{JobReport, LayerPoint, Side, Stage};
+use scd_types::{JobReport, LayerPoint, NodeId, Side, Stage};
 use tokio::sync::{mpsc, watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
@@ -63,7 +63,7 @@ use opentelemetry::KeyValue;
 
 /// Everything a node's job handling uses.
 pub(crate) struct Work {
-    pub id: scd_types::NodeId,
+    pub id: NodeId,
     pub store: Arc<dyn MetaStore>,
     pub jobs: JobStore,
     pub served: Arc<Served>,
@@ -103,7 +103,7 @@ pub(crate) struct Work {
     pub registration: Arc<scd_scheduler::Registration>,
     /// Connections to consumer nodes, by node id, each with the registration epoch of the
     /// incarnation it reaches.
-    pub links: Mutex<HashMap<String, Link>>,
+    pub links: Mutex<HashMap<NodeId, Link>>,
     /// What the caches of the jobs this consumer decodes may hold at once.
     pub kv: crate::kv_budget::KvBudget,
     /// What this consumer measures of its jobs' last step, for `auto` on the producers.
@@ -508,7 +508,7 @@ impl Work {
         let points = layers.map(|l| clock.layer(l.layer, l.bytes, l.encoded));
         report.layers.push((Stage::Encode, points.collect()));
         report.wire_bytes = done.sent.wire_bytes;
-        if let Some(consumer) = job.consumer.as_deref() {
+        if let Some(consumer) = &job.consumer {
             let elapsed = done.sent.span.end - done.sent.span.start;
             let (bytes, rate) = (report.wire_bytes, done.sent.link_rate);
             self.ranks.observe_transfer(consumer, bytes, rate, elapsed);
@@ -654,7 +654,7 @@ impl Work {
     /// A node killed without closing its connections leaves them open here until QUIC's idle
     /// timeout; a stream opened on one would wait that long. The job record names the
     /// incarnation it was assigned to, so a link to another one is dropped, not reused.
-    async fn link(&self, node: &str, epoch: Option<u64>) -> Result<Connection, Refusal> {
+    async fn link(&self, node: &NodeId, epoch: Option<u64>) -> Result<Connection, Refusal> {
         let mut links = self.links.lock().await;
         if let Some(link) = links.get(node) {
             if !link.connection.is_closed() && same_incarnation(link.epoch, epoch) {
@@ -679,10 +679,10 @@ impl Work {
             None => self
                 .read_node(node)
                 .await
-                .ok_or_else(|| Refusal::ConsumerGone(node.to_owned()))?,
+                .ok_or_else(|| Refusal::ConsumerGone(node.as_str().to_owned()))?,
         };
         let connect_err = |error: String| Refusal::Connect {
-            node: node.to_owned(),
+            node: node.as_str().to_owned(),
             error,
         };
         let addr = tokio::net::lookup_host(&info.addr)
@@ -696,7 +696,7 @@ impl Work {
             .await
             .map_err(|e| connect_err(e.to_string()))?;
         links.insert(
-            node.to_owned(),
+            node.clone(),
             Link {
                 epoch: info.epoch,
                 connection: connection.clone(),
