@@ -300,7 +300,7 @@ pub enum ContentError {
     Trace(#[from] TraceContextError),
     /// A layer code whose byte length is not what its dtype and shape make.
     #[error("layer {layer}: {len} code bytes, but dtype {dtype} and shape {shape:?} make {}",
-        expected.map_or_else(|| "no valid length (a shape the dtype does not take, or too large)".to_owned(), |n| n.to_string()))]
+        expected.map_or_else(|| "no valid length (a shape the dtype does not take, too large, or over the bound of a variable-length dtype)".to_owned(), |n| n.to_string()))]
     CodeLength {
         /// The layer.
         layer: u16,
@@ -323,11 +323,12 @@ fn check_code_len(
     shape: &[u32],
     len: usize,
 ) -> Result<(), ContentError> {
-    if dtype.bits().is_none() {
+    if !dtype.is_known() {
         return Ok(());
     }
     let expected = LayerCode::expected_len(dtype, shape);
-    if expected == Some(len) {
+    let max = LayerCode::max_len(dtype, shape);
+    if expected == Some(len) || (expected.is_none() && max.is_some_and(|m| len <= m)) {
         Ok(())
     } else {
         Err(ContentError::CodeLength {

@@ -47,11 +47,15 @@ fn layer_code(rng: &mut StdRng) -> LayerCode {
     let shape: Vec<u32> = (0..rng.gen_range(0..4))
         .map(|_| rng.gen_range(0..24))
         .collect();
-    if dtype.bits().is_some() && LayerCode::expected_len(dtype, &shape).is_none() {
+    if dtype.is_known() && LayerCode::max_len(dtype, &shape).is_none() {
         // A known dtype this shape does not suit (the encoder would refuse it).
         dtype = CodeDType::U8;
     }
-    let len = LayerCode::expected_len(dtype, &shape).unwrap_or_else(|| rng.gen_range(0..2048));
+    let len = match LayerCode::expected_len(dtype, &shape) {
+        Some(n) => n,
+        // A variable-length dtype, within its bound; or one this version does not know.
+        None => rng.gen_range(0..LayerCode::max_len(dtype, &shape).unwrap_or(2048).min(2048) + 1),
+    };
     LayerCode {
         layer: rng.gen(),
         kind: CodeKind(rng.gen()),

@@ -68,12 +68,16 @@ fn code(rng: &mut StdRng, layer: u16) -> LayerCode {
     let shape: Vec<u32> = (0..rng.gen_range(0..3))
         .map(|_| rng.gen_range(0..12))
         .collect();
-    if dtype.bits().is_some() && LayerCode::expected_len(dtype, &shape).is_none() {
+    if dtype.is_known() && LayerCode::max_len(dtype, &shape).is_none() {
         // A known dtype this shape does not suit (the encoder would refuse it).
         dtype = CodeDType::U8;
     }
     // A dtype this version does not know may hold anything.
-    let len = LayerCode::expected_len(dtype, &shape).unwrap_or_else(|| rng.gen_range(0..64));
+    let len = match LayerCode::expected_len(dtype, &shape) {
+        Some(n) => n,
+        // A variable-length dtype, within its bound; or one this version does not know.
+        None => rng.gen_range(0..LayerCode::max_len(dtype, &shape).unwrap_or(64).min(64) + 1),
+    };
     LayerCode {
         layer,
         // Mostly the named kinds, so (layer, kind) repeats now and then.

@@ -108,8 +108,18 @@ impl CodeDType {
     /// Rows of signed bytes, each row led by its little-endian f32 scale (the value is
     /// `byte * scale`): codes quantised per token. Two-dimensional shapes only.
     pub const I8_ROWS: CodeDType = CodeDType(7);
+    /// Transform-coded codes: each column quantised with its own step and the symbols
+    /// entropy-coded (`scd_models::codec::transform`), so the length depends on the values, not
+    /// only the shape: at most [`LayerCode::max_len`]. Two-dimensional shapes only.
+    pub const TC: CodeDType = CodeDType(8);
 
-    /// Bits per element; `None` for a dtype this version does not know.
+    /// Whether this version knows the dtype (a peer's newer dtypes pass validation unchecked).
+    pub fn is_known(self) -> bool {
+        self.name().is_some()
+    }
+
+    /// Bits per element; `None` for a dtype this version does not know, or one whose length
+    /// depends on the values ([`CodeDType::TC`]).
     pub fn bits(self) -> Option<usize> {
         Some(match self {
             Self::F32 | Self::U32 => 32,
@@ -132,6 +142,7 @@ impl CodeDType {
             Self::U32 => "u32",
             Self::Q4 => "q4",
             Self::I8_ROWS => "i8-rows",
+            Self::TC => "tc",
             _ => return None,
         })
     }
@@ -156,9 +167,12 @@ pub struct LayerCode {
 }
 
 impl LayerCode {
-    /// The byte length implied by shape and dtype; `None` when the dtype is unknown or the
-    /// length overflows.
+    /// The byte length implied by shape and dtype; `None` when the dtype is unknown, its
+    /// length depends on the values ([`CodeDType::TC`]) or the length overflows.
     pub fn expected_len(dtype: CodeDType, shape: &[u32]) -> Option<usize> {
+        if dtype == CodeDType::TC {
+            return None;
+        }
         if dtype == CodeDType::I8_ROWS {
             let &[rows, cols] = shape else {
                 return None;
@@ -173,9 +187,33 @@ impl LayerCode {
         Some(n.checked_mul(bits)?.div_ceil(8))
     }
 
-    /// Whether the bytes are exactly as long as shape and dtype say.
+    /// The most bytes a code of `dtype` and `shape` may hold: [`Self::expected_len`] for the
+    /// fixed-width dtypes; for [`CodeDType::TC`] `(T, r)`, three bytes of column header per
+    /// column, four bytes per symbol (the coder's models have 16-bit precision: no symbol
+    /// costs more than 16 bits, so this leaves room) and the coder's two words of state.
+    pub fn max_len(dtype: CodeDType, shape: &[u32]) -> Option<usize> {
+        if dtype != CodeDType::TC {
+            return Self::expected_len(dtype, shape);
+        }
+        let &[rows, cols] = shape else {
+            return None;
+        };
+        let symbols = (rows as usize).checked_mul(cols as usize)?;
+        symbols
+            .checked_mul(4)?
+            .checked_add((cols as usize).checked_mul(3)?)?
+            .checked_add(8)
+    }
+
+    /// Whether the bytes are as long as shape and dtype say: exactly, or for
+    /// [`CodeDType::TC`] within [`Self::max_len`].
     pub fn is_consistent(&self) -> bool {
-        Self::expected_len(self.dtype, &self.shape) == Some(self.bytes.len())
+        match self.dtype {
+            CodeDType::TC => {
+                Self::max_len(self.dtype, &self.shape).is_some_and(|max| self.bytes.len() <= max)
+            }
+            _ => Self::expected_len(self.dtype, &self.shape) == Some(self.bytes.len()),
+        }
     }
 }
 
@@ -207,7 +245,31 @@ mod tests {
         assert!(c.is_consistent());
         assert!(!LayerCode {
             bytes: vec![0; 7],
+            ..c.clone()
+        }
+        .is_consistent());
+        // Transform-coded codes: any length up to the bound, 2-D shapes only.
+        assert_eq!(LayerCode::expected_len(CodeDType::TC, &[3, 5]), None);
+        assert_eq!(
+            LayerCode::max_len(CodeDType::TC, &[3, 5]),
+            Some(60 + 15 + 8)
+        );
+        assert_eq!(LayerCode::max_len(CodeDType::TC, &[15]), None);
+        let tc = LayerCode {
+            dtype: CodeDType::TC,
+            shape: vec![3, 5],
+            bytes: vec![0; 40],
             ..c
+        };
+        assert!(tc.is_consistent());
+        assert!(!LayerCode {
+            bytes: vec![0; 84],
+            ..tc.clone()
+        }
+        .is_consistent());
+        assert!(!LayerCode {
+            shape: vec![15],
+            ..tc
         }
         .is_consistent());
     }
