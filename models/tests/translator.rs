@@ -699,3 +699,97 @@ fn translator_codes_track_the_f32_codes_on_amx_tiles() {
         }
     }
 }
+
+#[test]
+fn transform_coded_codes_trade_bytes_for_distortion_and_refuse_damage() {
+    let f = fixture();
+    let t = Arc::new(pair_translator().clone());
+    let cfg = f.base.config();
+    let prefix = &f.tokens[400..464];
+    let ranks = t.manifest.r_max;
+    let codec_at = |dtype, step| {
+        let opts = CodecOptions {
+            ranks: Some(ranks),
+            code_dtype: dtype,
+            tc_rate: codec::TcRate { step },
+            ..CodecOptions::default()
+        };
+        codec_with(Mode::Scd, Some((&t, 0)), &opts).unwrap()
+    };
+    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // The reference: the same codes in f32.
+    let exact = codec_at(CodeDType::F32, 1.0);
+    let caps = captured(exact.as_ref(), prefix);
+    let exact_codes = codec::encode(exact.as_ref(), &caps).unwrap();
+    let reference = codec::decode(
+        exact.as_ref(),
+        &f.experts[0],
+        &exact_codes,
+        Prefix::new(prefix),
+    )
+    .unwrap();
+    let error_of = |cache: &scd_models::KvCache| -> f64 {
+        let (mut err, mut norm) = (0.0f64, 0.0f64);
+        for l in 0..cfg.num_layers {
+            let (Some((k1, v1)), Some((k2, v2))) =
+                (reference.layer(l).unwrap(), cache.layer(l).unwrap())
+            else {
+                panic!("layer {l} missing");
+            };
+            for (a, b) in [(k1, k2), (v1, v2)] {
+                for (x, y) in values(&a).iter().zip(values(&b)) {
+                    err += f64::from(x - y).powi(2);
+                    norm += f64::from(*x).powi(2);
+                }
+            }
+        }
+        (err / norm).sqrt()
+    };
+    let mut last: Option<(usize, f64)> = None;
+    for step in [0.2f32, 0.05, 0.01] {
+        let tc = codec_at(CodeDType::TC, step);
+        assert!(tc.variant().contains("tc step"), "{}", tc.variant());
+        let codes = codec::encode(tc.as_ref(), &caps).unwrap();
+        assert!(codes
+            .iter()
+            .all(|c| c.dtype == CodeDType::TC && c.is_consistent()));
+        let bytes = codec::payload_bytes(&codes);
+        let cache = codec::decode(tc.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
+        let err = error_of(&cache);
+        // A finer step: more bytes, less error; always fewer bytes than f16 codes.
+        assert!(
+            bytes < codec::payload_bytes(&exact_codes) / 2,
+            "{bytes} bytes"
+        );
+        if let Some((b, e)) = last {
+            assert!(
+                bytes > b && err < e,
+                "step {step}: {bytes} B, error {err} after {b} B, {e}"
+            );
+        }
+        last = Some((bytes, err));
+    }
+    let (_, finest) = last.unwrap();
+    assert!(finest < 0.05, "relative error at the finest step {finest}");
+    // Damaged coded bytes are an error naming the layer, never another cache.
+    let tc = codec_at(CodeDType::TC, 0.05);
+    let mut codes = codec::encode(tc.as_ref(), &caps).unwrap();
+    let i = codes
+        .iter()
+        .position(|c| c.kind == CodeKind::REUSE_V)
+        .unwrap();
+    let head = 3 * codes[i].shape[1] as usize;
+    codes[i].bytes.truncate(head + 4);
+    let err = codec::decode(tc.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap_err();
+    assert!(
+        matches!(err, CodecError::Coded { .. }) && err.layer() == Some(codes[i].layer as usize),
+        "{err}"
+    );
+    // A rate that is not a positive number is refused.
+    let bad = CodecOptions {
+        code_dtype: CodeDType::TC,
+        tc_rate: codec::TcRate { step: 0.0 },
+        ..CodecOptions::default()
+    };
+    assert!(codec_with(Mode::Scd, Some((&t, 0)), &bad).is_err());
+}

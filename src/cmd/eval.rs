@@ -45,9 +45,15 @@ pub struct Args {
     /// Ranks of the reuse / scd codes as K,V,H (default: the translator's).
     #[arg(long, value_delimiter = ',')]
     pub ranks: Option<Vec<usize>>,
-    /// Element type of the reuse / scd codes: f16, bf16, f32 or i8-rows.
+    /// Element type of the reuse / scd codes: f16, bf16, f32, i8-rows, or tc
+    /// (transform-coded: a step per component, entropy-coded; see --tc-steps).
     #[arg(long, default_value = "f16")]
     pub code_dtype: String,
+    /// Rates of tc codes, comma-separated: each a step, the error a code component may leave
+    /// in the expert's rows before the translator's per-layer scales (larger, fewer bytes);
+    /// reuse and scd are measured at each.
+    #[arg(long, value_delimiter = ',', default_value = "0.3")]
+    pub tc_steps: Vec<f32>,
     /// Group size of q4.
     #[arg(long, default_value_t = 32)]
     pub q4_group: usize,
@@ -230,7 +236,8 @@ pub fn code_dtype(name: &str) -> anyhow::Result<CodeDType> {
         "bf16" => CodeDType::BF16,
         "f32" => CodeDType::F32,
         "i8-rows" | "int8" => CodeDType::I8_ROWS,
-        other => bail!("unknown code dtype {other:?}: expected f16, bf16, f32 or i8-rows"),
+        "tc" => CodeDType::TC,
+        other => bail!("unknown code dtype {other:?}: expected f16, bf16, f32, i8-rows or tc"),
     })
 }
 
@@ -301,13 +308,29 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         code_dtype: code_dtype(&args.code_dtype)?,
         q4_group: args.q4_group,
         patch_k: args.patch_k,
+        tc_rate: Default::default(),
         matmul: kernels.prefill_matmul,
     };
-    let codecs = args
-        .methods
-        .iter()
-        .map(|&m| codec_with(m, translator.as_ref().map(|(t, e)| (t, *e)), &opts))
-        .collect::<Result<Vec<_>, _>>()?;
+    // Each translated mode once per tc rate; every other mode once.
+    let mut codecs = Vec::new();
+    for &m in &args.methods {
+        let rates: Vec<_> = match m.uses_translator_codes() && opts.code_dtype == CodeDType::TC {
+            true => args
+                .tc_steps
+                .iter()
+                .map(|&step| scd_models::codec::TcRate { step })
+                .collect(),
+            false => vec![opts.tc_rate],
+        };
+        for tc_rate in rates {
+            let o = CodecOptions { tc_rate, ..opts };
+            codecs.push(codec_with(
+                m,
+                translator.as_ref().map(|(t, e)| (t, *e)),
+                &o,
+            )?);
+        }
+    }
     let codecs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
     let record = eval::evaluate(
         Pair {

@@ -1,8 +1,10 @@
 //! `scd translators list|publish|activate|rollback`: the translator versions of each (base,
 //! expert) pair in the cluster's store, through a node's admin endpoint. Nodes follow the live
 //! version of their pairs on their own, without a restart. `scd translators convert` and
-//! `curve` work on a folder, offline: the first rewrites a translator's weights in another
-//! storage type, the second measures its quality at a grid of ranks into its manifest.
+//! `curve` and `rates` work on a folder, offline: the first rewrites a translator's weights in
+//! another storage type, the second measures its quality at a grid of ranks into its manifest,
+//! the third the step scales of its transform-coded codes and their quality at a ladder of
+//! rates.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -102,6 +104,14 @@ pub enum Command {
         scd translators curve --translator experts/mail/translator \\\n      \
         --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --consumer-adapter experts/mail")]
     Curve(CurveArgs),
+    /// Choose the step scales of a translator's transform-coded (tc) codes (K's and H's against
+    /// V's) on its held-out calibration prompts, and measure their quality and size at a
+    /// ladder of rates, into its manifest (a new version: the manifest is part of the content
+    /// hash). Offline.
+    #[command(after_help = "Example:\n  \
+        scd translators rates --translator experts/mail/translator \\\n      \
+        --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --consumer-adapter experts/mail")]
+    Rates(RatesArgs),
     /// Make the version that was live before the current one live again.
     #[command(after_help = "Example:\n  \
         scd translators rollback --node producer@127.0.0.1:7101 --expert mail")]
@@ -129,10 +139,27 @@ pub struct CurveArgs {
     pub dirs: crate::paths::DataDirs,
 }
 
+/// Arguments of `scd translators rates`.
+#[derive(clap::Args)]
+pub struct RatesArgs {
+    #[command(flatten)]
+    pub curve: CurveArgs,
+    /// Held-out prompts to measure on (the calibration's first ones; all of them by default).
+    #[arg(long)]
+    pub prompts: Option<usize>,
+    /// The rates measured after, comma-separated steps.
+    #[arg(long, value_delimiter = ',', default_values_t = scd_models::translator::rate_table::DEFAULT_STEPS)]
+    pub steps: Vec<f32>,
+}
+
 pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<ExitCode> {
     match &args.command {
         Command::Curve(a) => {
             curve(a, kernels)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Rates(a) => {
+            rates(a, kernels)?;
             return Ok(ExitCode::SUCCESS);
         }
         Command::List { target, json } => return show(target, "translators", *json, print_list),
@@ -150,7 +177,10 @@ pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<E
     exit(runtime.block_on(async {
         match args.command {
             // Answered above, without the change machinery.
-            Command::List { .. } | Command::Convert { .. } | Command::Curve(_) => Ok(()),
+            Command::List { .. }
+            | Command::Convert { .. }
+            | Command::Curve(_)
+            | Command::Rates(_) => Ok(()),
             Command::Publish {
                 target,
                 pair,
@@ -201,17 +231,26 @@ pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<E
     }))
 }
 
-/// `scd translators curve`: the held-out prompts the calibration chose with (same corpus
-/// split, checked by its hash, same seed), measured at the default grid of ranks.
-fn curve(a: &CurveArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<()> {
+/// What `curve` and `rates` measure on: the translator, its models, and the held-out prompts
+/// the calibration chose with (same corpus split, checked by its hash, same seed).
+struct HeldOutSetup {
+    translator: Translator,
+    producer: scd_models::Llama,
+    experts: Vec<scd_models::Llama>,
+    prompts: Vec<Vec<u32>>,
+    continuation: usize,
+}
+
+fn held_out_setup(
+    a: &CurveArgs,
+    kernels: &crate::kernels::KernelArgs,
+) -> anyhow::Result<HeldOutSetup> {
     use scd_models::corpus::{self, Corpus};
     use scd_models::translator::calibrate::{heldout_prompts, CalibrationText, ChatWrap};
-    use scd_models::translator::{rank_curve, CalibrationConfig};
-    use scd_types::{CodeDType, Mode};
+    use scd_models::translator::CalibrationConfig;
 
     let dir = &a.translator;
-    let mut t = Translator::load(dir).with_context(|| format!("loading {}", dir.display()))?;
-    let before = t.hash();
+    let t = Translator::load(dir).with_context(|| format!("loading {}", dir.display()))?;
     let (producer, tok, experts) = a.models.load(kernels.choice()?)?;
     let m = &t.manifest;
     let cal = &m.calibration;
@@ -250,16 +289,33 @@ fn curve(a: &CurveArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<
         tokens: &tokens,
     };
     let prompts = heldout_prompts(&text, &cfg)?;
-    let grid = rank_curve::default_grid(m.r_max);
-    let models: Vec<&scd_models::Llama> = experts.iter().map(|(_, e)| e).collect();
+    Ok(HeldOutSetup {
+        continuation: cfg.heldout_continuation,
+        translator: t,
+        producer,
+        experts: experts.into_iter().map(|(_, e)| e).collect(),
+        prompts,
+    })
+}
+
+/// `scd translators curve`: the default grid of ranks on the held-out prompts.
+fn curve(a: &CurveArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<()> {
+    use scd_models::translator::rank_curve;
+    use scd_types::{CodeDType, Mode};
+
+    let dir = &a.translator;
+    let mut h = held_out_setup(a, kernels)?;
+    let before = h.translator.hash();
+    let grid = rank_curve::default_grid(h.translator.manifest.r_max);
+    let models: Vec<&scd_models::Llama> = h.experts.iter().collect();
     let bar = crate::progress::Progress::new((grid.len() * 2) as u64, "points")?;
-    let shared = std::sync::Arc::new(t.clone());
+    let shared = std::sync::Arc::new(h.translator.clone());
     let measured = rank_curve::measure(
         &shared,
-        &producer,
+        &h.producer,
         &models,
-        &prompts,
-        cfg.heldout_continuation,
+        &h.prompts,
+        h.continuation,
         &grid,
         &[Mode::Reuse, Mode::Scd],
         CodeDType::F16,
@@ -276,8 +332,9 @@ fn curve(a: &CurveArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<
             kl.join(" / ")
         );
     }
-    t.manifest.rank_curve = Some(measured);
-    let after = t
+    h.translator.manifest.rank_curve = Some(measured);
+    let after = h
+        .translator
         .save(dir)
         .with_context(|| format!("writing {}", dir.display()))?;
     anyhow::ensure!(
@@ -291,6 +348,69 @@ fn curve(a: &CurveArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<
         "{}: curve of {} points written ({})",
         dir.display(),
         grid.len() * 2,
+        after.short()
+    );
+    Ok(())
+}
+
+/// `scd translators rates`: the rate table on the held-out prompts.
+fn rates(a: &RatesArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<()> {
+    use scd_models::translator::rate_table;
+
+    anyhow::ensure!(
+        !a.steps.is_empty() && a.steps.iter().all(|s| s.is_finite() && *s > 0.0),
+        "--steps must be positive numbers"
+    );
+    let dir = &a.curve.translator;
+    let mut h = held_out_setup(&a.curve, kernels)?;
+    let before = h.translator.hash();
+    let models: Vec<&scd_models::Llama> = h.experts.iter().collect();
+    let search =
+        (rate_table::K_SCALES.len() + rate_table::H_SCALES.len()) * rate_table::SEARCH_STEPS.len();
+    let total = models.len() * search + 2 * a.steps.len();
+    let bar = crate::progress::Progress::new(total as u64, "points")?;
+    let shared = std::sync::Arc::new(h.translator.clone());
+    let prompts = &h.prompts[..a.prompts.unwrap_or(usize::MAX).min(h.prompts.len())];
+    anyhow::ensure!(!prompts.is_empty(), "no held-out prompts to measure on");
+    let table = rate_table::measure(
+        &shared,
+        &h.producer,
+        &models,
+        prompts,
+        h.continuation,
+        &a.steps,
+        |done, total| bar.set(done as u64, total as u64),
+    )
+    .context("measuring the rate table")?;
+    bar.finish();
+    for p in &table.points {
+        let cells: Vec<String> =
+            p.kl.iter()
+                .zip(&p.bytes_share)
+                .map(|(k, b)| format!("KL {k:.4} at {:.1}% of raw", 100.0 * b))
+                .collect();
+        println!(
+            "{:<6} step {:<5}: {}",
+            p.mode.to_string(),
+            p.step,
+            cells.join(" / ")
+        );
+    }
+    for (name, s) in h.translator.manifest.consumers.iter().zip(&table.scales) {
+        println!(
+            "{}: steps of K x{}, V x{}, H x{}",
+            name.name, s[0], s[1], s[2]
+        );
+    }
+    h.translator.manifest.rate_table = Some(table);
+    let after = h
+        .translator
+        .save(dir)
+        .with_context(|| format!("writing {}", dir.display()))?;
+    println!(
+        "{}: rate table written; version {} -> {}",
+        dir.display(),
+        before.short(),
         after.short()
     );
     Ok(())

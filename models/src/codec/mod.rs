@@ -33,6 +33,7 @@ pub mod oracle;
 pub mod q4;
 pub mod raw;
 pub mod tensor_bytes;
+pub mod transform;
 pub mod translated;
 
 pub use documents::{encode_documents, Documents};
@@ -148,6 +149,16 @@ pub enum CodecError {
         /// The kind.
         kind: &'static str,
     },
+    /// Transform-coded bytes that do not decode ([`transform`]).
+    #[error("layer {layer} {kind}: {why}")]
+    Coded {
+        /// The layer.
+        layer: u16,
+        /// The kind.
+        kind: String,
+        /// What is wrong.
+        why: String,
+    },
     /// A mode that needs something this build or call does not provide.
     #[error("{0}")]
     Unavailable(String),
@@ -163,7 +174,8 @@ impl CodecError {
             | Self::LayerOutOfRange { layer, .. }
             | Self::Duplicate { layer, .. }
             | Self::DType { layer, .. }
-            | Self::Shape { layer, .. } => Some(usize::from(*layer)),
+            | Self::Shape { layer, .. }
+            | Self::Coded { layer, .. } => Some(usize::from(*layer)),
             _ => None,
         }
     }
@@ -186,6 +198,12 @@ pub(crate) fn dtype_name(dtype: CodeDType) -> String {
 pub trait Codec: Send + Sync {
     /// The mode this codec implements.
     fn mode(&self) -> Mode;
+
+    /// The settings that tell this codec from others of its mode in a record (a
+    /// transform-coded rate); empty by default.
+    fn variant(&self) -> String {
+        String::new()
+    }
 
     /// What the producer's prefill must record; `None` when the codec needs no producer pass.
     fn capture(&self) -> Option<Capture>;
@@ -266,6 +284,8 @@ pub struct CodecOptions {
     /// Patch budget of `scd`: the first `k` layers of the translator's greedy order (its
     /// default set when `None`).
     pub patch_k: Option<usize>,
+    /// The rate of transform-coded (`tc`) `reuse` / `scd` codes.
+    pub tc_rate: TcRate,
     /// Where `reuse` / `scd` codes' products run: the node's prefill setting
     /// ([`crate::KernelChoice`]), so that a node runs its translator on the path it prefills
     /// on, and the f32 prefill gives the f32 reference for both.
@@ -279,7 +299,39 @@ impl Default for CodecOptions {
             code_dtype: CodeDType::F16,
             q4_group: q4::DEFAULT_GROUP,
             patch_k: None,
+            tc_rate: TcRate::default(),
             matmul: PrefillMatmul::best(),
+        }
+    }
+}
+
+/// The rate of transform-coded codes: one step, the error each component of a code may leave
+/// in the consumer's rows, before the translator's per-layer scales
+/// ([`crate::translator::rate_table`]; without a table K's steps are twice V's and `H_in`'s
+/// equal). Larger steps, fewer bytes. Rates are nested as ranks are: one translator codes at
+/// any rate, and a request picks its own; the consumer reads each component's step from the
+/// code, so it needs no table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TcRate {
+    /// The step.
+    pub step: f32,
+}
+
+impl Default for TcRate {
+    fn default() -> Self {
+        Self { step: 0.3 }
+    }
+}
+
+impl TcRate {
+    /// Refuses steps that are not positive finite numbers.
+    pub fn check(&self) -> Result<(), String> {
+        match self.step.is_finite() && self.step > 0.0 {
+            true => Ok(()),
+            false => Err(format!(
+                "transform-coded codes: step {} is not a positive number",
+                self.step
+            )),
         }
     }
 }
@@ -316,7 +368,11 @@ pub fn codec_with(
         }
         Mode::Reuse | Mode::Scd => {
             let (t, expert) = translator.ok_or_else(need)?;
-            let ranks = opts.ranks.unwrap_or(t.manifest.default_ranks);
+            // Transform-coded codes send every component the rate pays for: all of r_max.
+            let ranks = opts.ranks.unwrap_or(match opts.code_dtype {
+                CodeDType::TC => t.manifest.r_max,
+                _ => t.manifest.default_ranks,
+            });
             Box::new(
                 Translated::new(
                     t.clone(),
@@ -326,7 +382,8 @@ pub fn codec_with(
                     opts.code_dtype,
                     opts.patch_k,
                 )?
-                .with_matmul(opts.matmul)?,
+                .with_matmul(opts.matmul)?
+                .with_tc_rate(opts.tc_rate)?,
             )
         }
     })

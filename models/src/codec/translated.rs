@@ -3,7 +3,8 @@
 //! Patch layers, where it sends a code of the attention input `H_in` instead, aligns it to the
 //! consumer with the MLP, and lets the consumer regenerate K and V with its own weights.
 //!
-//! Codes are `(T, r)` matrices in f16 (default), bf16, f32 or int8 rows; the ranks are the
+//! Codes are `(T, r)` matrices in f16 (default), bf16, f32, int8 rows, or transform-coded
+//! ([`super::transform`]: a step per component from one rate, entropy-coded); the ranks are the
 //! request's, any up to the translator's `r_max`, and the consumer reads them from the shapes.
 //! The consumer rebuilds each layer as soon as its codes are in, so rebuild overlaps transfer.
 
@@ -13,8 +14,10 @@ use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use super::tensor_bytes::from_bytes;
+use super::transform;
 use super::{
     check_layer, dtype_name, kind_name, tensor_code, Codec, CodecError, LayerDecoder, Prefix,
+    TcRate,
 };
 use crate::cache::{KvCache, RotatedLayer};
 use crate::llama::{Capture, LayerCapture, Llama, Proj};
@@ -23,11 +26,12 @@ use crate::rope::RopeTables;
 use crate::translator::{Ranks, Translator};
 
 /// Code dtypes these modes send.
-pub const CODE_DTYPES: [CodeDType; 4] = [
+pub const CODE_DTYPES: [CodeDType; 5] = [
     CodeDType::F16,
     CodeDType::BF16,
     CodeDType::F32,
     CodeDType::I8_ROWS,
+    CodeDType::TC,
 ];
 
 /// `reuse` or `scd` over one translator, for one of its consumers.
@@ -40,9 +44,57 @@ pub struct Translated {
     dtype: CodeDType,
     /// The layers this producer patches (empty for `reuse`).
     patch: Vec<usize>,
+    /// The rate of transform-coded codes.
+    rate: TcRate,
     /// Where the codes' products run: the best this machine has unless set
     /// ([`Self::with_matmul`], from [`super::CodecOptions::matmul`]).
     matmul: PrefillMatmul,
+    /// The wanted step of every component, per layer, of transform-coded codes.
+    steps: Option<Arc<Vec<LayerSteps>>>,
+}
+
+/// The wanted quantiser step of each component of one layer's codes ([`CodeDType::TC`]).
+#[derive(Debug, Clone)]
+struct LayerSteps {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    h: Vec<f32>,
+}
+
+/// Steps that make every component's error cost the same in the consumer's rows: a code
+/// component `j` reaches the consumer through its decoder row `W_j`, so an error `e` in it
+/// becomes `e W_j`, of squared size `e^2 |W_j|^2`; a step `scale / |W_j|` gives every component
+/// the same distortion there, which is reverse water-filling's rule for entropy-coded uniform
+/// quantisers (components under the threshold get no bits: [`transform::ZERO_BELOW`]).
+pub(crate) fn equal_distortion_steps(dec: &Tensor, scale: f32) -> Result<Vec<f32>, CodecError> {
+    let norms = dec.sqr()?.sum(1)?.sqrt()?.to_vec1::<f32>()?;
+    Ok(norms
+        .into_iter()
+        .map(|n| if n > 0.0 { scale / n } else { f32::INFINITY })
+        .collect())
+}
+
+impl LayerSteps {
+    /// Layer `l`'s steps for consumer `expert` at `rate`, K's, V's and `H_in`'s scaled by
+    /// `scales` (the translator's rate table's).
+    fn of(
+        translator: &Translator,
+        l: usize,
+        expert: usize,
+        rate: TcRate,
+        [k, v, h]: [f32; 3],
+    ) -> Result<Self, CodecError> {
+        let layer = &translator.layers[l];
+        Ok(Self {
+            k: equal_distortion_steps(&layer.k.decs[expert], rate.step * k)?,
+            v: equal_distortion_steps(&layer.v.decs[expert], rate.step * v)?,
+            // `H_in` reaches K and V through the aligner, which has no row to weigh: one step.
+            h: layer
+                .patch
+                .as_ref()
+                .map_or_else(Vec::new, |p| vec![rate.step * h; p.h.max_rank()]),
+        })
+    }
 }
 
 impl Translated {
@@ -85,7 +137,7 @@ impl Translated {
             _ => Vec::new(),
         };
         let matmul = PrefillMatmul::best();
-        Ok(Self {
+        Self {
             translator,
             mode,
             expert,
@@ -93,7 +145,25 @@ impl Translated {
             dtype,
             patch,
             matmul,
-        })
+            rate: TcRate::default(),
+            steps: None,
+        }
+        .with_tc_rate(TcRate::default())
+    }
+
+    /// This codec's transform-coded codes at `rate` (nothing changes for other dtypes).
+    pub fn with_tc_rate(mut self, rate: TcRate) -> Result<Self, CodecError> {
+        if self.dtype != CodeDType::TC {
+            return Ok(self);
+        }
+        rate.check().map_err(CodecError::Unavailable)?;
+        let scales = self.translator.tc_scales(self.expert);
+        let layers = (0..self.translator.layers.len())
+            .map(|l| LayerSteps::of(&self.translator, l, self.expert, rate, scales))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.steps = Some(Arc::new(layers));
+        self.rate = rate;
+        Ok(self)
     }
 
     /// This codec with its products on `matmul` (a node passes its prefill's, so that it runs
@@ -128,11 +198,11 @@ impl Translated {
     }
 
     /// The bytes this codec's payload for a prefix of `rows` tokens puts on the wire, known
-    /// before anything is encoded (what a choice of ranks for a link needs).
+    /// before anything is encoded (what a choice of ranks for a link needs); for
+    /// transform-coded codes, whose size depends on the values, the most it can be.
     pub fn payload_bytes(&self, rows: usize) -> u64 {
         let len = |r: usize| {
-            LayerCode::expected_len(self.dtype, &[rows as u32, r as u32]).unwrap_or(usize::MAX)
-                as u64
+            LayerCode::max_len(self.dtype, &[rows as u32, r as u32]).unwrap_or(usize::MAX) as u64
         };
         (0..self.translator.layers.len())
             .map(|l| match self.is_patch(l) {
@@ -165,33 +235,68 @@ impl Translated {
                 .as_ref()
                 .ok_or_else(|| missing("patch translator"))?;
             let z = patch.h.encode(h, self.ranks.h, self.matmul)?;
-            out.push(tensor_code(l, CodeKind::PATCH_H, self.dtype, &z)?);
+            out.push(self.code(l, CodeKind::PATCH_H, &z)?);
         } else {
             let k = capture
                 .k_pre_rope
                 .as_ref()
                 .ok_or_else(|| missing("K before RoPE"))?;
             let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
-            out.push(tensor_code(
+            out.push(self.code(
                 l,
                 CodeKind::REUSE_K,
-                self.dtype,
                 &t.k.encode(k, self.ranks.k, self.matmul)?,
             )?);
-            out.push(tensor_code(
+            out.push(self.code(
                 l,
                 CodeKind::REUSE_V,
-                self.dtype,
                 &t.v.encode(v, self.ranks.v, self.matmul)?,
             )?);
         }
         Ok(())
+    }
+
+    /// Layer `l`'s code of `kind` holding `z` `(T, r)` in this codec's dtype.
+    fn code(&self, l: usize, kind: CodeKind, z: &Tensor) -> Result<LayerCode, CodecError> {
+        let Some(steps) = &self.steps else {
+            return tensor_code(l, kind, self.dtype, z);
+        };
+        let (rows, r) = z.dims2()?;
+        let s = &steps[l];
+        let wanted = match kind {
+            CodeKind::REUSE_K => &s.k,
+            CodeKind::REUSE_V => &s.v,
+            _ => &s.h,
+        };
+        let values = z.flatten_all()?.to_vec1::<f32>()?;
+        let bytes =
+            transform::encode(&values, rows, r, &wanted[..r.min(wanted.len())]).map_err(|e| {
+                CodecError::Coded {
+                    layer: l as u16,
+                    kind: kind_name(kind),
+                    why: e.to_string(),
+                }
+            })?;
+        Ok(LayerCode {
+            layer: l as u16,
+            kind,
+            dtype: CodeDType::TC,
+            shape: vec![rows as u32, r as u32],
+            bytes,
+        })
     }
 }
 
 impl Codec for Translated {
     fn mode(&self) -> Mode {
         self.mode
+    }
+
+    fn variant(&self) -> String {
+        match self.dtype {
+            CodeDType::TC => format!("tc step {}", self.rate.step),
+            _ => String::new(),
+        }
     }
 
     fn capture(&self) -> Option<Capture> {
@@ -341,7 +446,7 @@ impl TranslatedDecoder<'_> {
                 layer: code.layer,
                 kind: kind_name(code.kind),
                 got: dtype_name(code.dtype),
-                expected: "f16, bf16, f32 or i8-rows".into(),
+                expected: "f16, bf16, f32, i8-rows or tc".into(),
             });
         }
         let &[t, r] = code.shape.as_slice() else {
@@ -426,7 +531,21 @@ impl TranslatedDecoder<'_> {
     fn codes(&self, code: &LayerCode) -> Result<Tensor, CodecError> {
         // `check` saw the shape `[T, r]`.
         let r = code.shape.get(1).map_or(0, |&r| r as usize);
-        from_bytes(&code.bytes, code.dtype, &[self.positions.len(), r])
+        let rows = self.positions.len();
+        if code.dtype == CodeDType::TC {
+            let values =
+                transform::decode(&code.bytes, rows, r).map_err(|e| CodecError::Coded {
+                    layer: code.layer,
+                    kind: kind_name(code.kind),
+                    why: e.to_string(),
+                })?;
+            return Ok(Tensor::from_vec(
+                values,
+                (rows, r),
+                &candle_core::Device::Cpu,
+            )?);
+        }
+        from_bytes(&code.bytes, code.dtype, &[rows, r])
     }
 
     /// A Reuse layer's K (`is_k`) or V rows.

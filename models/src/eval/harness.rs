@@ -159,11 +159,12 @@ impl Units {
         self.timing.rebuild_ms += t.timing.rebuild_ms;
     }
 
-    fn metrics(&self, method: Mode, seed: u64) -> MethodMetrics {
+    fn metrics(&self, method: Mode, variant: String, seed: u64) -> MethodMetrics {
         let per_request = |x: f64| x / self.requests.max(1) as f64;
         let pct = |e: Estimate| e.map(|x| 100.0 * x);
         MethodMetrics {
             method,
+            variant,
             kl: bootstrap_mean(&self.kl, seed),
             tv: bootstrap_mean(&self.tv, seed ^ 1),
             perplexity: bootstrap_ratio(&self.nll, seed ^ 2).map(f64::exp),
@@ -312,7 +313,7 @@ pub fn evaluate(
     let results = codecs
         .iter()
         .zip(&units)
-        .map(|(c, u)| u.metrics(c.mode(), cfg.seed))
+        .map(|(c, u)| u.metrics(c.mode(), c.variant(), cfg.seed))
         .collect();
     Ok(EvalRecord {
         scd_version: env!("CARGO_PKG_VERSION").into(),

@@ -25,6 +25,10 @@ pub struct MethodTiming {
 pub struct MethodMetrics {
     /// The transfer mode.
     pub method: Mode,
+    /// The codec's settings where they distinguish it from others of its mode (a
+    /// transform-coded rate); empty otherwise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub variant: String,
     /// KL(oracle || method) per continuation position, nats.
     pub kl: Estimate,
     /// Total-variation distance per continuation position.
@@ -163,8 +167,10 @@ impl EvalRecord {
         s.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
         for r in &self.results {
             s.push_str(&format!(
-                "| {} | {:.0} KB ({:.0}%) | {} | {} | {} | {} | {} | {} | {} | {:.0} / {:.1} / {:.0} |\n",
+                "| {}{}{} | {:.1} KB ({:.1}%) | {} | {} | {} | {} | {} | {} | {} | {:.0} / {:.1} / {:.0} |\n",
                 r.method,
+                if r.variant.is_empty() { "" } else { " " },
+                r.variant,
                 r.payload_bytes / 1e3,
                 100.0 * r.payload_share_of_raw,
                 r.kl.display(4),

@@ -174,6 +174,11 @@ pub struct TranslatorManifest {
     /// translators curve` adds it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank_curve: Option<super::rank_curve::RankCurve>,
+    /// Step scales of transform-coded codes and their held-out quality and size at a ladder
+    /// of rates ([`super::rate_table`]); absent in translators measured before it existed
+    /// (`scd translators rates` adds it; producers then use default scales).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_table: Option<super::rate_table::RateTable>,
 }
 
 /// The storage type of a translator's weights file.

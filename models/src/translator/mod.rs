@@ -14,7 +14,8 @@
 //! `calibrate/`: `capture.rs`, `fit_layers.rs`, `heldout.rs`, `assemble.rs`), [`select`]
 //! (measuring quality on held-out calibration prompts, and choosing the Patch layers and
 //! DroidSpeak blocks with it), [`rank_curve`] (quality at a grid of ranks, and the choice of
-//! ranks for a link).
+//! ranks for a link), [`rate_table`] (the step scales of transform-coded codes, and quality
+//! and size at a ladder of rates).
 
 use std::path::PathBuf;
 
@@ -26,6 +27,7 @@ pub mod calibrate;
 pub mod low_rank;
 pub mod moments;
 pub mod rank_curve;
+pub mod rate_table;
 pub mod select;
 
 pub use aligner::{Aligner, AlignerConfig};
@@ -36,6 +38,7 @@ pub use artifact::{
 pub use calibrate::{calibrate, CalibrateEvent, CalibrationConfig, PatchChoice};
 pub use low_rank::{FitOptions, LowRankCode};
 pub use rank_curve::{LinkEstimate, RankChoice, RankCurve, RankPoint, RankPolicy};
+pub use rate_table::{RatePoint, RateTable};
 
 /// Errors of fitting, saving, loading or applying a translator.
 #[derive(Debug, thiserror::Error)]

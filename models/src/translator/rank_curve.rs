@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::select::HeldOutPrompt;
 use super::{Ranks, Translator, TranslatorError};
 use crate::codec::{self, Codec, Prefix, Translated};
-use crate::llama::{Input, Llama, LogitsWanted};
+use crate::llama::{Input, LayerCapture, Llama, LogitsWanted};
 use scd_types::{CodeDType, Mode};
 
 /// One measured choice of ranks.
@@ -78,47 +78,7 @@ pub fn measure(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<RankCurve, TranslatorError> {
     let m = &translator.manifest;
-    if consumers.len() != m.consumers.len() {
-        return Err(TranslatorError::WrongPair(format!(
-            "{} consumers given, the translator has {}",
-            consumers.len(),
-            m.consumers.len()
-        )));
-    }
-    for (e, c) in consumers.iter().enumerate() {
-        translator
-            .check_pair(producer, c)
-            .and_then(|i| match i == e {
-                true => Ok(()),
-                false => Err(TranslatorError::WrongPair(format!(
-                    "consumer {e} given is the translator's consumer {i}"
-                ))),
-            })?;
-    }
-    // Every prompt's oracle and producer capture once; each point only encodes and rebuilds.
-    let capture = Translated::new(
-        translator.clone(),
-        Mode::Scd,
-        0,
-        m.default_ranks,
-        dtype,
-        None,
-    )?
-    .capture();
-    let mut held = Vec::with_capacity(consumers.len());
-    for consumer in consumers {
-        let mut per = Vec::with_capacity(prompts.len());
-        for tokens in prompts {
-            let prompt = HeldOutPrompt::new(consumer, tokens, continuation)?;
-            let mut input = Input::new(&prompt.prefix).logits(LogitsWanted::None);
-            if let Some(c) = &capture {
-                input = input.capture(c.clone());
-            }
-            let captured = producer.forward(input)?.captured;
-            per.push((prompt, captured));
-        }
-        held.push(per);
-    }
+    let held = held_out(translator, producer, consumers, prompts, continuation)?;
     let total = grid.len() * modes.len();
     let mut points = Vec::with_capacity(total);
     for &mode in modes {
@@ -154,6 +114,60 @@ pub fn measure(
         code_dtype: dtype.name().unwrap_or("?").into(),
         points,
     })
+}
+
+/// Each consumer's held-out prompts with the producer's captures of them (what codecs
+/// encode), after checking that `consumers[e]` is the translator's consumer `e`: every prompt's
+/// oracle and capture once, so that each measured point only encodes and rebuilds.
+pub(crate) fn held_out(
+    translator: &Arc<Translator>,
+    producer: &Llama,
+    consumers: &[&Llama],
+    prompts: &[Vec<u32>],
+    continuation: usize,
+) -> Result<Vec<Vec<(HeldOutPrompt, Vec<LayerCapture>)>>, TranslatorError> {
+    let m = &translator.manifest;
+    if consumers.len() != m.consumers.len() {
+        return Err(TranslatorError::WrongPair(format!(
+            "{} consumers given, the translator has {}",
+            consumers.len(),
+            m.consumers.len()
+        )));
+    }
+    for (e, c) in consumers.iter().enumerate() {
+        translator
+            .check_pair(producer, c)
+            .and_then(|i| match i == e {
+                true => Ok(()),
+                false => Err(TranslatorError::WrongPair(format!(
+                    "consumer {e} given is the translator's consumer {i}"
+                ))),
+            })?;
+    }
+    let capture = Translated::new(
+        translator.clone(),
+        Mode::Scd,
+        0,
+        m.default_ranks,
+        CodeDType::F32,
+        None,
+    )?
+    .capture();
+    let mut held = Vec::with_capacity(consumers.len());
+    for consumer in consumers {
+        let mut per = Vec::with_capacity(prompts.len());
+        for tokens in prompts {
+            let prompt = HeldOutPrompt::new(consumer, tokens, continuation)?;
+            let mut input = Input::new(&prompt.prefix).logits(LogitsWanted::None);
+            if let Some(c) = &capture {
+                input = input.capture(c.clone());
+            }
+            let captured = producer.forward(input)?.captured;
+            per.push((prompt, captured));
+        }
+        held.push(per);
+    }
+    Ok(held)
 }
 
 /// What a producer knows about one job's link when it picks ranks.

@@ -162,6 +162,7 @@ pub(super) fn assemble(
         metrics,
         weights_dtype: WeightsDtype::F32,
         rank_curve: None,
+        rate_table: None,
     };
     Translator {
         manifest,

@@ -1,0 +1,309 @@
+//! What transform-coded codes ([`crate::codec::transform`]) need from a translator: the scales
+//! of K's and `H_in`'s steps against V's, chosen on the calibration's held-out prompts and kept
+//! in the manifest, and the quality and size those give at a ladder of rates (what a producer
+//! sizes codes for a link with).
+//!
+//! Within one code, steps already equalise the error every component leaves in the consumer's
+//! rows (`translated`). Across kinds an equal error does not cost equal quality: keys tolerate
+//! far coarser codes than values. [`measure`] tries each candidate K scale (then each `H_in`
+//! scale, with K's fixed) at a few rates and keeps the one whose KL-against-bytes curve lies
+//! lowest over the bytes every candidate reaches: the allocation is read off the model's own
+//! frontier, not assumed. A finer allocation, a step scale per layer and kind from the KL rise
+//! of each group probed alone (the Lagrangian of KVTC's dynamic programme, per group), was
+//! built and measured first and lost to the per-kind scales on held-out text (errors of the
+//! groups do not add up the way probes alone see them; `docs/design-notes.md`), so it is not
+//! kept.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::select::HeldOutPrompt;
+use super::{Translator, TranslatorError};
+use crate::codec::{self, TcRate, Translated};
+use crate::llama::{LayerCapture, Llama};
+use scd_types::{CodeDType, Mode};
+
+/// Scales of K, V and `H_in` steps where a translator has no table, from the search on the
+/// shipped translators (keys at four times values' step).
+pub const DEFAULT_SCALES: [f32; 3] = [4.0, 1.0, 1.0];
+
+/// K scales [`measure`] tries.
+pub const K_SCALES: [f32; 5] = [1.0, 2.0, 4.0, 8.0, 16.0];
+/// `H_in` scales [`measure`] tries (scd only).
+pub const H_SCALES: [f32; 4] = [0.25, 0.5, 1.0, 2.0];
+/// The rates each candidate is tried at.
+pub const SEARCH_STEPS: [f32; 4] = [0.15, 0.25, 0.4, 0.6];
+
+/// One measured rate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RatePoint {
+    /// `reuse` or `scd` (with the translator's default Patch layers).
+    pub mode: Mode,
+    /// The rate's step.
+    pub step: f32,
+    /// Mean held-out KL(oracle || consumer), one value per consumer.
+    pub kl: Vec<f64>,
+    /// Payload over the producer's K and V in bf16 for the same prompts, per consumer.
+    pub bytes_share: Vec<f64>,
+}
+
+/// A translator's table for transform-coded codes.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RateTable {
+    /// Held-out prompts per consumer.
+    pub prompts: usize,
+    /// Tokens each prompt transfers.
+    pub prefix_tokens: usize,
+    /// Continuation tokens scored after each.
+    pub continuation: usize,
+    /// Per consumer: the scales of K's, V's and `H_in`'s steps.
+    pub scales: Vec<[f32; 3]>,
+    /// Every measured rate, per mode in step order.
+    pub points: Vec<RatePoint>,
+}
+
+/// The default ladder of rates a table measures.
+pub const DEFAULT_STEPS: [f32; 8] = [0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8];
+
+impl RateTable {
+    /// The step at which `mode`'s codes for consumer `expert` took `share` of
+    /// raw's bytes on the held-out prompts, interpolated between measured rates (bytes fall
+    /// about linearly in the log of the step); `None` without points of that mode or where
+    /// `share` is outside what they span.
+    pub fn step_for_share(&self, mode: Mode, expert: usize, share: f64) -> Option<f32> {
+        let mut pts: Vec<(f64, f64)> = self
+            .points
+            .iter()
+            .filter(|p| p.mode == mode)
+            .filter_map(|p| Some((*p.bytes_share.get(expert)?, f64::from(p.step).ln())))
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        pts.windows(2)
+            .find(|w| w[0].0 <= share && share <= w[1].0)
+            .map(|w| {
+                let f = if w[1].0 > w[0].0 {
+                    (share - w[0].0) / (w[1].0 - w[0].0)
+                } else {
+                    0.0
+                };
+                (w[0].1 + f * (w[1].1 - w[0].1)).exp() as f32
+            })
+    }
+}
+
+impl Translator {
+    /// The scales of K's, V's and `H_in`'s steps for consumer `expert`: the rate table's, or
+    /// [`DEFAULT_SCALES`] without one.
+    pub fn tc_scales(&self, expert: usize) -> [f32; 3] {
+        self.manifest
+            .rate_table
+            .as_ref()
+            .and_then(|t| t.scales.get(expert))
+            .copied()
+            .unwrap_or(DEFAULT_SCALES)
+    }
+}
+
+/// Measures the table of `translator` for its consumers (`consumers[e]` is its consumer `e`)
+/// on held-out `prompts` (each `prefix + 1 + continuation` tokens, from text the fit never
+/// saw): the scales, then quality and size at each of `steps` for `reuse` and `scd`.
+/// `progress(done, total)` after each measured point.
+pub fn measure(
+    translator: &Arc<Translator>,
+    producer: &Llama,
+    consumers: &[&Llama],
+    prompts: &[Vec<u32>],
+    continuation: usize,
+    steps: &[f32],
+    mut progress: impl FnMut(usize, usize),
+) -> Result<RateTable, TranslatorError> {
+    let held = super::rank_curve::held_out(translator, producer, consumers, prompts, continuation)?;
+    let search = (K_SCALES.len() + H_SCALES.len()) * SEARCH_STEPS.len();
+    let total = consumers.len() * search + 2 * steps.len();
+    let mut done = 0;
+    let mut scales = Vec::with_capacity(consumers.len());
+    for (e, (consumer, per)) in consumers.iter().zip(&held).enumerate() {
+        let mut curve_of = |s: [f32; 3]| -> Result<Vec<(f64, f64)>, TranslatorError> {
+            let t = with_scales(translator, e, s);
+            let mut curve = Vec::with_capacity(SEARCH_STEPS.len());
+            for &step in &SEARCH_STEPS {
+                curve.push(point(&t, Mode::Scd, e, step, consumer, per)?);
+                done += 1;
+                progress(done, total);
+            }
+            Ok(curve)
+        };
+        let mut k_curves = Vec::with_capacity(K_SCALES.len());
+        for &k in &K_SCALES {
+            k_curves.push(curve_of([k, 1.0, 1.0])?);
+        }
+        let k = K_SCALES[lowest(&k_curves)];
+        let mut h_curves = Vec::with_capacity(H_SCALES.len());
+        for &h in &H_SCALES {
+            h_curves.push(curve_of([k, 1.0, h])?);
+        }
+        scales.push([k, 1.0, H_SCALES[lowest(&h_curves)]]);
+    }
+    let mut table = RateTable {
+        prompts: prompts.len(),
+        prefix_tokens: held
+            .first()
+            .and_then(|p| p.first())
+            .map_or(0, |(p, _)| p.prefix.len()),
+        continuation,
+        scales,
+        points: Vec::new(),
+    };
+    let mut tabled = (**translator).clone();
+    tabled.manifest.rate_table = Some(table.clone());
+    let tabled = Arc::new(tabled);
+    for mode in [Mode::Reuse, Mode::Scd] {
+        for &step in steps {
+            let (mut kl, mut share) = (Vec::new(), Vec::new());
+            for (e, (consumer, per)) in consumers.iter().zip(&held).enumerate() {
+                let (b, k) = point(&tabled, mode, e, step, consumer, per)?;
+                share.push(b);
+                kl.push(k);
+            }
+            table.points.push(RatePoint {
+                mode,
+                step,
+                kl,
+                bytes_share: share,
+            });
+            done += 1;
+            progress(done, total);
+        }
+    }
+    Ok(table)
+}
+
+/// `translator` with consumer `expert`'s scales set to `s` (a copy: tensors are shared).
+fn with_scales(translator: &Arc<Translator>, expert: usize, s: [f32; 3]) -> Arc<Translator> {
+    let mut t = (**translator).clone();
+    let consumers = t.manifest.consumers.len();
+    let table = t.manifest.rate_table.get_or_insert_with(RateTable::default);
+    table.scales.resize(consumers, DEFAULT_SCALES);
+    table.scales[expert] = s;
+    Arc::new(t)
+}
+
+/// (bytes share of raw, mean KL) of `mode` at `step` over the held-out prompts.
+fn point(
+    translator: &Arc<Translator>,
+    mode: Mode,
+    expert: usize,
+    step: f32,
+    consumer: &Llama,
+    per: &[(HeldOutPrompt, Vec<LayerCapture>)],
+) -> Result<(f64, f64), TranslatorError> {
+    let m = &translator.manifest;
+    let codec = Translated::new(
+        translator.clone(),
+        mode,
+        expert,
+        m.r_max,
+        CodeDType::TC,
+        None,
+    )?
+    .with_tc_rate(TcRate { step })?;
+    let (mut kl, mut bytes, mut raw) = (0.0, 0usize, 0usize);
+    for (prompt, captured) in per {
+        let codes = codec::encode(&codec, captured)?;
+        bytes += codec::payload_bytes(&codes);
+        raw += prompt.prefix.len() * m.kv_dim * 2 * 2 * m.layers;
+        let cache = codec::decode(&codec, consumer, &codes, codec::Prefix::new(&prompt.prefix))?;
+        kl += prompt.kl(consumer, cache)?;
+    }
+    Ok((
+        bytes as f64 / raw.max(1) as f64,
+        kl / per.len().max(1) as f64,
+    ))
+}
+
+/// The index of the curve (points of bytes share and KL) that lies lowest: its log KL,
+/// interpolated in log bytes, averaged over the bytes every curve reaches (a curve that
+/// reaches none of them, or a single curve, decides nothing: the first wins).
+fn lowest(curves: &[Vec<(f64, f64)>]) -> usize {
+    let span = |c: &Vec<(f64, f64)>| {
+        let (lo, hi) = c.iter().fold((f64::INFINITY, 0f64), |(lo, hi), p| {
+            (lo.min(p.0), hi.max(p.0))
+        });
+        (lo, hi)
+    };
+    let lo = curves.iter().map(|c| span(c).0).fold(0f64, f64::max);
+    let hi = curves
+        .iter()
+        .map(|c| span(c).1)
+        .fold(f64::INFINITY, f64::min);
+    if !(lo < hi) {
+        return 0;
+    }
+    let at = |c: &Vec<(f64, f64)>, b: f64| -> f64 {
+        let mut pts: Vec<(f64, f64)> = c.iter().map(|p| (p.0.ln(), p.1.max(1e-9).ln())).collect();
+        pts.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let x = b.ln();
+        pts.windows(2)
+            .find(|w| w[0].0 <= x && x <= w[1].0)
+            .map_or(f64::INFINITY, |w| {
+                let f = if w[1].0 > w[0].0 {
+                    (x - w[0].0) / (w[1].0 - w[0].0)
+                } else {
+                    0.0
+                };
+                w[0].1 + f * (w[1].1 - w[0].1)
+            })
+    };
+    const SAMPLES: usize = 8;
+    let score = |c: &Vec<(f64, f64)>| -> f64 {
+        (0..SAMPLES)
+            .map(|i| {
+                let b = (lo.ln() + (hi.ln() - lo.ln()) * i as f64 / (SAMPLES - 1) as f64).exp();
+                at(c, b)
+            })
+            .sum()
+    };
+    (0..curves.len())
+        .min_by(|&a, &b| score(&curves[a]).total_cmp(&score(&curves[b])))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lowest_curve_wins_over_the_bytes_all_reach() {
+        // Curve 1 is below curve 0 everywhere they overlap; curve 2 reaches further left but
+        // is higher where all three overlap.
+        let c0 = vec![(0.10, 0.20), (0.15, 0.08), (0.20, 0.05)];
+        let c1 = vec![(0.11, 0.10), (0.16, 0.05), (0.22, 0.03)];
+        let c2 = vec![(0.05, 0.50), (0.12, 0.20), (0.21, 0.07)];
+        assert_eq!(lowest(&[c0.clone(), c1.clone(), c2.clone()]), 1);
+        assert_eq!(lowest(&[c2, c0.clone()]), 1);
+        // No common span: the first.
+        assert_eq!(lowest(&[c0, vec![(0.5, 0.01), (0.6, 0.005)]]), 0);
+        assert_eq!(lowest(&[]), 0);
+    }
+
+    #[test]
+    fn a_share_of_raw_maps_to_a_step_between_measured_rates() {
+        let point = |step: f32, share: f64| RatePoint {
+            mode: Mode::Scd,
+            step,
+            kl: vec![0.0],
+            bytes_share: vec![share],
+        };
+        let table = RateTable {
+            points: vec![point(0.2, 0.20), point(0.4, 0.10), point(0.8, 0.05)],
+            ..RateTable::default()
+        };
+        assert_eq!(table.step_for_share(Mode::Scd, 0, 0.10), Some(0.4));
+        let s = table.step_for_share(Mode::Scd, 0, 0.15).unwrap();
+        assert!((s - 0.2f32 * 2f32.sqrt()).abs() < 1e-4, "{s}");
+        assert_eq!(table.step_for_share(Mode::Scd, 0, 0.30), None);
+        assert_eq!(table.step_for_share(Mode::Reuse, 0, 0.10), None);
+        assert_eq!(table.step_for_share(Mode::Scd, 1, 0.10), None);
+    }
+}
