@@ -705,7 +705,7 @@ fn transform_coded_codes_trade_bytes_for_distortion_and_refuse_damage() {
     let f = fixture();
     let t = Arc::new(pair_translator().clone());
     let cfg = f.base.config();
-    let prefix = &f.tokens[400..464];
+    let prefix = &f.tokens[400..424];
     let ranks = t.manifest.r_max;
     let codec_at = |dtype, step| {
         let opts = CodecOptions {

@@ -190,7 +190,8 @@ impl LayerCode {
     /// The most bytes a code of `dtype` and `shape` may hold: [`Self::expected_len`] for the
     /// fixed-width dtypes; for [`CodeDType::TC`] `(T, r)`, three bytes of column header per
     /// column, four bytes per symbol (the coder's models have 16-bit precision: no symbol
-    /// costs more than 16 bits, so this leaves room) and the coder's two words of state.
+    /// costs more than 16 bits, so this leaves room), the coder's two words of state and a
+    /// four-byte checksum.
     pub fn max_len(dtype: CodeDType, shape: &[u32]) -> Option<usize> {
         if dtype != CodeDType::TC {
             return Self::expected_len(dtype, shape);
@@ -202,7 +203,7 @@ impl LayerCode {
         symbols
             .checked_mul(4)?
             .checked_add((cols as usize).checked_mul(3)?)?
-            .checked_add(8)
+            .checked_add(12)
     }
 
     /// Whether the bytes are as long as shape and dtype say: exactly, or for
@@ -252,7 +253,7 @@ mod tests {
         assert_eq!(LayerCode::expected_len(CodeDType::TC, &[3, 5]), None);
         assert_eq!(
             LayerCode::max_len(CodeDType::TC, &[3, 5]),
-            Some(60 + 15 + 8)
+            Some(60 + 15 + 12)
         );
         assert_eq!(LayerCode::max_len(CodeDType::TC, &[15]), None);
         let tc = LayerCode {
@@ -263,7 +264,7 @@ mod tests {
         };
         assert!(tc.is_consistent());
         assert!(!LayerCode {
-            bytes: vec![0; 84],
+            bytes: vec![0; 88],
             ..tc.clone()
         }
         .is_consistent());

@@ -14,9 +14,11 @@
 //! chosen over a Gaussian by the bytes it gave on real codes (`docs/design-notes.md`).
 //!
 //! Bytes: per column a little-endian f16 step and a class byte (`u8::MAX`: not sent), then the
-//! rANS coder's words (little-endian u32), columns in order, each column's rows in order.
-//! Decoding checks every field and that the coder ends exactly where its words do, so a
-//! damaged payload is an error, never a silently different cache.
+//! rANS coder's words (little-endian u32), columns in order, each column's rows in order, then
+//! a CRC-32 of everything before it. rANS decodes any words to some symbols, so the checksum
+//! is what tells a cut or damaged code from a good one; decoding also checks every field and
+//! that the coder ends exactly where its words do, so a damaged payload is an error, never a
+//! silently different cache.
 //!
 //! The coder is `constriction`'s rANS (`DefaultAnsCoder`, 32-bit words) over 16-bit lookup
 //! models, a maintained implementation rather than one of our own; `docs/design-notes.md`
@@ -192,17 +194,25 @@ pub fn encode(
     for w in words {
         out.extend_from_slice(&w.to_le_bytes());
     }
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
     Ok(out)
 }
 
 /// The row-major `(rows, cols)` matrix `bytes` code (what [`encode`] wrote).
 pub fn decode(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, TransformError> {
     let head = cols * HEADER_PER_COLUMN;
-    if bytes.len() < head {
+    if bytes.len() < head + 4 {
         return Err(TransformError::Short {
             got: bytes.len(),
-            need: head,
+            need: head + 4,
         });
+    }
+    let (bytes, crc) = bytes.split_at(bytes.len() - 4);
+    if crc32fast::hash(bytes).to_le_bytes() != crc {
+        return Err(TransformError::Stream(
+            "the checksum does not match: the code is cut or damaged".into(),
+        ));
     }
     let (header, body) = bytes.split_at(head);
     let mut columns = Vec::with_capacity(cols);
@@ -323,28 +333,39 @@ mod tests {
             decode(&bytes[..5], rows, cols),
             Err(TransformError::Short { .. })
         ));
+        // A header the coder never writes, under a good checksum (a peer's own bug).
+        let reseal = |mut b: Vec<u8>| {
+            let n = b.len() - 4;
+            let crc = crc32fast::hash(&b[..n]);
+            b[n..].copy_from_slice(&crc.to_le_bytes());
+            b
+        };
         let mut bad_class = bytes.clone();
         bad_class[2] = CLASSES as u8;
+        let bad_class = reseal(bad_class);
         assert!(matches!(
             decode(&bad_class, rows, cols),
             Err(TransformError::Header { column: 0, .. })
         ));
         let mut bad_step = bytes.clone();
         bad_step[0..2].copy_from_slice(&f16::NAN.to_le_bytes());
-        assert!(decode(&bad_step, rows, cols).is_err());
+        assert!(matches!(
+            decode(&reseal(bad_step), rows, cols),
+            Err(TransformError::Header { column: 0, .. })
+        ));
         // Cut words, extra words, odd lengths.
         assert!(decode(&bytes[..bytes.len() - 4], rows, cols).is_err());
         let mut longer = bytes.clone();
         longer.extend_from_slice(&7u32.to_le_bytes());
         assert!(decode(&longer, rows, cols).is_err());
         assert!(decode(&bytes[..bytes.len() - 1], rows, cols).is_err());
-        // Random damage never panics.
+        // Any flipped bit is caught.
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
         for _ in 0..500 {
             let mut b = bytes.clone();
             let i = rng.gen_range(0..b.len());
             b[i] ^= 1 << rng.gen_range(0..8);
-            let _ = decode(&b, rows, cols);
+            assert!(decode(&b, rows, cols).is_err(), "byte {i} flipped, not caught");
         }
         assert!(matches!(
             encode(&[f32::NAN; 4], 2, 2, &[0.1; 2]),
