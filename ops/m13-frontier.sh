@@ -1,0 +1,28 @@
+#!/bin/bash
+# The quality-bytes frontier on held-out WikiText-2, per expert: raw, q4, and reuse and scd as
+# transform-coded codes at the rates the translator's rate table says give 6-20% of raw's bytes
+# (scd translators rates). Writes docs/m13/<expert>-frontier.{json,md}. Usage:
+#   ops/m13-frontier.sh mail-rope mail sotu melville
+cd "$(dirname "$0")/.."
+M=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
+for e in "$@"; do
+  steps=$(python3 - "$e" <<'PY'
+import json, math, sys
+t = json.load(open(f"experts/{sys.argv[1]}/translator/translator.json"))["rate_table"]
+pts = sorted((p["bytes_share"][0], math.log(p["step"])) for p in t["points"] if p["mode"] == "scd")
+out = []
+for share in [0.06, 0.08, 0.10, 0.115, 0.15, 0.20]:
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if b0 <= share <= b1:
+            f = (share - b0) / (b1 - b0) if b1 > b0 else 0
+            out.append("%.3f" % math.exp(s0 + f * (s1 - s0)))
+print(",".join(out))
+PY
+)
+  echo "== $e steps $steps $(date)"
+  target/release/scd eval --producer $M --consumer-adapter experts/$e/adapter.safetensors \
+    --translator experts/$e/translator --methods raw,q4,reuse,scd --code-dtype tc --tc-steps $steps \
+    --prefix-tokens 512 --continuation-tokens 64 --greedy-tokens 16 --wikitext-windows 4 --squad-questions 0 \
+    --json docs/m13/$e-frontier.json --markdown docs/m13/$e-frontier.md 2>&1 | grep "^| "
+done
+date
