@@ -18,7 +18,14 @@
 //! With seed 0 they are the first windows of E1's, so the figures compare with
 //! `docs/m3/<expert>-main.json` window for window.
 //!
-//! The bounds (BENCHMARKS.md's "make-test bound (S2)" row):
+//! Beside E1's int8 codes, the same windows carry scd as transform-coded codes (`tc`) at the
+//! rate each translator's own rate table (measured on its held-out Brown prompts) says gives
+//! 11.5% of raw's bytes: the eighth-of-raw operating point (BENCHMARKS.md, "Codes at an eighth
+//! of raw"), bounded at 12.5% of raw's bytes on these windows, mail-rope's KL at 0.25 and half
+//! of raw's, the mild experts' at 3x raw's (E6, 4 windows: mail-rope 0.153; the mild experts
+//! 1.10x / 2.12x / 1.95x). The negative controls must fail both.
+//!
+//! The int8 bounds (BENCHMARKS.md's "make-test bound (S2)" row):
 //! - mail-rope, the expert whose RoPE base breaks raw transfer: scd KL <= 0.5x raw's
 //!   (E1: 0.092x), and under 40% of raw's bytes (36%). 4 windows: the ratio is an order of
 //!   magnitude under the bound on every window count we tried.
@@ -49,7 +56,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
-use scd_models::codec::{codec_with, Codec, CodecOptions};
+use scd_models::codec::{codec_with, Codec, CodecOptions, TcRate};
 use scd_models::eval::{self, EvalConfig, EvalData, MethodMetrics, Pair};
 use scd_models::translator::Translator;
 use scd_models::{AdapterMode, Llama, LoraAdapter};
@@ -70,6 +77,13 @@ const CONTROL_WINDOWS: usize = 2;
 /// The experts this file loads, in one order (the index of each one's consumer below).
 const EXPERTS: [&str; 4] = ["mail-rope", "mail", "sotu", "melville"];
 
+/// The share of raw's bytes the codes are sized for: the rate each translator's table says
+/// gives it on the held-out calibration prompts, a little under the bound ([`EIGHTH`]) since
+/// these windows are other text and longer prompts.
+const AIMED_SHARE: f64 = 0.115;
+/// An eighth of raw's bytes: the bound on every expert's payload.
+const EIGHTH: f64 = 0.125;
+
 /// A bound on scd against raw transfer.
 #[derive(Debug, Clone, Copy)]
 struct Bound {
@@ -77,22 +91,48 @@ struct Bound {
     name: &'static str,
     /// scd's mean KL at most this multiple of raw's.
     max_kl_ratio: f64,
-    /// scd's payload under this share of raw's.
+    /// scd's mean KL at most this.
+    max_kl: f64,
+    /// scd's payload at most this share of raw's.
     max_bytes_share: f64,
 }
 
-/// mail-rope, where raw transfer breaks: scd at most half of raw's KL.
+/// mail-rope, where raw transfer breaks, int8 codes at the default ranks: scd at most half of
+/// raw's KL.
 const BREAKS_RAW: Bound = Bound {
-    name: "an expert raw transfer breaks (scd KL <= 0.5x raw's, < 40% of its bytes)",
+    name: "an expert raw transfer breaks (int8 codes: scd KL <= 0.5x raw's, < 40% of its bytes)",
     max_kl_ratio: 0.5,
+    max_kl: f64::INFINITY,
     max_bytes_share: 0.40,
 };
 
-/// The mild experts: scd at most 1.1x raw's KL at under 40% of its bytes.
+/// The mild experts, int8 codes at the default ranks: scd at most 1.1x raw's KL at under 40%
+/// of its bytes.
 const MILD: Bound = Bound {
-    name: "a mild expert (scd KL <= 1.1x raw's, < 40% of its bytes)",
+    name: "a mild expert (int8 codes: scd KL <= 1.1x raw's, < 40% of its bytes)",
     max_kl_ratio: 1.1,
+    max_kl: f64::INFINITY,
     max_bytes_share: 0.40,
+};
+
+/// mail-rope, transform-coded: scd KL at most 0.25 and half of raw's, at an eighth
+/// of raw's bytes (E6 on 4 windows: 0.153, 0.14x raw's; the issue's aim, 0.10, is reached
+/// only at 20% of raw's bytes).
+const BREAKS_RAW_EIGHTH: Bound = Bound {
+    name: "an expert raw transfer breaks (tc codes: scd KL <= 0.25 and <= 0.5x raw's, at <= 12.5% of its \
+           bytes)",
+    max_kl_ratio: 0.5,
+    max_kl: 0.25,
+    max_bytes_share: EIGHTH,
+};
+
+/// The mild experts, transform-coded: scd within 3x raw's KL at an eighth of its bytes (E6 on 4 windows: mail
+/// 1.10x, sotu 2.12x, melville 1.95x; the issue's aim, 1.1x, is not reached at this size).
+const MILD_EIGHTH: Bound = Bound {
+    name: "a mild expert (tc codes: scd KL <= 3x raw's, at <= 12.5% of its bytes)",
+    max_kl_ratio: 3.0,
+    max_kl: f64::INFINITY,
+    max_bytes_share: EIGHTH,
 };
 
 /// What the harness measured for one expert and translator.
@@ -156,9 +196,15 @@ fn check(q: &Quality, bound: &Bound) -> Result<(), String> {
             bound.max_kl_ratio
         ));
     }
-    if q.bytes_share().is_nan() || q.bytes_share() >= bound.max_bytes_share {
+    if q.scd.kl.value.is_nan() || q.scd.kl.value > bound.max_kl {
         violations.push(format!(
-            "scd sends {:.1}% of raw's bytes, the bound is under {:.0}%",
+            "scd KL is {:.4}, the bound is {}",
+            q.scd.kl.value, bound.max_kl
+        ));
+    }
+    if q.bytes_share().is_nan() || q.bytes_share() > bound.max_bytes_share {
+        violations.push(format!(
+            "scd sends {:.1}% of raw's bytes, the bound is {:.1}%",
             100.0 * q.bytes_share(),
             100.0 * bound.max_bytes_share
         ));
@@ -219,8 +265,10 @@ fn translator(name: &str) -> Translator {
         .unwrap_or_else(|e| panic!("cannot load the shipped translator {}: {e}", dir.display()))
 }
 
-/// Runs the harness on `windows` windows for `expert` with `translator`: raw and scd, as E1.
-fn measure(expert: &str, translator: Translator, windows: usize) -> Quality {
+/// Runs the harness on `windows` windows for `expert` with `translator`: raw and scd as E1
+/// (int8 codes), and scd transform-coded at the rate the translator's table gives for
+/// [`AIMED_SHARE`]; one [`Quality`] for each scd.
+fn measure(expert: &str, translator: Translator, windows: usize) -> [Quality; 2] {
     let t0 = Instant::now();
     let (base, tok) = common::real();
     let consumer = consumer(expert);
@@ -228,13 +276,33 @@ fn measure(expert: &str, translator: Translator, windows: usize) -> Quality {
         .check_pair(base, consumer)
         .unwrap_or_else(|e| panic!("{expert}'s translator does not fit the pair: {e}"));
     let translator = Arc::new(translator);
-    let opts = CodecOptions {
+    // The rate the translator's own table (measured on its held-out calibration prompts, not
+    // on these windows) says gives the share of raw's bytes aimed at.
+    let step = translator
+        .manifest
+        .rate_table
+        .as_ref()
+        .and_then(|t| t.step_for_share(Mode::Scd, index, AIMED_SHARE))
+        .unwrap_or_else(|| {
+            panic!(
+                "{expert}'s translator has no rate table reaching {:.1}% of raw's bytes (scd \
+                 translators rates)",
+                100.0 * AIMED_SHARE
+            )
+        });
+    let int8 = CodecOptions {
         code_dtype: CodeDType::I8_ROWS,
         ..CodecOptions::default()
     };
-    let raw = codec_with(Mode::Raw, None, &opts).unwrap();
-    let scd = codec_with(Mode::Scd, Some((&translator, index)), &opts).unwrap();
-    let codecs: [&dyn Codec; 2] = [raw.as_ref(), scd.as_ref()];
+    let tc = CodecOptions {
+        code_dtype: CodeDType::TC,
+        tc_rate: TcRate { step },
+        ..CodecOptions::default()
+    };
+    let raw = codec_with(Mode::Raw, None, &int8).unwrap();
+    let scd = codec_with(Mode::Scd, Some((&translator, index)), &int8).unwrap();
+    let scd_tc = codec_with(Mode::Scd, Some((&translator, index)), &tc).unwrap();
+    let codecs: [&dyn Codec; 3] = [raw.as_ref(), scd.as_ref(), scd_tc.as_ref()];
     let cfg = EvalConfig {
         seed: SEED,
         wikitext_windows: windows,
@@ -250,45 +318,57 @@ fn measure(expert: &str, translator: Translator, windows: usize) -> Quality {
     };
     let record = eval::evaluate(pair, &codecs, tok, data(), &cfg, None, |_| {})
         .unwrap_or_else(|e| panic!("evaluating {expert}: {e}"));
-    let [raw, scd] = <[MethodMetrics; 2]>::try_from(record.results).expect("two methods");
-    assert_eq!((raw.method, scd.method), (Mode::Raw, Mode::Scd));
+    let [raw, scd, scd_tc] =
+        <[MethodMetrics; 3]>::try_from(record.results).expect("three methods");
+    assert_eq!(
+        (raw.method, scd.method, scd_tc.method),
+        (Mode::Raw, Mode::Scd, Mode::Scd)
+    );
     assert_eq!(raw.kl.n, windows, "{expert}: windows scored");
-    let q = Quality {
-        expert: expert.into(),
+    let seconds = t0.elapsed().as_secs_f64();
+    let q = |scd: MethodMetrics, codes: &str| Quality {
+        expert: format!("{expert} ({codes})"),
         windows,
-        raw,
+        raw: raw.clone(),
         scd,
-        seconds: t0.elapsed().as_secs_f64(),
+        seconds,
     };
-    eprintln!("{}", q.describe());
-    q
+    let both = [q(scd, "int8 codes"), q(scd_tc, &format!("tc codes, step {step:.3}"))];
+    for q in &both {
+        eprintln!("{}", q.describe());
+    }
+    both
 }
 
-fn assert_meets(expert: &str, bound: &Bound, windows: usize) {
-    let q = measure(expert, translator(expert), windows);
-    if let Err(violation) = check(&q, bound) {
-        panic!("{violation}\n  measured: {}", q.describe());
-    }
+/// Both of `expert`'s operating points meet their bounds: int8 codes `int8`, transform-coded
+/// ones `eighth`.
+fn assert_meets(expert: &str, int8: &Bound, eighth: &Bound, windows: usize) {
+    let [q8, qtc] = measure(expert, translator(expert), windows);
+    let failures: Vec<String> = [(q8, int8), (qtc, eighth)]
+        .iter()
+        .filter_map(|(q, b)| check(q, b).err().map(|v| format!("{v}\n  measured: {}", q.describe())))
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
 fn mail_rope_scd_keeps_under_half_of_raw_transfers_kl() {
-    assert_meets("mail-rope", &BREAKS_RAW, MAIL_ROPE_WINDOWS);
+    assert_meets("mail-rope", &BREAKS_RAW, &BREAKS_RAW_EIGHTH, MAIL_ROPE_WINDOWS);
 }
 
 #[test]
 fn mail_scd_stays_within_the_mild_bound() {
-    assert_meets("mail", &MILD, MILD_WINDOWS);
+    assert_meets("mail", &MILD, &MILD_EIGHTH, MILD_WINDOWS);
 }
 
 #[test]
 fn sotu_scd_stays_within_the_mild_bound() {
-    assert_meets("sotu", &MILD, MILD_WINDOWS);
+    assert_meets("sotu", &MILD, &MILD_EIGHTH, MILD_WINDOWS);
 }
 
 #[test]
 fn melville_scd_stays_within_the_mild_bound() {
-    assert_meets("melville", &MILD, MILD_WINDOWS);
+    assert_meets("melville", &MILD, &MILD_EIGHTH, MILD_WINDOWS);
 }
 
 /// `name`'s shipped translator with the Reuse decoders of K and V on every layer replaced by
@@ -319,29 +399,31 @@ fn garbage_translator(name: &str) -> Translator {
     t
 }
 
-fn assert_rejected(expert: &str, bound: &Bound) {
-    let q = measure(expert, garbage_translator(expert), CONTROL_WINDOWS);
-    match check(&q, bound) {
-        Err(violation) => {
-            assert!(violation.contains("x raw's"), "{violation}");
-            eprintln!("rejected, as it should be: {violation}");
+fn assert_rejected(expert: &str, int8: &Bound, eighth: &Bound) {
+    let [q8, qtc] = measure(expert, garbage_translator(expert), CONTROL_WINDOWS);
+    for (q, bound) in [(q8, int8), (qtc, eighth)] {
+        match check(&q, bound) {
+            Err(violation) => {
+                assert!(violation.contains("x raw's"), "{violation}");
+                eprintln!("rejected, as it should be: {violation}");
+            }
+            Ok(()) => panic!(
+                "the quality check passed a translator with random decoders, so it cannot \
+                 tell a good translator from garbage: {}",
+                q.describe()
+            ),
         }
-        Ok(()) => panic!(
-            "the quality check passed a translator with random decoders, so it cannot tell \
-             a good translator from garbage: {}",
-            q.describe()
-        ),
     }
 }
 
 #[test]
 fn garbage_decoders_fail_the_mild_bound() {
-    assert_rejected("melville", &MILD);
+    assert_rejected("melville", &MILD, &MILD_EIGHTH);
 }
 
 #[test]
 fn garbage_decoders_fail_the_mail_rope_bound() {
-    assert_rejected("mail-rope", &BREAKS_RAW);
+    assert_rejected("mail-rope", &BREAKS_RAW, &BREAKS_RAW_EIGHTH);
 }
 
 #[test]
