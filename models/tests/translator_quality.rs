@@ -318,8 +318,7 @@ fn measure(expert: &str, translator: Translator, windows: usize) -> [Quality; 2]
     };
     let record = eval::evaluate(pair, &codecs, tok, data(), &cfg, None, |_| {})
         .unwrap_or_else(|e| panic!("evaluating {expert}: {e}"));
-    let [raw, scd, scd_tc] =
-        <[MethodMetrics; 3]>::try_from(record.results).expect("three methods");
+    let [raw, scd, scd_tc] = <[MethodMetrics; 3]>::try_from(record.results).expect("three methods");
     assert_eq!(
         (raw.method, scd.method, scd_tc.method),
         (Mode::Raw, Mode::Scd, Mode::Scd)
@@ -333,7 +332,10 @@ fn measure(expert: &str, translator: Translator, windows: usize) -> [Quality; 2]
         scd,
         seconds,
     };
-    let both = [q(scd, "int8 codes"), q(scd_tc, &format!("tc codes, step {step:.3}"))];
+    let both = [
+        q(scd, "int8 codes"),
+        q(scd_tc, &format!("tc codes, step {step:.3}")),
+    ];
     for q in &both {
         eprintln!("{}", q.describe());
     }
@@ -346,14 +348,23 @@ fn assert_meets(expert: &str, int8: &Bound, eighth: &Bound, windows: usize) {
     let [q8, qtc] = measure(expert, translator(expert), windows);
     let failures: Vec<String> = [(q8, int8), (qtc, eighth)]
         .iter()
-        .filter_map(|(q, b)| check(q, b).err().map(|v| format!("{v}\n  measured: {}", q.describe())))
+        .filter_map(|(q, b)| {
+            check(q, b)
+                .err()
+                .map(|v| format!("{v}\n  measured: {}", q.describe()))
+        })
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
 fn mail_rope_scd_keeps_under_half_of_raw_transfers_kl() {
-    assert_meets("mail-rope", &BREAKS_RAW, &BREAKS_RAW_EIGHTH, MAIL_ROPE_WINDOWS);
+    assert_meets(
+        "mail-rope",
+        &BREAKS_RAW,
+        &BREAKS_RAW_EIGHTH,
+        MAIL_ROPE_WINDOWS,
+    );
 }
 
 #[test]

@@ -158,12 +158,10 @@ pub fn encode(
         // The step travels as f16: quantise with the rounded value, so both sides use one.
         let step = f16::from_f32(wanted.max(max / SYMBOL_MAX as f32));
         let step_f = step.to_f32();
-        let class = if max == 0.0 || !(step_f > 0.0) || !step_f.is_finite() {
-            NOT_SENT
-        } else if rms / step_f < ZERO_BELOW {
-            NOT_SENT
-        } else {
-            class_of(rms / step_f)
+        let usable = max > 0.0 && step_f > 0.0 && step_f.is_finite();
+        let class = match usable && rms / step_f >= ZERO_BELOW {
+            true => class_of(rms / step_f),
+            false => NOT_SENT,
         };
         out.extend_from_slice(&step.to_le_bytes());
         out.push(class);
@@ -365,7 +363,10 @@ mod tests {
             let mut b = bytes.clone();
             let i = rng.gen_range(0..b.len());
             b[i] ^= 1 << rng.gen_range(0..8);
-            assert!(decode(&b, rows, cols).is_err(), "byte {i} flipped, not caught");
+            assert!(
+                decode(&b, rows, cols).is_err(),
+                "byte {i} flipped, not caught"
+            );
         }
         assert!(matches!(
             encode(&[f32::NAN; 4], 2, 2, &[0.1; 2]),

@@ -116,6 +116,9 @@ pub fn measure(
     })
 }
 
+/// A held-out prompt with the producer's captures of its prefix.
+pub(crate) type HeldOut = (HeldOutPrompt, Vec<LayerCapture>);
+
 /// Each consumer's held-out prompts with the producer's captures of them (what codecs
 /// encode), after checking that `consumers[e]` is the translator's consumer `e`: every prompt's
 /// oracle and capture once, so that each measured point only encodes and rebuilds.
@@ -125,7 +128,7 @@ pub(crate) fn held_out(
     consumers: &[&Llama],
     prompts: &[Vec<u32>],
     continuation: usize,
-) -> Result<Vec<Vec<(HeldOutPrompt, Vec<LayerCapture>)>>, TranslatorError> {
+) -> Result<Vec<Vec<HeldOut>>, TranslatorError> {
     let m = &translator.manifest;
     if consumers.len() != m.consumers.len() {
         return Err(TranslatorError::WrongPair(format!(

@@ -18,10 +18,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::select::HeldOutPrompt;
 use super::{Translator, TranslatorError};
 use crate::codec::{self, TcRate, Translated};
-use crate::llama::{LayerCapture, Llama};
+use crate::llama::Llama;
 use scd_types::{CodeDType, Mode};
 
 /// Scales of K, V and `H_in` steps where a translator has no table, from the search on the
@@ -196,7 +195,7 @@ fn point(
     expert: usize,
     step: f32,
     consumer: &Llama,
-    per: &[(HeldOutPrompt, Vec<LayerCapture>)],
+    per: &[super::rank_curve::HeldOut],
 ) -> Result<(f64, f64), TranslatorError> {
     let m = &translator.manifest;
     let codec = Translated::new(
@@ -237,7 +236,7 @@ fn lowest(curves: &[Vec<(f64, f64)>]) -> usize {
         .iter()
         .map(|c| span(c).1)
         .fold(f64::INFINITY, f64::min);
-    if !(lo < hi) {
+    if lo.partial_cmp(&hi) != Some(std::cmp::Ordering::Less) {
         return 0;
     }
     let at = |c: &Vec<(f64, f64)>, b: f64| -> f64 {
