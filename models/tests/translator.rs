@@ -602,7 +602,7 @@ fn a_calibration_with_chat_turns_records_the_share_and_each_kinds_quality() {
 }
 
 #[test]
-fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
+fn droidspeak_q4_and_q2_rebuild_caches_of_the_right_size() {
     let f = fixture();
     let t = Arc::new(pair_translator().clone());
     let opts = CodecOptions {
@@ -611,8 +611,9 @@ fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
     };
     let prefix = &f.tokens[500..520];
     let cfg = f.base.config();
-    for mode in [Mode::DroidSpeak, Mode::Q4] {
+    for mode in [Mode::DroidSpeak, Mode::Q4, Mode::Q2] {
         let c = codec_with(mode, Some((&t, 0)), &opts).unwrap();
+        assert_eq!(c.mode(), mode);
         let codes = codec::encode(c.as_ref(), &captured(c.as_ref(), prefix)).unwrap();
         let raw_bytes = 20 * cfg.kv_dim() * 2 * 2 * cfg.num_layers;
         let bytes = codec::payload_bytes(&codes);
@@ -621,6 +622,8 @@ fn droidspeak_and_q4_rebuild_caches_of_the_right_size() {
             // channel for 3 groups of up to 8 tokens (192 bytes), V's per token for 2 groups
             // of 8 channels (160 bytes).
             Mode::Q4 => assert_eq!(bytes, cfg.num_layers * (2 * 160 + 192 + 160)),
+            // 2-bit levels: half the bytes of the 4-bit ones, the same scales.
+            Mode::Q2 => assert_eq!(bytes, cfg.num_layers * (2 * 80 + 192 + 160)),
             // One block of one layer recomputed from the hidden state.
             _ => assert_eq!(
                 bytes,
@@ -792,4 +795,112 @@ fn transform_coded_codes_trade_bytes_for_distortion_and_refuse_damage() {
         ..CodecOptions::default()
     };
     assert!(codec_with(Mode::Scd, Some((&t, 0)), &bad).is_err());
+}
+
+/// The relative RMS distance between two caches' K and V over every layer.
+fn cache_distance(a: &scd_models::KvCache, b: &scd_models::KvCache, layers: usize) -> f64 {
+    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (mut err, mut norm) = (0.0f64, 0.0f64);
+    for l in 0..layers {
+        let (Some((k1, v1)), Some((k2, v2))) = (a.layer(l).unwrap(), b.layer(l).unwrap()) else {
+            panic!("layer {l} missing");
+        };
+        for (x, y) in [(k1, k2), (v1, v2)] {
+            for (p, q) in values(&x).iter().zip(values(&y)) {
+                err += f64::from(p - q).powi(2);
+                norm += f64::from(*p).powi(2);
+            }
+        }
+    }
+    (err / norm).sqrt()
+}
+
+/// kvtc: the base's own basis fitted on its prefill, kept by the artifact, and raw KV coded in
+/// it: finer steps cost more bytes and come closer to raw's cache (the same rows, the same
+/// rotation), far under raw's bytes; a translator without a basis, damaged bytes and foreign
+/// codes are errors.
+#[test]
+fn kvtc_codes_the_bases_own_kv_in_its_own_basis() {
+    use scd_models::translator::kvtc;
+    let f = fixture();
+    let cfg = f.base.config();
+    let prompts: Vec<Vec<u32>> = (0..30)
+        .map(|i| f.tokens[i * 24..i * 24 + 24].to_vec())
+        .collect();
+    let mut seen = 0;
+    let (layers, tokens) = kvtc::fit(&f.base, &prompts, |done, _| seen = done).unwrap();
+    assert_eq!((layers.len(), tokens, seen), (cfg.num_layers, 30 * 24, 30));
+    let without = Arc::new(pair_translator().clone());
+    let opts = |step| CodecOptions {
+        tc_rate: codec::TcRate { step },
+        ..CodecOptions::default()
+    };
+    let Err(err) = codec_with(Mode::Kvtc, Some((&without, 0)), &opts(0.1)) else {
+        panic!("kvtc without a basis");
+    };
+    assert!(err.to_string().contains("scd translators kvtc"), "{err}");
+    let mut t = pair_translator().clone();
+    t.kvtc = Some(layers);
+    t.manifest.kvtc = Some(kvtc::KvtcInfo {
+        prompts: 30,
+        tokens,
+        scales: kvtc::KvtcInfo::DEFAULT_SCALES,
+    });
+    let dir = tempfile::tempdir().unwrap();
+    t.save(dir.path()).unwrap();
+    let loaded = Translator::load(dir.path()).unwrap();
+    assert_eq!(loaded.manifest.kvtc, t.manifest.kvtc);
+    assert_eq!(loaded.kvtc.as_ref().map(Vec::len), Some(cfg.num_layers));
+    let t = Arc::new(loaded);
+
+    let prefix = &f.tokens[400..424];
+    let raw = codec::codec_for(Mode::Raw).unwrap();
+    let caps = captured(raw.as_ref(), prefix);
+    let raw_codes = codec::encode(raw.as_ref(), &caps).unwrap();
+    let raw_cache =
+        codec::decode(raw.as_ref(), &f.experts[0], &raw_codes, Prefix::new(prefix)).unwrap();
+    let mut last: Option<(usize, f64)> = None;
+    for step in [0.2f32, 0.05, 0.01] {
+        let c = codec_with(Mode::Kvtc, Some((&t, 0)), &opts(step)).unwrap();
+        assert_eq!(c.mode(), Mode::Kvtc);
+        let codes = codec::encode(c.as_ref(), &caps).unwrap();
+        assert!(codes
+            .iter()
+            .all(|c| c.dtype == CodeDType::TC
+                && [CodeKind::KVTC_K, CodeKind::KVTC_V].contains(&c.kind)));
+        let bytes = codec::payload_bytes(&codes);
+        assert!(
+            bytes < codec::payload_bytes(&raw_codes),
+            "{bytes} bytes at {step}"
+        );
+        let cache = codec::decode(c.as_ref(), &f.experts[0], &codes, Prefix::new(prefix)).unwrap();
+        assert_eq!(cache.len(), prefix.len());
+        let err = cache_distance(&raw_cache, &cache, cfg.num_layers);
+        if let Some((b, e)) = last {
+            assert!(
+                bytes > b && err < e,
+                "step {step}: {bytes} B, error {err} after {b} B, {e}"
+            );
+        }
+        last = Some((bytes, err));
+    }
+    let (_, finest) = last.unwrap();
+    assert!(finest < 0.05, "relative error at the finest step {finest}");
+
+    let c = codec_with(Mode::Kvtc, Some((&t, 0)), &opts(0.05)).unwrap();
+    let codes = codec::encode(c.as_ref(), &caps).unwrap();
+    let mut cut = codes.clone();
+    let head = 3 * cut[1].shape[1] as usize;
+    cut[1].bytes.truncate(head + 4);
+    let err = codec::decode(c.as_ref(), &f.experts[0], &cut, Prefix::new(prefix)).unwrap_err();
+    assert!(
+        matches!(err, CodecError::Coded { .. }) && err.layer() == Some(0),
+        "{err}"
+    );
+    let err =
+        codec::decode(c.as_ref(), &f.experts[0], &raw_codes, Prefix::new(prefix)).unwrap_err();
+    assert!(matches!(err, CodecError::UnexpectedCode { .. }), "{err}");
+    let err =
+        codec::decode(c.as_ref(), &f.experts[0], &codes[..3], Prefix::new(prefix)).unwrap_err();
+    assert!(matches!(err, CodecError::Missing { layer: 1, .. }), "{err}");
 }

@@ -35,11 +35,11 @@ pub struct Args {
     /// The consumer's LoRA adapter (an expert).
     #[arg(long)]
     pub consumer_adapter: Option<PathBuf>,
-    /// Transfer modes, comma-separated: oracle, raw, q4, droidspeak, reuse, scd (the last
-    /// three need --translator).
+    /// Transfer modes, comma-separated: oracle, raw, q4, q2, kvtc, droidspeak, reuse, scd
+    /// (the last four need --translator; kvtc is measured at each of --tc-steps).
     #[arg(long, default_value = "oracle,raw", value_delimiter = ',')]
     pub methods: Vec<Mode>,
-    /// The pair's translator folder (scd calibrate), for droidspeak, reuse and scd.
+    /// The pair's translator folder (scd calibrate), for kvtc, droidspeak, reuse and scd.
     #[arg(long)]
     pub translator: Option<PathBuf>,
     /// Ranks of the reuse / scd codes as K,V,H (default: the translator's).
@@ -51,10 +51,14 @@ pub struct Args {
     pub code_dtype: String,
     /// Rates of tc codes, comma-separated: each a step, the error a code component may leave
     /// in the expert's rows before the translator's per-layer scales (larger, fewer bytes);
-    /// reuse and scd are measured at each.
+    /// kvtc, and reuse and scd with --code-dtype tc, are measured at each.
     #[arg(long, value_delimiter = ',', default_value = "0.3")]
     pub tc_steps: Vec<f32>,
-    /// Group size of q4.
+    /// Rates of kvtc, comma-separated steps (default: --tc-steps): its bytes at a step differ
+    /// from scd's, so a frontier gives each the steps that land on the same shares of raw.
+    #[arg(long, value_delimiter = ',')]
+    pub kvtc_steps: Option<Vec<f32>>,
+    /// Group size of q4 and q2.
     #[arg(long, default_value_t = 32)]
     pub q4_group: usize,
     /// Patch budget of scd: the first K layers of the translator's greedy order (default:
@@ -311,12 +315,17 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         tc_rate: Default::default(),
         matmul: kernels.prefill_matmul,
     };
-    // Each translated mode once per tc rate; every other mode once.
+    // kvtc and each translated mode with tc codes once per rate; every other mode once.
     let mut codecs = Vec::new();
     for &m in &args.methods {
-        let rates: Vec<_> = match m.uses_translator_codes() && opts.code_dtype == CodeDType::TC {
-            true => args
-                .tc_steps
+        let steps = match (m, &args.kvtc_steps) {
+            (Mode::Kvtc, Some(s)) => s,
+            _ => &args.tc_steps,
+        };
+        let coded =
+            m == Mode::Kvtc || m.uses_translator_codes() && opts.code_dtype == CodeDType::TC;
+        let rates: Vec<_> = match coded {
+            true => steps
                 .iter()
                 .map(|&step| scd_models::codec::TcRate { step })
                 .collect(),

@@ -112,6 +112,14 @@ pub enum Command {
         scd translators rates --translator experts/mail/translator \\\n      \
         --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --consumer-adapter experts/mail")]
     Rates(RatesArgs),
+    /// Fit the base's own PCA basis of K and V (for the kvtc mode: raw KV transform-coded
+    /// without translation, SCD's like-for-like baseline) on the translator's fitting prompts,
+    /// choose its K step scale and measure it at a ladder of rates on the held-out prompts,
+    /// as `rates` does for reuse and scd; into the translator (a new version). Offline.
+    #[command(after_help = "Example:\n  \
+        scd translators kvtc --translator experts/mail/translator \\\n      \
+        --producer .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --consumer-adapter experts/mail")]
+    Kvtc(KvtcArgs),
     /// Make the version that was live before the current one live again.
     #[command(after_help = "Example:\n  \
         scd translators rollback --node producer@127.0.0.1:7101 --expert mail")]
@@ -152,6 +160,16 @@ pub struct RatesArgs {
     pub steps: Vec<f32>,
 }
 
+/// Arguments of `scd translators kvtc`.
+#[derive(clap::Args)]
+pub struct KvtcArgs {
+    #[command(flatten)]
+    pub rates: RatesArgs,
+    /// Fitting prompts the basis is fitted on (the calibration's first ones).
+    #[arg(long, default_value_t = 64)]
+    pub fit_prompts: usize,
+}
+
 pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<ExitCode> {
     match &args.command {
         Command::Curve(a) => {
@@ -160,6 +178,10 @@ pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<E
         }
         Command::Rates(a) => {
             rates(a, kernels)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Kvtc(a) => {
+            kvtc(a, kernels)?;
             return Ok(ExitCode::SUCCESS);
         }
         Command::List { target, json } => return show(target, "translators", *json, print_list),
@@ -180,7 +202,8 @@ pub fn run(args: Args, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<E
             Command::List { .. }
             | Command::Convert { .. }
             | Command::Curve(_)
-            | Command::Rates(_) => Ok(()),
+            | Command::Rates(_)
+            | Command::Kvtc(_) => Ok(()),
             Command::Publish {
                 target,
                 pair,
@@ -238,6 +261,8 @@ struct HeldOutSetup {
     producer: scd_models::Llama,
     experts: Vec<scd_models::Llama>,
     prompts: Vec<Vec<u32>>,
+    /// The calibration's fitting prompts.
+    fitting: Vec<Vec<u32>>,
     continuation: usize,
 }
 
@@ -246,7 +271,9 @@ fn held_out_setup(
     kernels: &crate::kernels::KernelArgs,
 ) -> anyhow::Result<HeldOutSetup> {
     use scd_models::corpus::{self, Corpus};
-    use scd_models::translator::calibrate::{heldout_prompts, CalibrationText, ChatWrap};
+    use scd_models::translator::calibrate::{
+        fitting_prompts, heldout_prompts, CalibrationText, ChatWrap,
+    };
     use scd_models::translator::CalibrationConfig;
 
     let dir = &a.translator;
@@ -289,7 +316,9 @@ fn held_out_setup(
         tokens: &tokens,
     };
     let prompts = heldout_prompts(&text, &cfg)?;
+    let fitting = fitting_prompts(&text, &cfg)?;
     Ok(HeldOutSetup {
+        fitting,
         continuation: cfg.heldout_continuation,
         translator: t,
         producer,
@@ -410,6 +439,86 @@ fn rates(a: &RatesArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<
     println!(
         "{}: rate table written; version {} -> {}",
         dir.display(),
+        before.short(),
+        after.short()
+    );
+    Ok(())
+}
+
+/// `scd translators kvtc`.
+fn kvtc(a: &KvtcArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<()> {
+    use scd_models::translator::{kvtc, rate_table, RateTable};
+
+    let r = &a.rates;
+    anyhow::ensure!(
+        !r.steps.is_empty() && r.steps.iter().all(|s| s.is_finite() && *s > 0.0),
+        "--steps must be positive numbers"
+    );
+    anyhow::ensure!(a.fit_prompts > 0, "--fit-prompts must be at least 1");
+    let dir = &r.curve.translator;
+    let mut h = held_out_setup(&r.curve, kernels)?;
+    let before = h.translator.hash();
+    let fit = &h.fitting[..a.fit_prompts.min(h.fitting.len())];
+    let bar = crate::progress::Progress::new(fit.len() as u64, "prompts fitted")?;
+    let (layers, tokens) = kvtc::fit(&h.producer, fit, |done, total| {
+        bar.set(done as u64, total as u64)
+    })
+    .context("fitting the base's basis")?;
+    bar.finish();
+    h.translator.kvtc = Some(layers);
+    h.translator.manifest.kvtc = Some(kvtc::KvtcInfo {
+        prompts: fit.len(),
+        tokens,
+        scales: kvtc::KvtcInfo::DEFAULT_SCALES,
+    });
+    let models: Vec<&scd_models::Llama> = h.experts.iter().collect();
+    let prompts = &h.prompts[..r.prompts.unwrap_or(usize::MAX).min(h.prompts.len())];
+    anyhow::ensure!(!prompts.is_empty(), "no held-out prompts to measure on");
+    let bar = crate::progress::Progress::new(1, "points")?;
+    let (scales, points) = rate_table::measure_kvtc(
+        &std::sync::Arc::new(h.translator.clone()),
+        &h.producer,
+        &models,
+        prompts,
+        h.continuation,
+        &r.steps,
+        |done, total| bar.set(done as u64, total as u64),
+    )
+    .context("measuring kvtc's rates")?;
+    bar.finish();
+    for p in &points {
+        let cells: Vec<String> =
+            p.kl.iter()
+                .zip(&p.bytes_share)
+                .map(|(k, b)| format!("KL {k:.4} at {:.1}% of raw", 100.0 * b))
+                .collect();
+        println!("kvtc step {:<5}: {}", p.step, cells.join(" / "));
+    }
+    println!("kvtc: steps of K x{}, V x{}", scales[0], scales[1]);
+    if let Some(info) = h.translator.manifest.kvtc.as_mut() {
+        info.scales = scales;
+    }
+    let m = &mut h.translator.manifest;
+    let experts = m.consumers.len();
+    let table = m.rate_table.get_or_insert_with(|| RateTable {
+        prompts: prompts.len(),
+        prefix_tokens: prompts
+            .first()
+            .map_or(0, |p| p.len().saturating_sub(1 + h.continuation)),
+        continuation: h.continuation,
+        scales: vec![rate_table::DEFAULT_SCALES; experts],
+        points: Vec::new(),
+    });
+    table.points.retain(|p| p.mode != scd_types::Mode::Kvtc);
+    table.points.extend(points);
+    let after = h
+        .translator
+        .save(dir)
+        .with_context(|| format!("writing {}", dir.display()))?;
+    println!(
+        "{}: kvtc basis ({} prompts, {tokens} tokens) written; version {} -> {}",
+        dir.display(),
+        fit.len(),
         before.short(),
         after.short()
     );

@@ -30,6 +30,8 @@ fn color(mode: Mode) -> RGBColor {
         Mode::Oracle => RGBColor(0, 0, 0),
         Mode::Raw => RGBColor(31, 119, 180),
         Mode::Q4 => RGBColor(255, 127, 14),
+        Mode::Q2 => RGBColor(188, 189, 34),
+        Mode::Kvtc => RGBColor(23, 190, 207),
         Mode::DroidSpeak => RGBColor(44, 160, 44),
         Mode::Reuse => RGBColor(148, 103, 189),
         Mode::Scd => RGBColor(214, 39, 40),

@@ -50,6 +50,11 @@ impl CodeKind {
     pub const DOC_K: CodeKind = CodeKind(11);
     /// Compiled documents' values, `(rows, kv_dim)`, as [`CodeKind::DOC_K`].
     pub const DOC_V: CodeKind = CodeKind(12);
+    /// Components of the producer's keys (before RoPE) in the base model's own PCA basis,
+    /// transform-coded (the `kvtc` mode: raw KV compressed as hard as SCD's codes).
+    pub const KVTC_K: CodeKind = CodeKind(13);
+    /// Components of the producer's values, as [`CodeKind::KVTC_K`].
+    pub const KVTC_V: CodeKind = CodeKind(14);
 
     /// A short name for logs; `None` for a kind this version does not know.
     pub fn name(self) -> Option<&'static str> {
@@ -67,6 +72,8 @@ impl CodeKind {
             Self::SCALES_V => "scales_v",
             Self::DOC_K => "doc_k",
             Self::DOC_V => "doc_v",
+            Self::KVTC_K => "kvtc_k",
+            Self::KVTC_V => "kvtc_v",
             _ => return None,
         })
     }
@@ -112,6 +119,8 @@ impl CodeDType {
     /// entropy-coded (`scd_models::codec::transform`), so the length depends on the values, not
     /// only the shape: at most [`LayerCode::max_len`]. Two-dimensional shapes only.
     pub const TC: CodeDType = CodeDType(8);
+    /// Packed 2-bit values, four per byte, lowest bits first.
+    pub const Q2: CodeDType = CodeDType(9);
 
     /// Whether this version knows the dtype (a peer's newer dtypes pass validation unchecked).
     pub fn is_known(self) -> bool {
@@ -126,6 +135,7 @@ impl CodeDType {
             Self::F16 | Self::BF16 => 16,
             Self::U8 | Self::I8 => 8,
             Self::Q4 => 4,
+            Self::Q2 => 2,
             Self::I8_ROWS => 8,
             _ => return None,
         })
@@ -143,6 +153,7 @@ impl CodeDType {
             Self::Q4 => "q4",
             Self::I8_ROWS => "i8-rows",
             Self::TC => "tc",
+            Self::Q2 => "q2",
             _ => return None,
         })
     }

@@ -32,6 +32,11 @@ pub enum Mode {
     Raw,
     /// The base model's KV cache quantised to 4 bits (KIVI-style groups with scales).
     Q4,
+    /// The base model's KV cache quantised to 2 bits (KIVI's 2-bit setting).
+    Q2,
+    /// The base model's KV cache transform-coded within the one model (KVTC-style: the base's
+    /// own PCA basis, a step per component, entropy coding; no translation), at a rate.
+    Kvtc,
     /// Raw KV for most layers; a few layer blocks recomputed by the expert from the base's
     /// hidden state at the block's entry (DroidSpeak-style).
     #[serde(rename = "droidspeak")]
@@ -48,10 +53,12 @@ pub enum Mode {
 
 impl Mode {
     /// Every way of sending, the reference first (not [`Mode::Auto`], which picks one).
-    pub const ALL: [Mode; 6] = [
+    pub const ALL: [Mode; 8] = [
         Mode::Oracle,
         Mode::Raw,
         Mode::Q4,
+        Mode::Q2,
+        Mode::Kvtc,
         Mode::DroidSpeak,
         Mode::Reuse,
         Mode::Scd,
@@ -63,6 +70,8 @@ impl Mode {
             Mode::Oracle => "oracle",
             Mode::Raw => "raw",
             Mode::Q4 => "q4",
+            Mode::Q2 => "q2",
+            Mode::Kvtc => "kvtc",
             Mode::DroidSpeak => "droidspeak",
             Mode::Reuse => "reuse",
             Mode::Scd => "scd",
@@ -71,9 +80,12 @@ impl Mode {
     }
 
     /// Whether the mode needs the model pair's calibration (a translator, which also holds
-    /// DroidSpeak's recompute blocks).
+    /// DroidSpeak's recompute blocks and the base's own basis for `kvtc`).
     pub fn needs_translator(self) -> bool {
-        matches!(self, Mode::DroidSpeak | Mode::Reuse | Mode::Scd)
+        matches!(
+            self,
+            Mode::Kvtc | Mode::DroidSpeak | Mode::Reuse | Mode::Scd
+        )
     }
 
     /// Whether the mode's codes are made with the pair's translator (low-rank codes that only
@@ -99,7 +111,9 @@ impl fmt::Display for Mode {
 
 /// A mode name nobody implements.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown transfer mode {0:?} (known: oracle, raw, q4, droidspeak, reuse, scd, auto)")]
+#[error(
+    "unknown transfer mode {0:?} (known: oracle, raw, q4, q2, kvtc, droidspeak, reuse, scd, auto)"
+)]
 pub struct ParseModeError(String);
 
 impl FromStr for Mode {
@@ -121,6 +135,8 @@ impl ArchivedMode {
             ArchivedMode::Oracle => Mode::Oracle,
             ArchivedMode::Raw => Mode::Raw,
             ArchivedMode::Q4 => Mode::Q4,
+            ArchivedMode::Q2 => Mode::Q2,
+            ArchivedMode::Kvtc => Mode::Kvtc,
             ArchivedMode::DroidSpeak => Mode::DroidSpeak,
             ArchivedMode::Reuse => Mode::Reuse,
             ArchivedMode::Scd => Mode::Scd,

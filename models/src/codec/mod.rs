@@ -11,10 +11,12 @@
 //!
 //! Files: [`tensor_bytes`] (tensors to and from code bytes in each dtype), one file per mode:
 //! [`oracle`] (no payload: the consumer's own prefill), [`raw`] (the producer's K and V in
-//! bf16), [`q4`] (KIVI-style 4-bit K and V), [`droidspeak`] (raw KV with a few layer blocks
+//! bf16), [`kivi`] (`q4` and `q2`: KIVI-style 4- and 2-bit K and V), [`kvtc`] (raw KV
+//! transform-coded in the base's own basis), [`droidspeak`] (raw KV with a few layer blocks
 //! recomputed by the consumer), [`translated`] (`reuse` and `scd`, over a calibrated
-//! translator); and [`documents`], the oracle read over compiled documents a producer serves
-//! (SemPIC), which is not a mode of its own.
+//! translator); [`transform`], the transform coder `kvtc` and tc codes share; and
+//! [`documents`], the oracle read over compiled documents a producer serves (SemPIC), which is
+//! not a mode of its own.
 
 use std::sync::Arc;
 
@@ -29,8 +31,9 @@ use crate::translator::{Ranks, Translator};
 
 pub mod documents;
 pub mod droidspeak;
+pub mod kivi;
+pub mod kvtc;
 pub mod oracle;
-pub mod q4;
 pub mod raw;
 pub mod tensor_bytes;
 pub mod transform;
@@ -38,8 +41,9 @@ pub mod translated;
 
 pub use documents::{encode_documents, Documents};
 pub use droidspeak::DroidSpeak;
+pub use kivi::Kivi;
+pub use kvtc::Kvtc;
 pub use oracle::Oracle;
-pub use q4::Q4;
 pub use raw::Raw;
 pub use translated::Translated;
 
@@ -279,7 +283,7 @@ pub struct CodecOptions {
     pub ranks: Option<Ranks>,
     /// Element type of `reuse` / `scd` codes.
     pub code_dtype: CodeDType,
-    /// Group size of `q4`.
+    /// Group size of `q4` and `q2`.
     pub q4_group: usize,
     /// Patch budget of `scd`: the first `k` layers of the translator's greedy order (its
     /// default set when `None`).
@@ -297,7 +301,7 @@ impl Default for CodecOptions {
         Self {
             ranks: None,
             code_dtype: CodeDType::F16,
-            q4_group: q4::DEFAULT_GROUP,
+            q4_group: kivi::DEFAULT_GROUP,
             patch_k: None,
             tc_rate: TcRate::default(),
             matmul: PrefillMatmul::best(),
@@ -336,13 +340,13 @@ impl TcRate {
     }
 }
 
-/// The codec of a mode that needs no calibration (oracle, raw, q4).
+/// The codec of a mode that needs no calibration (oracle, raw, q4, q2).
 pub fn codec_for(mode: Mode) -> Result<Box<dyn Codec>, CodecError> {
     codec_with(mode, None, &CodecOptions::default())
 }
 
-/// The codec of `mode`; `droidspeak`, `reuse` and `scd` need the pair's translator and the
-/// consumer's index in it ([`Translator::check_pair`]).
+/// The codec of `mode`; `kvtc`, `droidspeak`, `reuse` and `scd` need the pair's translator and
+/// the consumer's index in it ([`Translator::check_pair`]).
 pub fn codec_with(
     mode: Mode,
     translator: Option<(&Arc<Translator>, usize)>,
@@ -361,7 +365,12 @@ pub fn codec_with(
         }
         Mode::Oracle => Box::new(Oracle),
         Mode::Raw => Box::new(Raw),
-        Mode::Q4 => Box::new(Q4::new(opts.q4_group)?),
+        Mode::Q4 => Box::new(Kivi::new(4, opts.q4_group)?),
+        Mode::Q2 => Box::new(Kivi::new(2, opts.q4_group)?),
+        Mode::Kvtc => {
+            let (t, _) = translator.ok_or_else(need)?;
+            Box::new(Kvtc::new(t.clone(), opts.tc_rate, opts.matmul)?)
+        }
         Mode::DroidSpeak => {
             let (t, _) = translator.ok_or_else(need)?;
             Box::new(DroidSpeak::new(t.manifest.droidspeak_blocks.clone())?)
@@ -465,6 +474,46 @@ pub(crate) fn tensor_code(
         shape: t.dims().iter().map(|&d| d as u32).collect(),
         bytes: tensor_bytes::to_bytes(t, dtype)?,
     })
+}
+
+/// Layer `l`'s transform-coded code of `kind` holding `z` `(T, r)`, column `j` quantised with
+/// step `steps[j]` ([`transform::encode`]).
+pub(crate) fn tc_code(
+    l: usize,
+    kind: CodeKind,
+    z: &Tensor,
+    steps: &[f32],
+) -> Result<LayerCode, CodecError> {
+    let (rows, r) = z.dims2()?;
+    let values = z.flatten_all()?.to_vec1::<f32>()?;
+    let bytes = transform::encode(&values, rows, r, &steps[..r.min(steps.len())]).map_err(|e| {
+        CodecError::Coded {
+            layer: l as u16,
+            kind: kind_name(kind),
+            why: e.to_string(),
+        }
+    })?;
+    Ok(LayerCode {
+        layer: l as u16,
+        kind,
+        dtype: CodeDType::TC,
+        shape: vec![rows as u32, r as u32],
+        bytes,
+    })
+}
+
+/// The `(rows, r)` matrix a transform-coded code holds (its shape checked by the caller).
+pub(crate) fn tc_tensor(code: &LayerCode, rows: usize, r: usize) -> Result<Tensor, CodecError> {
+    let values = transform::decode(&code.bytes, rows, r).map_err(|e| CodecError::Coded {
+        layer: code.layer,
+        kind: kind_name(code.kind),
+        why: e.to_string(),
+    })?;
+    Ok(Tensor::from_vec(
+        values,
+        (rows, r),
+        &candle_core::Device::Cpu,
+    )?)
 }
 
 /// Checks a code's layer against the consumer and its shape against `(rows, width)`.

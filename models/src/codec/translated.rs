@@ -14,10 +14,9 @@ use candle_core::Tensor;
 use scd_types::{CodeDType, CodeKind, LayerCode, Mode};
 
 use super::tensor_bytes::from_bytes;
-use super::transform;
 use super::{
-    check_layer, dtype_name, kind_name, tensor_code, Codec, CodecError, LayerDecoder, Prefix,
-    TcRate,
+    check_layer, dtype_name, kind_name, tc_code, tc_tensor, tensor_code, Codec, CodecError,
+    LayerDecoder, Prefix, TcRate,
 };
 use crate::cache::{KvCache, RotatedLayer};
 use crate::llama::{Capture, LayerCapture, Llama, Proj};
@@ -65,7 +64,7 @@ struct LayerSteps {
 /// component `j` reaches the consumer through its decoder row `W_j`, so an error `e` in it
 /// becomes `e W_j`, of squared size `e^2 |W_j|^2`; a step `scale / |W_j|` gives every component
 /// the same distortion there, which is reverse water-filling's rule for entropy-coded uniform
-/// quantisers (components under the threshold get no bits: [`transform::ZERO_BELOW`]).
+/// quantisers (components under the threshold get no bits: [`super::transform::ZERO_BELOW`]).
 pub(crate) fn equal_distortion_steps(dec: &Tensor, scale: f32) -> Result<Vec<f32>, CodecError> {
     let norms = dec.sqr()?.sum(1)?.sqrt()?.to_vec1::<f32>()?;
     Ok(norms
@@ -261,29 +260,13 @@ impl Translated {
         let Some(steps) = &self.steps else {
             return tensor_code(l, kind, self.dtype, z);
         };
-        let (rows, r) = z.dims2()?;
         let s = &steps[l];
         let wanted = match kind {
             CodeKind::REUSE_K => &s.k,
             CodeKind::REUSE_V => &s.v,
             _ => &s.h,
         };
-        let values = z.flatten_all()?.to_vec1::<f32>()?;
-        let bytes =
-            transform::encode(&values, rows, r, &wanted[..r.min(wanted.len())]).map_err(|e| {
-                CodecError::Coded {
-                    layer: l as u16,
-                    kind: kind_name(kind),
-                    why: e.to_string(),
-                }
-            })?;
-        Ok(LayerCode {
-            layer: l as u16,
-            kind,
-            dtype: CodeDType::TC,
-            shape: vec![rows as u32, r as u32],
-            bytes,
-        })
+        tc_code(l, kind, z, wanted)
     }
 }
 
@@ -533,17 +516,7 @@ impl TranslatedDecoder<'_> {
         let r = code.shape.get(1).map_or(0, |&r| r as usize);
         let rows = self.positions.len();
         if code.dtype == CodeDType::TC {
-            let values =
-                transform::decode(&code.bytes, rows, r).map_err(|e| CodecError::Coded {
-                    layer: code.layer,
-                    kind: kind_name(code.kind),
-                    why: e.to_string(),
-                })?;
-            return Ok(Tensor::from_vec(
-                values,
-                (rows, r),
-                &candle_core::Device::Cpu,
-            )?);
+            return tc_tensor(code, rows, r);
         }
         from_bytes(&code.bytes, code.dtype, &[rows, r])
     }

@@ -10,7 +10,7 @@ use super::data::seeded_windows;
 use super::harness::{evaluate, Pair};
 use super::record::EvalRecord;
 use super::{EvalConfig, EvalData, EvalError, FileInfo};
-use crate::codec::{Oracle, Raw, Q4};
+use crate::codec::{Kivi, Oracle, Raw};
 use crate::corpus::{self, Corpus};
 use crate::llama::Llama;
 use crate::metrics;
@@ -142,7 +142,7 @@ pub fn drift(
     };
     let transfer = evaluate(
         pair,
-        &[&Oracle, &Raw, &Q4::default()],
+        &[&Oracle, &Raw, &Kivi::default()],
         tok,
         data,
         &opts.eval,
@@ -156,7 +156,7 @@ pub fn drift(
     );
     let domain_transfer = evaluate(
         pair,
-        &[&Oracle, &Raw, &Q4::default()],
+        &[&Oracle, &Raw, &Kivi::default()],
         tok,
         &own,
         &EvalConfig {

@@ -179,6 +179,10 @@ pub struct TranslatorManifest {
     /// (`scd translators rates` adds it; producers then use default scales).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_table: Option<super::rate_table::RateTable>,
+    /// The base's own basis for the `kvtc` mode ([`super::kvtc`]); absent in translators
+    /// without one (`scd translators kvtc` adds it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvtc: Option<super::kvtc::KvtcInfo>,
 }
 
 /// The storage type of a translator's weights file.
@@ -241,6 +245,8 @@ pub struct Translator {
     pub manifest: TranslatorManifest,
     /// Per layer.
     pub layers: Vec<LayerTranslator>,
+    /// Per layer, the base's own bases for `kvtc`, when the manifest has `kvtc`.
+    pub kvtc: Option<Vec<super::kvtc::KvtcLayer>>,
 }
 
 fn low_rank_tensors(
@@ -370,6 +376,14 @@ impl Translator {
                 }
             }
         }
+        if self.kvtc.is_some() != self.manifest.kvtc.is_some() {
+            return Err(TranslatorError::Corrupt(
+                "a kvtc basis without its manifest entry, or the other way round".into(),
+            ));
+        }
+        for (l, layer) in self.kvtc.iter().flatten().enumerate() {
+            super::kvtc::tensors(l, layer, &mut tensors)?;
+        }
         let tensors = tensors
             .into_iter()
             .map(|(n, t)| {
@@ -466,6 +480,14 @@ impl Translator {
             };
             layers.push(LayerTranslator { k, v, patch });
         }
+        let kvtc = match m.kvtc {
+            Some(_) => Some(
+                (0..m.layers)
+                    .map(|l| super::kvtc::from_tensors(l, m.kv_dim, &mut take))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            None => None,
+        };
         if m.patch_order.iter().any(|&l| l >= m.layers)
             || m.patch_layers.iter().any(|l| !m.patch_order.contains(l))
             || m.droidspeak_blocks
@@ -476,7 +498,11 @@ impl Translator {
                 "layer indices out of range".into(),
             ));
         }
-        Ok(Self { manifest, layers })
+        Ok(Self {
+            manifest,
+            layers,
+            kvtc,
+        })
     }
 
     /// The content hash (the version's identity).

@@ -413,6 +413,15 @@ fn prompts(
     Ok((fit_prompts, held_prompts, rng))
 }
 
+/// The fitting prompts of a calibration with `cfg` on `text`: what a later fit for an existing
+/// translator (its `kvtc` basis) reads, the same text its codes were fitted on.
+pub fn fitting_prompts(
+    text: &CalibrationText<'_>,
+    cfg: &CalibrationConfig,
+) -> Result<Vec<Vec<u32>>, TranslatorError> {
+    Ok(prompts(text, cfg)?.0)
+}
+
 /// The held-out prompts a calibration with `cfg` on `text` measures its choices on: what a
 /// later measurement of an existing translator (its rank curve) must use to stay on text the
 /// fit never saw.

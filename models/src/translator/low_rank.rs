@@ -109,6 +109,74 @@ fn to_tensor(m: &Mat<f64>) -> candle_core::Result<Tensor> {
     Tensor::from_vec(data, (r, c), &Device::Cpu)
 }
 
+/// The top `rank` eigenvectors (columns, largest eigenvalue first) and eigenvalues of the
+/// symmetric `w x w` row-major matrix `c`. Each vector's sign is fixed (largest entry
+/// positive) so that fits are reproducible.
+fn top_eigenvectors(
+    c: &[f64],
+    w: usize,
+    rank: usize,
+) -> Result<(Mat<f64>, Vec<f64>), TranslatorError> {
+    let cm = Mat::<f64>::from_fn(w, w, |i, j| c[i * w + j]);
+    let evd = cm
+        .self_adjoint_eigen(Side::Lower)
+        .map_err(|e| TranslatorError::Fit(format!("eigendecomposition failed: {e:?}")))?;
+    let (u, s) = (evd.U(), evd.S());
+    // Eigenvalues come in increasing order: the top `rank` are the last columns.
+    let mut wmat = Mat::<f64>::zeros(w, rank);
+    let mut eigenvalues = Vec::with_capacity(rank);
+    for k in 0..rank {
+        let col = w - 1 - k;
+        eigenvalues.push(s.column_vector()[col].max(0.0));
+        let (mut best, mut sign) = (0.0f64, 1.0);
+        for i in 0..w {
+            if u[(i, col)].abs() > best {
+                best = u[(i, col)].abs();
+                sign = u[(i, col)].signum();
+            }
+        }
+        for i in 0..w {
+            wmat[(i, k)] = sign * u[(i, col)];
+        }
+    }
+    Ok((wmat, eigenvalues))
+}
+
+/// The principal components of the first `d` columns of the rows whose moments are `m` (the
+/// producer's block of a calibration's joint rows, or rows of the producer alone): a code whose
+/// one consumer is the producer itself, the encoder the orthonormal basis `W` (`d x d`, by
+/// variance) and the decoder `W^T`. What the `kvtc` mode codes the base's own K and V in
+/// ([`crate::translator::kvtc`]).
+pub fn pca(m: &Moments, d: usize, centre: bool) -> Result<LowRankCode, TranslatorError> {
+    let w = m.width();
+    if d == 0 || d > w {
+        return Err(TranslatorError::Fit(format!(
+            "a block of {d} columns of rows of width {w}"
+        )));
+    }
+    if m.count() < 2 {
+        return Err(TranslatorError::Fit("no calibration rows".into()));
+    }
+    let full = m.second_moment(centre);
+    let c: Vec<f64> = (0..d)
+        .flat_map(|i| full[i * w..i * w + d].iter().copied())
+        .collect();
+    let (basis, eigenvalues) = top_eigenvectors(&c, d, d)?;
+    let mean: Vec<f32> = match centre {
+        true => m.mean()[..d].iter().map(|&x| x as f32).collect(),
+        false => vec![0.0; d],
+    };
+    let mean = Tensor::from_vec(mean, d, &Device::Cpu)?;
+    let enc = to_tensor(&basis)?;
+    Ok(LowRankCode {
+        mean_a: mean.clone(),
+        decs: vec![enc.t()?.contiguous()?],
+        enc,
+        means_b: vec![mean],
+        eigenvalues,
+    })
+}
+
 /// Fits the code of the rows whose moments are `m`, made of blocks of `widths` (producer
 /// first, then each consumer).
 pub fn fit(
@@ -128,29 +196,7 @@ pub fn fit(
     let d_a = widths[0];
     let rank = opts.rank.min(w).max(1);
     let c = m.second_moment(opts.centre);
-    let cm = Mat::<f64>::from_fn(w, w, |i, j| c[i * w + j]);
-    let evd = cm
-        .self_adjoint_eigen(Side::Lower)
-        .map_err(|e| TranslatorError::Fit(format!("eigendecomposition failed: {e:?}")))?;
-    let (u, s) = (evd.U(), evd.S());
-    // Eigenvalues come in increasing order: the top `rank` are the last columns. Each vector's
-    // sign is fixed (largest entry positive) so that fits are reproducible.
-    let mut wmat = Mat::<f64>::zeros(w, rank);
-    let mut eigenvalues = Vec::with_capacity(rank);
-    for k in 0..rank {
-        let col = w - 1 - k;
-        eigenvalues.push(s.column_vector()[col].max(0.0));
-        let (mut best, mut sign) = (0.0f64, 1.0);
-        for i in 0..w {
-            if u[(i, col)].abs() > best {
-                best = u[(i, col)].abs();
-                sign = u[(i, col)].signum();
-            }
-        }
-        for i in 0..w {
-            wmat[(i, k)] = sign * u[(i, col)];
-        }
-    }
+    let (wmat, eigenvalues) = top_eigenvectors(&c, w, rank)?;
     // Ridge encoder from the moments: (C_AA + lambda I)^-1 C_AX W.
     let trace: f64 = (0..d_a).map(|i| c[i * w + i]).sum();
     let lambda = opts.ridge * trace / d_a as f64;
@@ -322,5 +368,34 @@ mod tests {
             0.0
         );
         assert!(fit(&m, &[8, 5], opts).is_err());
+    }
+
+    #[test]
+    fn pca_of_a_block_is_an_orthonormal_basis_that_rebuilds_its_rows() {
+        let dev = Device::Cpu;
+        let n = 300;
+        let data: Vec<f32> = (0..n * 5)
+            .map(|i| ((i as f32) * 0.13).sin() * (1 + i % 5) as f32 + 2.0)
+            .collect();
+        let a = Tensor::from_vec(data, (n, 5), &dev).unwrap();
+        let b = a.sqr().unwrap();
+        let mut m = Moments::new(10);
+        m.add(&[&a, &b]).unwrap();
+        let code = pca(&m, 5, true).unwrap();
+        assert_eq!(code.enc.dims(), [5, 5]);
+        let gram = code.enc.t().unwrap().matmul(&code.enc).unwrap();
+        assert!(err(&gram, &Tensor::eye(5, DType::F32, &dev).unwrap()) < 1e-10);
+        assert!(code.eigenvalues.windows(2).all(|e| e[0] >= e[1]));
+        let full = code
+            .decode(&code.encode(&a, 5, F32).unwrap(), 0, F32)
+            .unwrap();
+        assert!(err(&full, &a) < 1e-9, "{}", err(&full, &a));
+        // Two components keep the two largest variances: less error than any other pair would.
+        let two = code
+            .decode(&code.encode(&a, 2, F32).unwrap(), 0, F32)
+            .unwrap();
+        let left: f64 = code.eigenvalues[2..].iter().sum();
+        assert!((f64::from(err(&two, &a)) * 5.0 - left).abs() < 1e-3 * (1.0 + left));
+        assert!(pca(&m, 11, true).is_err() && pca(&Moments::new(5), 5, true).is_err());
     }
 }

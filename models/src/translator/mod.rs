@@ -15,7 +15,8 @@
 //! (measuring quality on held-out calibration prompts, and choosing the Patch layers and
 //! DroidSpeak blocks with it), [`rank_curve`] (quality at a grid of ranks, and the choice of
 //! ranks for a link), [`rate_table`] (the step scales of transform-coded codes, and quality
-//! and size at a ladder of rates).
+//! and size at a ladder of rates), [`kvtc`] (the base's own PCA basis, for the `kvtc` mode
+//! that transform-codes raw KV without translating it).
 
 use std::path::PathBuf;
 
@@ -24,6 +25,7 @@ use crate::error::ForwardError;
 pub mod aligner;
 pub mod artifact;
 pub mod calibrate;
+pub mod kvtc;
 pub mod low_rank;
 pub mod moments;
 pub mod rank_curve;

@@ -19,8 +19,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::{Translator, TranslatorError};
-use crate::codec::{self, TcRate, Translated};
+use crate::codec::{self, Codec, TcRate, Translated};
 use crate::llama::Llama;
+use crate::prefill_matmul::PrefillMatmul;
 use scd_types::{CodeDType, Mode};
 
 /// Scales of K, V and `H_in` steps where a translator has no table, from the search on the
@@ -37,7 +38,8 @@ pub const SEARCH_STEPS: [f32; 4] = [0.15, 0.25, 0.4, 0.6];
 /// One measured rate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RatePoint {
-    /// `reuse` or `scd` (with the translator's default Patch layers).
+    /// `reuse` or `scd` (with the translator's default Patch layers), or `kvtc` (the base's
+    /// raw KV in its own basis: [`measure_kvtc`]).
     pub mode: Mode,
     /// The rate's step.
     pub step: f32,
@@ -197,28 +199,104 @@ fn point(
     consumer: &Llama,
     per: &[super::rank_curve::HeldOut],
 ) -> Result<(f64, f64), TranslatorError> {
-    let m = &translator.manifest;
     let codec = Translated::new(
         translator.clone(),
         mode,
         expert,
-        m.r_max,
+        translator.manifest.r_max,
         CodeDType::TC,
         None,
     )?
     .with_tc_rate(TcRate { step })?;
+    point_of(&codec, translator, consumer, per)
+}
+
+/// (bytes share of raw, mean KL) of `codec` over the held-out prompts.
+fn point_of(
+    codec: &dyn Codec,
+    translator: &Translator,
+    consumer: &Llama,
+    per: &[super::rank_curve::HeldOut],
+) -> Result<(f64, f64), TranslatorError> {
+    let m = &translator.manifest;
     let (mut kl, mut bytes, mut raw) = (0.0, 0usize, 0usize);
     for (prompt, captured) in per {
-        let codes = codec::encode(&codec, captured)?;
+        let codes = codec::encode(codec, captured)?;
         bytes += codec::payload_bytes(&codes);
         raw += prompt.prefix.len() * m.kv_dim * 2 * 2 * m.layers;
-        let cache = codec::decode(&codec, consumer, &codes, codec::Prefix::new(&prompt.prefix))?;
+        let cache = codec::decode(codec, consumer, &codes, codec::Prefix::new(&prompt.prefix))?;
         kl += prompt.kl(consumer, cache)?;
     }
     Ok((
         bytes as f64 / raw.max(1) as f64,
         kl / per.len().max(1) as f64,
     ))
+}
+
+/// The `kvtc` mode's K scale and its quality and size at each of `steps`, for a translator
+/// with a base basis ([`super::kvtc`]), on the same held-out prompts as [`measure`] and by the
+/// same search SCD's codes get (each of [`K_SCALES`] at [`SEARCH_STEPS`], the lowest curve of
+/// KL against bytes, KL averaged over the consumers: the basis is one for all of them), so
+/// that the baseline is tuned as hard as the method. Returns the scales and the points.
+pub fn measure_kvtc(
+    translator: &Arc<Translator>,
+    producer: &Llama,
+    consumers: &[&Llama],
+    prompts: &[Vec<u32>],
+    continuation: usize,
+    steps: &[f32],
+    mut progress: impl FnMut(usize, usize),
+) -> Result<([f32; 2], Vec<RatePoint>), TranslatorError> {
+    if translator.manifest.kvtc.is_none() {
+        return Err(TranslatorError::Fit(
+            "the translator has no kvtc basis to measure".into(),
+        ));
+    }
+    let held = super::rank_curve::held_out(translator, producer, consumers, prompts, continuation)?;
+    let total = (K_SCALES.len() * SEARCH_STEPS.len() + steps.len()) * consumers.len();
+    let mut done = 0;
+    let mut at = |t: &Arc<Translator>, step: f32| -> Result<RatePoint, TranslatorError> {
+        let codec = codec::Kvtc::new(t.clone(), TcRate { step }, PrefillMatmul::best())?;
+        let (mut kl, mut share) = (Vec::new(), Vec::new());
+        for (consumer, per) in consumers.iter().zip(&held) {
+            let (b, k) = point_of(&codec, t, consumer, per)?;
+            share.push(b);
+            kl.push(k);
+            done += 1;
+            progress(done, total);
+        }
+        Ok(RatePoint {
+            mode: Mode::Kvtc,
+            step,
+            kl,
+            bytes_share: share,
+        })
+    };
+    let with = |scales: [f32; 2]| {
+        let mut t = (**translator).clone();
+        if let Some(info) = t.manifest.kvtc.as_mut() {
+            info.scales = scales;
+        }
+        Arc::new(t)
+    };
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let mut curves = Vec::with_capacity(K_SCALES.len());
+    for &k in &K_SCALES {
+        let t = with([k, 1.0]);
+        let mut curve = Vec::with_capacity(SEARCH_STEPS.len());
+        for &step in &SEARCH_STEPS {
+            let p = at(&t, step)?;
+            curve.push((mean(&p.bytes_share), mean(&p.kl)));
+        }
+        curves.push(curve);
+    }
+    let scales = [K_SCALES[lowest(&curves)], 1.0];
+    let t = with(scales);
+    let points = steps
+        .iter()
+        .map(|&step| at(&t, step))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((scales, points))
 }
 
 /// The index of the curve (points of bytes share and KL) that lies lowest: its log KL,

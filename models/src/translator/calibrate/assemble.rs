@@ -163,10 +163,12 @@ pub(super) fn assemble(
         weights_dtype: WeightsDtype::F32,
         rank_curve: None,
         rate_table: None,
+        kvtc: None,
     };
     Translator {
         manifest,
         layers: layers_out,
+        kvtc: None,
     }
 }
 

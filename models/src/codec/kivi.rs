@@ -1,7 +1,9 @@
-//! 4-bit quantised raw KV, KIVI-style (Liu et al., 2024): keys per channel (each channel's
-//! scale and minimum over a group of tokens, since key outliers sit in fixed channels), values
-//! per token (each token's scale and minimum over a group of channels). Asymmetric 4-bit
-//! levels, scales and minima in f16. It shrinks the payload but keeps the producer's feature
+//! Quantised raw KV, KIVI-style (Liu et al., 2024), at 4 bits (`q4`) or 2 (`q2`, KIVI's own
+//! setting): keys per channel (each channel's scale and minimum over a group of tokens, since
+//! key outliers sit in fixed channels), values per token (each token's scale and minimum over
+//! a group of channels). Asymmetric levels, scales and minima in f16. KIVI also keeps the
+//! newest tokens (a residual window) in full precision while it decodes; a transferred prefix
+//! has no such tail, so every token here is quantised. It shrinks the payload but keeps the producer's feature
 //! space: the baseline that compression alone does not fix drift. Keys are quantised before
 //! RoPE (as KVQuant does; per-channel groups stay aligned with the outlier channels at every
 //! position) and rotated on arrival with the producer's RoPE, as [`super::raw`] explains.
@@ -18,60 +20,95 @@ use crate::rope::RopeTables;
 /// Group size of the quantisation unless told otherwise.
 pub const DEFAULT_GROUP: usize = 32;
 
-/// KIVI-style 4-bit KV with groups of `group` tokens (keys) or channels (values).
+/// KIVI-style KV at `bits` bits with groups of `group` tokens (keys) or channels (values).
 #[derive(Debug, Clone, Copy)]
-pub struct Q4 {
+pub struct Kivi {
+    bits: u8,
     group: usize,
 }
 
-impl Default for Q4 {
+impl Default for Kivi {
     fn default() -> Self {
         Self {
+            bits: 4,
             group: DEFAULT_GROUP,
         }
     }
 }
 
-impl Q4 {
-    /// Groups of `group` (a positive even number).
-    pub fn new(group: usize) -> Result<Self, CodecError> {
-        if group == 0 || !group.is_multiple_of(2) {
+impl Kivi {
+    /// `bits` (4 or 2) with groups of `group` (a positive even number).
+    pub fn new(bits: u8, group: usize) -> Result<Self, CodecError> {
+        if bits != 4 && bits != 2 {
             return Err(CodecError::Unavailable(format!(
-                "q4 group {group} must be positive and even"
+                "KIVI-style KV has 4 or 2 bits, not {bits}"
             )));
         }
-        Ok(Self { group })
+        if group == 0 || !group.is_multiple_of(2) {
+            return Err(CodecError::Unavailable(format!(
+                "q{bits} group {group} must be positive and even"
+            )));
+        }
+        Ok(Self { bits, group })
     }
-}
 
-/// Levels of `x` in `[min, min + 15 scale]`.
-fn level(x: f32, min: f32, scale: f32) -> u8 {
-    ((x - min) / scale).round().clamp(0.0, 15.0) as u8
-}
-
-fn scale_of(min: f32, max: f32) -> f32 {
-    if max > min {
-        (max - min) / 15.0
-    } else {
-        1.0
+    /// The mode of this width.
+    fn the_mode(&self) -> Mode {
+        match self.bits {
+            2 => Mode::Q2,
+            _ => Mode::Q4,
+        }
     }
-}
 
-fn pack(levels: &[u8]) -> Vec<u8> {
-    levels
-        .chunks(2)
-        .map(|p| p[0] | p.get(1).copied().unwrap_or(0) << 4)
-        .collect()
-}
-
-fn unpack(bytes: &[u8], n: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(n + 1);
-    for b in bytes {
-        out.push(b & 0x0f);
-        out.push(b >> 4);
+    /// The levels' wire dtype.
+    fn dtype(&self) -> CodeDType {
+        match self.bits {
+            2 => CodeDType::Q2,
+            _ => CodeDType::Q4,
+        }
     }
-    out.truncate(n);
-    out
+
+    /// The highest level.
+    fn top(&self) -> f32 {
+        f32::from((1u8 << self.bits) - 1)
+    }
+
+    /// Levels of `x` in `[min, min + top scale]`.
+    fn level(&self, x: f32, min: f32, scale: f32) -> u8 {
+        ((x - min) / scale).round().clamp(0.0, self.top()) as u8
+    }
+
+    fn scale_of(&self, min: f32, max: f32) -> f32 {
+        if max > min {
+            (max - min) / self.top()
+        } else {
+            1.0
+        }
+    }
+
+    /// Levels packed lowest bits first.
+    fn pack(&self, levels: &[u8]) -> Vec<u8> {
+        let per = usize::from(8 / self.bits);
+        levels
+            .chunks(per)
+            .map(|p| {
+                p.iter()
+                    .enumerate()
+                    .fold(0u8, |b, (i, &l)| b | l << (i * usize::from(self.bits)))
+            })
+            .collect()
+    }
+
+    fn unpack(&self, bytes: &[u8], n: usize) -> Vec<u8> {
+        let per = usize::from(8 / self.bits);
+        let mask = (1u8 << self.bits) - 1;
+        let mut out = Vec::with_capacity(bytes.len() * per);
+        for b in bytes {
+            out.extend((0..per).map(|i| b >> (i * usize::from(self.bits)) & mask));
+        }
+        out.truncate(n);
+        out
+    }
 }
 
 fn f16_bytes(values: &[f32]) -> Vec<u8> {
@@ -88,7 +125,7 @@ fn f16_values(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-impl Q4 {
+impl Kivi {
     /// `(levels, [scale, min] per group)` of `x` `(T, d)`, keys per channel over token groups.
     fn quantise_keys(&self, x: &[Vec<f32>], d: usize) -> (Vec<u8>, Vec<f32>) {
         let t = x.len();
@@ -101,10 +138,10 @@ impl Q4 {
                     lo = lo.min(r[c]);
                     hi = hi.max(r[c]);
                 }
-                let scale = f16::from_f32(scale_of(lo, hi)).to_f32();
+                let scale = f16::from_f32(self.scale_of(lo, hi)).to_f32();
                 let lo = f16::from_f32(lo).to_f32();
                 for (i, r) in rows.iter().enumerate() {
-                    levels[(g * self.group + i) * d + c] = level(r[c], lo, scale);
+                    levels[(g * self.group + i) * d + c] = self.level(r[c], lo, scale);
                 }
                 side.extend([scale, lo]);
             }
@@ -120,9 +157,9 @@ impl Q4 {
             for grp in row.chunks(self.group) {
                 let lo = grp.iter().copied().fold(f32::INFINITY, f32::min);
                 let hi = grp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let scale = f16::from_f32(scale_of(lo, hi)).to_f32();
+                let scale = f16::from_f32(self.scale_of(lo, hi)).to_f32();
                 let lo = f16::from_f32(lo).to_f32();
-                levels.extend(grp.iter().map(|&v| level(v, lo, scale)));
+                levels.extend(grp.iter().map(|&v| self.level(v, lo, scale)));
                 side.extend([scale, lo]);
             }
         }
@@ -130,9 +167,9 @@ impl Q4 {
     }
 }
 
-impl Codec for Q4 {
+impl Codec for Kivi {
     fn mode(&self) -> Mode {
-        Mode::Q4
+        self.the_mode()
     }
 
     fn capture(&self) -> Option<Capture> {
@@ -158,8 +195,8 @@ impl Codec for Q4 {
         let (t, d) = k.dims2()?;
         if d % self.group != 0 {
             return Err(CodecError::Unavailable(format!(
-                "q4 group {} does not divide the KV width {d}",
-                self.group
+                "q{} group {} does not divide the KV width {d}",
+                self.bits, self.group
             )));
         }
         let (kl, ks) = self.quantise_keys(&k.to_vec2::<f32>()?, d);
@@ -174,9 +211,9 @@ impl Codec for Q4 {
         };
         out.push(mk(
             CodeKind::QUANT_K,
-            CodeDType::Q4,
+            self.dtype(),
             vec![t32, d32],
-            pack(&kl),
+            self.pack(&kl),
         ));
         out.push(mk(
             CodeKind::SCALES_K,
@@ -186,9 +223,9 @@ impl Codec for Q4 {
         ));
         out.push(mk(
             CodeKind::QUANT_V,
-            CodeDType::Q4,
+            self.dtype(),
             vec![t32, d32],
-            pack(&vl),
+            self.pack(&vl),
         ));
         out.push(mk(
             CodeKind::SCALES_V,
@@ -207,7 +244,7 @@ impl Codec for Q4 {
         let layers = consumer.config().num_layers;
         let mut cache = consumer.new_cache();
         cache.set_next_position(prefix.start_pos);
-        Ok(Box::new(Q4Decoder {
+        Ok(Box::new(KiviDecoder {
             codec: *self,
             consumer,
             rope: consumer.base_rope().tables(&prefix.positions())?,
@@ -219,8 +256,8 @@ impl Codec for Q4 {
     }
 }
 
-struct Q4Decoder<'a> {
-    codec: Q4,
+struct KiviDecoder<'a> {
+    codec: Kivi,
     consumer: &'a Llama,
     positions: Vec<u32>,
     /// The positions' rotation (the base's: raw keys are the base's).
@@ -231,7 +268,7 @@ struct Q4Decoder<'a> {
     done: Vec<bool>,
 }
 
-impl LayerDecoder for Q4Decoder<'_> {
+impl LayerDecoder for KiviDecoder<'_> {
     fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
         let l = check_layer(code, self.done.len())?;
         let (t, d, g) = (
@@ -240,13 +277,13 @@ impl LayerDecoder for Q4Decoder<'_> {
             self.codec.group as u32,
         );
         let (slot, dtype, shape) = match code.kind {
-            CodeKind::QUANT_K => (0, CodeDType::Q4, vec![t, d]),
+            CodeKind::QUANT_K => (0, self.codec.dtype(), vec![t, d]),
             CodeKind::SCALES_K => (1, CodeDType::F16, vec![t.div_ceil(g), d, 2]),
-            CodeKind::QUANT_V => (2, CodeDType::Q4, vec![t, d]),
+            CodeKind::QUANT_V => (2, self.codec.dtype(), vec![t, d]),
             CodeKind::SCALES_V => (3, CodeDType::F16, vec![t, d / g.max(1), 2]),
             other => {
                 return Err(CodecError::UnexpectedCode {
-                    mode: Mode::Q4,
+                    mode: self.codec.the_mode(),
                     layer: code.layer,
                     kind: kind_name(other),
                 })
@@ -282,8 +319,8 @@ impl LayerDecoder for Q4Decoder<'_> {
                 return Ok(());
             };
             let (t, d, g) = (t as usize, d as usize, g as usize);
-            let (kl, ks) = (unpack(&qk, t * d), f16_values(&sk));
-            let (vl, vs) = (unpack(&qv, t * d), f16_values(&sv));
+            let (kl, ks) = (self.codec.unpack(&qk, t * d), f16_values(&sk));
+            let (vl, vs) = (self.codec.unpack(&qv, t * d), f16_values(&sv));
             let mut k = vec![0f32; t * d];
             let mut v = vec![0f32; t * d];
             for r in 0..t {
@@ -319,14 +356,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn packing_and_levels_round_trip() {
-        let levels: Vec<u8> = (0..11).map(|i| (i * 7 % 16) as u8).collect();
-        assert_eq!(unpack(&pack(&levels), 11), levels);
+    fn packing_and_levels_round_trip_at_both_widths() {
+        for bits in [4u8, 2] {
+            let q = Kivi::new(bits, 32).unwrap();
+            let top = (1u8 << bits) - 1;
+            let levels: Vec<u8> = (0..11)
+                .map(|i| (i * 7 % (top as usize + 1)) as u8)
+                .collect();
+            assert_eq!(q.unpack(&q.pack(&levels), 11), levels, "{bits} bits");
+            assert_eq!(q.pack(&levels).len(), (11 * bits as usize).div_ceil(8));
+            assert_eq!(q.level(-9.0, 0.0, 1.0), 0);
+            assert_eq!(q.level(99.0, 0.0, 1.0), top);
+        }
+        let q4 = Kivi::default();
         // 0.52 / (1/15) = 7.8 and 0.45 / (1/15) = 6.75: well away from a rounding tie.
-        assert_eq!(level(0.52, 0.0, 1.0 / 15.0), 8);
-        assert_eq!(level(0.45, 0.0, 1.0 / 15.0), 7);
-        assert_eq!(level(-9.0, 0.0, 1.0), 0);
-        assert_eq!(level(99.0, 0.0, 1.0), 15);
-        assert!(Q4::new(3).is_err());
+        assert_eq!(q4.level(0.52, 0.0, 1.0 / 15.0), 8);
+        assert_eq!(q4.level(0.45, 0.0, 1.0 / 15.0), 7);
+        // 0.52 / (1/3) = 1.56, 0.45 / (1/3) = 1.35.
+        let q2 = Kivi::new(2, 32).unwrap();
+        assert_eq!(q2.level(0.52, 0.0, 1.0 / 3.0), 2);
+        assert_eq!(q2.level(0.45, 0.0, 1.0 / 3.0), 1);
+        assert!(Kivi::new(4, 3).is_err() && Kivi::new(3, 32).is_err());
     }
 }
