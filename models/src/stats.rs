@@ -16,13 +16,21 @@ pub const RESAMPLES: usize = 2000;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
     /// The mean over all units.
+    #[serde(deserialize_with = "nan_if_null")]
     pub value: f64,
     /// 2.5th percentile of the resampled means.
+    #[serde(deserialize_with = "nan_if_null")]
     pub low: f64,
     /// 97.5th percentile of the resampled means.
+    #[serde(deserialize_with = "nan_if_null")]
     pub high: f64,
     /// Units the mean is over.
     pub n: usize,
+}
+
+/// JSON has no NaN: an estimate over no units is written as `null`, and read back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 impl Estimate {
@@ -116,6 +124,17 @@ pub fn bootstrap_ratio(units: &[(f64, f64)], seed: u64) -> Estimate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_estimate_reads_back_from_its_json() {
+        let text = serde_json::to_string(&Estimate::empty()).unwrap();
+        assert!(text.contains("null"), "{text}");
+        let back: Estimate = serde_json::from_str(&text).unwrap();
+        assert!(back.value.is_nan() && back.low.is_nan() && back.high.is_nan());
+        let full = bootstrap_mean(&[1.0, 2.0, 4.0], 3);
+        let back: Estimate = serde_json::from_str(&serde_json::to_string(&full).unwrap()).unwrap();
+        assert_eq!(back, full);
+    }
 
     #[test]
     fn interval_brackets_the_mean_and_shrinks_with_more_units() {

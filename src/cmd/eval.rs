@@ -125,6 +125,29 @@ pub enum Sub {
         scd eval multidoc --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --task needle \
         --writer experts/sempic-writer/adapter.safetensors --packet experts/packet-boundary")]
     Multidoc(MultidocArgs),
+    /// Draw the quality-bytes frontier of `scd eval` records: KL to the oracle against the
+    /// payload's share of raw's bytes, log-log, one series per method (a line through a
+    /// method's rates, a marker where it has one point), into OUT.svg and OUT.png.
+    #[command(after_help = "Example:\n  \
+        scd eval plot --json docs/m13/sotu-frontier.json --out docs/m13/sotu-frontier --title sotu")]
+    Plot(PlotArgs),
+}
+
+/// Arguments of `scd eval plot`.
+#[derive(clap::Args)]
+pub struct PlotArgs {
+    /// `scd eval --json` records (their methods are drawn together).
+    #[arg(long, required = true)]
+    pub json: Vec<PathBuf>,
+    /// The plot's path without extension.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The plot's title (default: the consumer's adapter).
+    #[arg(long)]
+    pub title: Option<String>,
+    /// A TrueType font for the text (default: the first of a few usual system paths).
+    #[arg(long)]
+    pub font: Option<PathBuf>,
 }
 
 /// Arguments of `scd eval multidoc`.
@@ -265,6 +288,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     match args.drift {
         Some(Sub::Drift(d)) => return run_drift(d, kernels),
         Some(Sub::Multidoc(m)) => return run_multidoc(m, kernels),
+        Some(Sub::Plot(p)) => return run_plot(&p),
         None => {}
     }
     let Some(producer_path) = &args.producer else {
@@ -414,6 +438,42 @@ fn run_drift(args: DriftArgs, kernels: KernelChoice) -> anyhow::Result<()> {
             scd_models::json_file::write_atomic(path, &reports)?;
         }
         write(&args.markdown, &md)?;
+    }
+    Ok(())
+}
+
+/// `scd eval plot`.
+fn run_plot(args: &PlotArgs) -> anyhow::Result<()> {
+    let mut points: Vec<(Mode, f64, f64)> = Vec::new();
+    let mut title = args.title.clone();
+    for path in &args.json {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let record: eval::EvalRecord = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not an scd eval record", path.display()))?;
+        if title.is_none() {
+            // An expert's adapter sits in its folder: the folder's name is the expert's.
+            title = record.models.consumer_adapter.as_ref().map(|a| {
+                let a = Path::new(&a.path);
+                let name = a.parent().and_then(|p| p.file_name()).unwrap_or_default();
+                name.to_string_lossy().into_owned()
+            });
+        }
+        points.extend(
+            record
+                .results
+                .iter()
+                .map(|m| (m.method, m.payload_share_of_raw, m.kl.value)),
+        );
+    }
+    let title = format!(
+        "{}: KL to the oracle against payload",
+        title.unwrap_or_else(|| "frontier".into())
+    );
+    let drawn =
+        crate::cost_model::plots::frontier(&args.out, &title, &points, args.font.as_deref())?;
+    if drawn {
+        println!("{}.svg, {}.png", args.out.display(), args.out.display());
     }
     Ok(())
 }

@@ -182,6 +182,62 @@ fn bounds(series: &[Series], pad: f64) -> ((f64, f64), (f64, f64)) {
     ((x0 / pad, x1 * pad), (y0 / pad, y1 * pad))
 }
 
+/// The quality-bytes frontier of `points` (mode, payload share of raw, KL) into `out`.svg
+/// and .png: a line through each mode's rates, a marker where it has one; `false` when no
+/// font was found (nothing drawn).
+pub fn frontier(
+    out: &Path,
+    title: &str,
+    points: &[(Mode, f64, f64)],
+    font_path: Option<&Path>,
+) -> anyhow::Result<bool> {
+    let Some(font) = font(font_path) else {
+        eprintln!("no TrueType font found (name one with --font): no plot drawn");
+        return Ok(false);
+    };
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| anyhow::anyhow!("the plot font is not a TrueType font"))?;
+    let mut by_mode: BTreeMap<Mode, Vec<(f64, f64)>> = BTreeMap::new();
+    for &(mode, share, kl) in points {
+        by_mode.entry(mode).or_default().push((100.0 * share, kl));
+    }
+    let series: Vec<Series> = by_mode
+        .into_iter()
+        .map(|(mode, mut pts)| {
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            Series {
+                name: mode.to_string(),
+                color: color(mode),
+                line: pts.len() > 1,
+                markers: true,
+                points: pts,
+            }
+        })
+        .collect();
+    anyhow::ensure!(
+        series.iter().any(|s| !s.points.is_empty()),
+        "no methods to draw"
+    );
+    let (x, y) = bounds(&series, 1.2);
+    let dir = out.parent().unwrap_or(Path::new("."));
+    let name = out
+        .file_name()
+        .context("the plot's path has no file name")?
+        .to_string_lossy();
+    chart(
+        dir,
+        &name,
+        title,
+        "payload, % of raw bf16 KV",
+        "KL(oracle || method), nats per token",
+        x,
+        y,
+        &series,
+        false,
+    )?;
+    Ok(true)
+}
+
 /// Every plot of the report into `dir`.
 pub fn draw_all(
     dir: &Path,
