@@ -2,7 +2,7 @@
 # The quality-bytes frontier on held-out WikiText-2, per expert: raw, q4 and q2, and reuse, scd
 # and kvtc (raw KV transform-coded in the base's own basis, the like-for-like baseline) at the
 # rates the translator's rate table says give 6-20% of raw's bytes (scd translators rates,
-# scd translators kvtc). Writes docs/m13/<expert>-frontier.{json,md}. Usage:
+# scd translators kvtc). Writes docs/m13/<expert>-frontier.{json,md,svg,png}. Usage:
 #   ops/m13-frontier.sh mail-rope mail sotu melville
 cd "$(dirname "$0")/.."
 M=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -28,7 +28,8 @@ for e in "$@"; do
   target/release/scd eval --producer $M --consumer-adapter experts/$e/adapter.safetensors \
     --translator experts/$e/translator --methods raw,q4,q2,kvtc,reuse,scd --code-dtype tc \
     --tc-steps "$steps" --kvtc-steps "$kvtc" \
-    --prefix-tokens 512 --continuation-tokens 64 --greedy-tokens 16 --wikitext-windows 4 --squad-questions 0 \
+    --prefix-tokens 512 --continuation-tokens 64 --greedy-tokens 16 --wikitext-windows 8 --squad-questions 0 \
     --json docs/m13/$e-frontier.json --markdown docs/m13/$e-frontier.md 2>&1 | grep "^| "
+  target/release/scd eval plot --json docs/m13/$e-frontier.json --out docs/m13/$e-frontier --title $e
 done
 date

@@ -1,7 +1,7 @@
 //! `scd bench`: benchmarks, one subcommand per area. Build with `--release`.
 
 use super::{
-    bench_decode, bench_docs, bench_fanout, bench_links, bench_memory, bench_model,
+    bench_codes, bench_decode, bench_docs, bench_fanout, bench_links, bench_memory, bench_model,
     bench_transport, bench_ttft,
 };
 use scd_models::KernelChoice;
@@ -66,6 +66,13 @@ enum Command {
         scd bench ttft --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --lengths 256,1024 --links 50,500,5000,loopback --out docs/m8/ttft.json\n  \
         scd bench ttft --project docs/m8/ttft.json --plots docs/m8")]
     Ttft(bench_ttft::Args),
+    /// What coding a prompt's state costs: for one prompt and an expert's translator, each
+    /// coded mode at the rate its rate table gives for a share of raw's bytes, its encode and
+    /// rebuild against the producer's and the oracle's prefill, and the entropy coder's speed
+    /// on one thread.
+    #[command(after_help = "Example:\n  \
+        scd bench codes --model .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf --expert experts/sotu --tokens 1024")]
+    Codes(bench_codes::Args),
 }
 
 pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
@@ -78,5 +85,6 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         Command::Links(a) => bench_links::run(a, kernels),
         Command::Fanout(a) => bench_fanout::run(a, kernels),
         Command::Ttft(a) => bench_ttft::run(a, kernels),
+        Command::Codes(a) => bench_codes::run(a, kernels),
     }
 }

@@ -133,7 +133,7 @@ impl PairArgs {
 
 /// Loads `base` with the adapter at `path` (a folder holding adapter.safetensors, or the file),
 /// named after the folder.
-fn load_expert(base: &Llama, path: &Path) -> anyhow::Result<(String, Llama)> {
+pub(crate) fn load_expert(base: &Llama, path: &Path) -> anyhow::Result<(String, Llama)> {
     let file = if path.is_dir() {
         expert_files(path).0
     } else {

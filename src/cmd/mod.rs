@@ -2,6 +2,7 @@
 
 pub mod admin;
 pub mod bench;
+pub mod bench_codes;
 pub mod bench_decode;
 pub mod bench_docs;
 pub mod bench_fanout;

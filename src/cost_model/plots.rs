@@ -66,6 +66,7 @@ fn draw<DB: DrawingBackend>(
     y: (f64, f64),
     series: &[Series],
     diagonal: bool,
+    legend: SeriesLabelPosition,
 ) -> Res
 where
     DB::ErrorType: 'static,
@@ -81,6 +82,8 @@ where
         .configure_mesh()
         .x_desc(x_label)
         .y_desc(y_label)
+        .x_label_formatter(&|v| short(*v))
+        .y_label_formatter(&|v| short(*v))
         .label_style(("sans-serif", 13))
         .draw()?;
     if diagonal {
@@ -122,14 +125,14 @@ where
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK.mix(0.3))
         .label_font(("sans-serif", 13))
-        .position(SeriesLabelPosition::UpperRight)
+        .position(legend)
         .draw()?;
     root.present()?;
     Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
-fn chart(
+fn chart_at(
     dir: &Path,
     name: &str,
     title: &str,
@@ -139,6 +142,7 @@ fn chart(
     y: (f64, f64),
     series: &[Series],
     diagonal: bool,
+    legend: SeriesLabelPosition,
 ) -> anyhow::Result<()> {
     let svg = dir.join(format!("{name}.svg"));
     let png = dir.join(format!("{name}.png"));
@@ -151,6 +155,7 @@ fn chart(
         y,
         series,
         diagonal,
+        legend.clone(),
     )
     .map_err(|e| anyhow::anyhow!("drawing {}: {e}", svg.display()))?;
     draw(
@@ -162,9 +167,40 @@ fn chart(
         y,
         series,
         diagonal,
+        legend,
     )
     .map_err(|e| anyhow::anyhow!("drawing {}: {e}", png.display()))?;
     Ok(())
+}
+
+/// [`chart_at`] with the legend in the upper right.
+#[allow(clippy::too_many_arguments)]
+fn chart(
+    dir: &Path,
+    name: &str,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    x: (f64, f64),
+    y: (f64, f64),
+    series: &[Series],
+    diagonal: bool,
+) -> anyhow::Result<()> {
+    let at = SeriesLabelPosition::UpperRight;
+    chart_at(
+        dir, name, title, x_label, y_label, x, y, series, diagonal, at,
+    )
+}
+
+/// An axis label with at most three significant digits (log axes' labels are products of
+/// floats: 0.6000000001).
+fn short(v: f64) -> String {
+    let digits = (2 - v.abs().max(1e-12).log10().floor() as i32).clamp(0, 12) as usize;
+    let s = format!("{v:.digits$}");
+    match s.contains('.') {
+        true => s.trim_end_matches('0').trim_end_matches('.').to_string(),
+        false => s,
+    }
 }
 
 fn bounds(series: &[Series], pad: f64) -> ((f64, f64), (f64, f64)) {
@@ -224,7 +260,7 @@ pub fn frontier(
         .file_name()
         .context("the plot's path has no file name")?
         .to_string_lossy();
-    chart(
+    chart_at(
         dir,
         &name,
         title,
@@ -234,6 +270,7 @@ pub fn frontier(
         y,
         &series,
         false,
+        SeriesLabelPosition::LowerLeft,
     )?;
     Ok(true)
 }
@@ -481,4 +518,19 @@ pub fn draw_all(
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short;
+
+    #[test]
+    fn axis_labels_keep_three_significant_digits() {
+        assert_eq!(short(0.6000000001), "0.6");
+        assert_eq!(short(0.12345), "0.123");
+        assert_eq!(short(100.0), "100");
+        assert_eq!(short(2.5), "2.5");
+        assert_eq!(short(1500.0), "1500");
+        assert_eq!(short(0.0004), "0.0004");
+    }
 }

@@ -197,6 +197,18 @@ pub fn encode(
     Ok(out)
 }
 
+/// The step of each of the `cols` columns of a code as its header carries it (the step
+/// [`encode`] used), or `None` when `bytes` is shorter than the headers.
+pub fn steps(bytes: &[u8], cols: usize) -> Option<Vec<f32>> {
+    let header = bytes.get(..cols.checked_mul(HEADER_PER_COLUMN)?)?;
+    Some(
+        header
+            .chunks_exact(HEADER_PER_COLUMN)
+            .map(|h| f16::from_le_bytes([h[0], h[1]]).to_f32())
+            .collect(),
+    )
+}
+
 /// The row-major `(rows, cols)` matrix `bytes` code (what [`encode`] wrote).
 pub fn decode(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, TransformError> {
     let head = cols * HEADER_PER_COLUMN;
@@ -286,8 +298,8 @@ mod tests {
     fn round_trip_is_within_half_a_step_and_drops_small_columns() {
         let (rows, cols) = (64, 24);
         let x = matrix(rows, cols, 1);
-        let steps = vec![0.5f32; cols];
-        let bytes = encode(&x, rows, cols, &steps).unwrap();
+        let wanted = vec![0.5f32; cols];
+        let bytes = encode(&x, rows, cols, &wanted).unwrap();
         let y = decode(&bytes, rows, cols).unwrap();
         for j in 0..cols {
             let rms = (0..rows).map(|t| x[t * cols + j].powi(2)).sum::<f32>() / rows as f32;
@@ -302,6 +314,13 @@ mod tests {
         }
         // Far fewer bytes than the f16 matrix.
         assert!(bytes.len() < rows * cols, "{} bytes", bytes.len());
+        // The header carries the steps used, and coding the decoded values again with them
+        // codes the same symbols (the columns' classes may move: the values' spread did).
+        let used = steps(&bytes, cols).unwrap();
+        assert!(used.iter().all(|&s| s == 0.5), "{used:?}");
+        let again = encode(&y, rows, cols, &used).unwrap();
+        assert_eq!(decode(&again, rows, cols).unwrap(), y);
+        assert!(steps(&bytes[..5], cols).is_none());
     }
 
     #[test]
