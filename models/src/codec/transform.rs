@@ -142,23 +142,26 @@ pub fn encode(
     debug_assert_eq!(values.len(), rows * cols);
     debug_assert_eq!(steps.len(), cols);
     let mut out = Vec::with_capacity(cols * HEADER_PER_COLUMN + rows * cols / 2);
-    let mut sent: Vec<(usize, f32, u8)> = Vec::with_capacity(cols);
-    for j in 0..cols {
-        let (mut max, mut sq) = (0f32, 0f64);
-        for t in 0..rows {
-            let x = values[t * cols + j];
+    // Each column's largest magnitude and sum of squares, in one pass over the rows in
+    // memory order (a column's values are `cols` apart).
+    let (mut max, mut sq) = (vec![0f32; cols], vec![0f64; cols]);
+    for row in values.chunks_exact(cols.max(1)) {
+        for (j, &x) in row.iter().enumerate() {
             if !x.is_finite() {
                 return Err(TransformError::NotFinite(j));
             }
-            max = max.max(x.abs());
-            sq += f64::from(x) * f64::from(x);
+            max[j] = max[j].max(x.abs());
+            sq[j] += f64::from(x) * f64::from(x);
         }
-        let rms = (sq / rows.max(1) as f64).sqrt() as f32;
+    }
+    let mut sent: Vec<(usize, f32, u8)> = Vec::with_capacity(cols);
+    for j in 0..cols {
+        let rms = (sq[j] / rows.max(1) as f64).sqrt() as f32;
         let wanted = steps.get(j).copied().unwrap_or(0.0);
         // The step travels as f16: quantise with the rounded value, so both sides use one.
-        let step = f16::from_f32(wanted.max(max / SYMBOL_MAX as f32));
+        let step = f16::from_f32(wanted.max(max[j] / SYMBOL_MAX as f32));
         let step_f = step.to_f32();
-        let usable = max > 0.0 && step_f > 0.0 && step_f.is_finite();
+        let usable = max[j] > 0.0 && step_f > 0.0 && step_f.is_finite();
         let class = match usable && rms / step_f >= ZERO_BELOW {
             true => class_of(rms / step_f),
             false => NOT_SENT,
@@ -169,19 +172,21 @@ pub fn encode(
             sent.push((j, step_f, class));
         }
     }
+    // The sent columns' symbols, column after column, made in one pass in memory order.
+    let mut symbols = vec![0usize; sent.len() * rows];
+    for (t, row) in values.chunks_exact(cols.max(1)).enumerate() {
+        for (k, &(j, step, _)) in sent.iter().enumerate() {
+            let q = (row[j] / step).round() as i32;
+            symbols[k * rows + t] = (q.clamp(-SYMBOL_MAX, SYMBOL_MAX) + SYMBOL_MAX) as usize;
+        }
+    }
     let models = models();
     let mut coder = DefaultAnsCoder::new();
-    let mut symbols = Vec::with_capacity(rows);
     // rANS is last in, first out: the last column's last row goes in first.
-    for &(j, step, class) in sent.iter().rev() {
-        symbols.clear();
-        symbols.extend((0..rows).map(|t| {
-            let q = (values[t * cols + j] / step).round() as i32;
-            (q.clamp(-SYMBOL_MAX, SYMBOL_MAX) + SYMBOL_MAX) as usize
-        }));
+    for (k, &(_, _, class)) in sent.iter().enumerate().rev() {
         coder
             .encode_iid_symbols_reverse(
-                &symbols,
+                &symbols[k * rows..(k + 1) * rows],
                 models[usize::from(class)].as_contiguous_categorical(),
             )
             .map_err(|e| TransformError::Stream(format!("encoding: {e}")))?;
