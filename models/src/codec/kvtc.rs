@@ -80,14 +80,18 @@ impl Kvtc {
             .as_ref()
             .ok_or_else(|| missing("K before RoPE"))?;
         let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
-        for (kind, rows, code, step) in [
-            (CodeKind::KVTC_K, k, &basis.k, self.steps[0]),
-            (CodeKind::KVTC_V, v, &basis.v, self.steps[1]),
-        ] {
+        let one = |kind, rows, code: &crate::translator::LowRankCode, step| {
             let r = code.max_rank();
             let z = code.encode(rows, r, self.matmul)?;
-            out.push(tc_code(l, kind, &z, &vec![step; r])?);
-        }
+            tc_code(l, kind, &z, &vec![step; r])
+        };
+        // K's and V's codes on two threads, as `translated` codes them.
+        let (k, v) = rayon::join(
+            || one(CodeKind::KVTC_K, k, &basis.k, self.steps[0]),
+            || one(CodeKind::KVTC_V, v, &basis.v, self.steps[1]),
+        );
+        out.push(k?);
+        out.push(v?);
         Ok(())
     }
 }
@@ -141,6 +145,7 @@ impl Codec for Kvtc {
             rows: prefix.tokens.len(),
             cache,
             pending: vec![(None, None); cfg.num_layers],
+            seen: vec![0; cfg.num_layers],
             done: vec![false; cfg.num_layers],
         }))
     }
@@ -154,11 +159,15 @@ struct KvtcDecoder<'a> {
     cache: KvCache,
     /// Per layer, K (before RoPE) and V rebuilt so far.
     pending: Vec<(Option<Tensor>, Option<Tensor>)>,
+    /// Per layer, the codes taken (1: K, 2: V).
+    seen: Vec<u8>,
     done: Vec<bool>,
 }
 
-impl LayerDecoder for KvtcDecoder<'_> {
-    fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
+impl KvtcDecoder<'_> {
+    /// Checks `code` against the consumer, the prefix and the codes already taken, and takes
+    /// its slot: its layer, whether it is K's, and its rank.
+    fn check(&mut self, code: &LayerCode) -> Result<(usize, bool, usize), CodecError> {
         let l = check_layer(code, self.done.len())?;
         let is_k = match code.kind {
             CodeKind::KVTC_K => true,
@@ -180,8 +189,7 @@ impl LayerDecoder for KvtcDecoder<'_> {
             });
         }
         let basis = self.codec.layer(l)?;
-        let map = if is_k { &basis.k } else { &basis.v };
-        let r_max = map.max_rank();
+        let r_max = if is_k { &basis.k } else { &basis.v }.max_rank();
         let r = match code.shape.as_slice() {
             &[t, r] if t as usize == self.rows && r >= 1 && r as usize <= r_max => r as usize,
             _ => 0,
@@ -195,15 +203,30 @@ impl LayerDecoder for KvtcDecoder<'_> {
                 expected: format!("[{}, r] with 1 <= r <= {r_max}", self.rows),
             });
         }
-        let slot = &mut self.pending[l];
-        let taken = if is_k { &slot.0 } else { &slot.1 };
-        if self.done[l] || taken.is_some() {
+        let bit = if is_k { 1 } else { 2 };
+        if self.seen[l] & bit != 0 {
             return Err(CodecError::Duplicate {
                 layer: code.layer,
                 kind: kind_name(code.kind),
             });
         }
-        let rows = map.decode(&tc_tensor(code, self.rows, r)?, 0, self.codec.matmul)?;
+        self.seen[l] |= bit;
+        Ok((l, is_k, r))
+    }
+
+    /// The rows (K before RoPE, or V) a checked code holds.
+    fn rows_of(
+        &self,
+        code: &LayerCode,
+        (l, is_k, r): (usize, bool, usize),
+    ) -> Result<Tensor, CodecError> {
+        let basis = self.codec.layer(l)?;
+        let map = if is_k { &basis.k } else { &basis.v };
+        Ok(map.decode(&tc_tensor(code, self.rows, r)?, 0, self.codec.matmul)?)
+    }
+
+    /// Keeps a layer's K or V rows, and fills the layer once it has both.
+    fn put(&mut self, l: usize, is_k: bool, rows: Tensor) -> Result<(), CodecError> {
         let slot = &mut self.pending[l];
         match is_k {
             true => slot.0 = Some(rows),
@@ -216,9 +239,34 @@ impl LayerDecoder for KvtcDecoder<'_> {
         }
         Ok(())
     }
+}
 
+impl LayerDecoder for KvtcDecoder<'_> {
+    fn push(&mut self, code: &LayerCode) -> Result<(), CodecError> {
+        let slot = self.check(code)?;
+        let rows = self.rows_of(code, slot)?;
+        self.put(slot.0, slot.1, rows)
+    }
+
+    /// Every code checked in order, then their rows decoded in parallel (one code's coder runs
+    /// on one thread), then put in.
     fn push_many(&mut self, codes: &[LayerCode]) -> Result<(), CodecError> {
-        crate::kernels::on_pool(|| codes.iter().try_for_each(|c| self.push(c)))
+        use rayon::prelude::*;
+        crate::kernels::on_pool(|| {
+            let slots = codes
+                .iter()
+                .map(|c| self.check(c))
+                .collect::<Result<Vec<_>, _>>()?;
+            let rows = codes
+                .par_iter()
+                .zip(&slots)
+                .map(|(c, &slot)| self.rows_of(c, slot))
+                .collect::<Result<Vec<_>, _>>()?;
+            for ((l, is_k, _), r) in slots.into_iter().zip(rows) {
+                self.put(l, is_k, r)?;
+            }
+            Ok(())
+        })
     }
 
     fn finish(self: Box<Self>) -> Result<KvCache, CodecError> {

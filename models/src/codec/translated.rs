@@ -241,16 +241,26 @@ impl Translated {
                 .as_ref()
                 .ok_or_else(|| missing("K before RoPE"))?;
             let v = capture.v.as_ref().ok_or_else(|| missing("V"))?;
-            out.push(self.code(
-                l,
-                CodeKind::REUSE_K,
-                &t.k.encode(k, self.ranks.k, self.matmul)?,
-            )?);
-            out.push(self.code(
-                l,
-                CodeKind::REUSE_V,
-                &t.v.encode(v, self.ranks.v, self.matmul)?,
-            )?);
+            // K's and V's codes on two threads: entropy coding is most of a tc code's cost,
+            // and one code's columns go through one coder.
+            let (k, v) = rayon::join(
+                || {
+                    self.code(
+                        l,
+                        CodeKind::REUSE_K,
+                        &t.k.encode(k, self.ranks.k, self.matmul)?,
+                    )
+                },
+                || {
+                    self.code(
+                        l,
+                        CodeKind::REUSE_V,
+                        &t.v.encode(v, self.ranks.v, self.matmul)?,
+                    )
+                },
+            );
+            out.push(k?);
+            out.push(v?);
         }
         Ok(())
     }
