@@ -2,7 +2,9 @@
 # The quality-bytes frontier on held-out WikiText-2, per expert: raw, q4 and q2, and reuse, scd
 # and kvtc (raw KV transform-coded in the base's own basis, the like-for-like baseline) at the
 # rates the translator's rate table says give 6-20% of raw's bytes (scd translators rates,
-# scd translators kvtc). Writes docs/m13/<expert>-frontier.{json,md,svg,png}. Usage:
+# scd translators kvtc), and droidspeak (raw KV, a few layer blocks recomputed: a point near
+# raw's bytes) on the same windows in a record of its own. Writes
+# docs/m13/<expert>-frontier.{json,md,svg,png} and docs/m13/<expert>-droidspeak.{json,md}. Usage:
 #   ops/m13-frontier.sh mail-rope mail sotu melville
 cd "$(dirname "$0")/.."
 M=.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -30,6 +32,11 @@ for e in "$@"; do
     --tc-steps "$steps" --kvtc-steps "$kvtc" \
     --prefix-tokens 512 --continuation-tokens 64 --greedy-tokens 16 --wikitext-windows 8 --squad-questions 0 \
     --json docs/m13/$e-frontier.json --markdown docs/m13/$e-frontier.md 2>&1 | grep "^| "
-  target/release/scd eval plot --json docs/m13/$e-frontier.json --out docs/m13/$e-frontier --title $e
+  target/release/scd eval --producer $M --consumer-adapter experts/$e/adapter.safetensors \
+    --translator experts/$e/translator --methods raw,droidspeak \
+    --prefix-tokens 512 --continuation-tokens 64 --greedy-tokens 16 --wikitext-windows 8 --squad-questions 0 \
+    --json docs/m13/$e-droidspeak.json --markdown docs/m13/$e-droidspeak.md 2>&1 | grep "^| "
+  target/release/scd eval plot --json docs/m13/$e-frontier.json --json docs/m13/$e-droidspeak.json \
+    --out docs/m13/$e-frontier --title $e
 done
 date

@@ -25,7 +25,7 @@ use crate::transfer::TransferError;
 pub struct JobCodec {
     /// The codec.
     pub codec: Arc<dyn Codec>,
-    /// The translator version, for `reuse` and `scd`
+    /// The translator version, for `reuse`, `scd` and `kvtc`
     /// ([`scd_models::translator::Translator::hash`]).
     pub translator: Option<TranslatorHash>,
 }
@@ -33,8 +33,9 @@ pub struct JobCodec {
 impl JobCodec {
     /// The codec of `mode` ([`codec_with`]); `translator` is the pair's translator and the
     /// expert's index in it ([`Translator::check_pair`]), needed by `droidspeak`, `reuse` and
-    /// `scd`. Frames carry the translator's content hash for the modes whose codes it makes
-    /// (`reuse`, `scd`; droidspeak sends raw KV and only takes its block list from it, as
+    /// `scd` (and `kvtc`). Frames carry the translator's content hash for the modes whose codes
+    /// only it decodes (`reuse`, `scd`, and `kvtc`, coded in the base basis it stores;
+    /// droidspeak sends raw KV and only takes its block list from it, as
     /// [`scd_transport::CodeFrame`] says).
     pub fn for_mode(
         mode: Mode,
@@ -42,7 +43,7 @@ impl JobCodec {
         opts: &CodecOptions,
     ) -> Result<Self, CodecError> {
         let codec = codec_with(mode, translator, opts)?;
-        let uses_translator = mode.uses_translator_codes();
+        let uses_translator = mode.codes_tied_to_translator();
         Ok(Self {
             codec: Arc::from(codec),
             translator: translator

@@ -241,6 +241,8 @@ pub fn frontier(
         .into_iter()
         .map(|(mode, mut pts)| {
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            // Records of one run share their reference (raw): one point.
+            pts.dedup();
             Series {
                 name: mode.to_string(),
                 color: color(mode),

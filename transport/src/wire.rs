@@ -18,8 +18,8 @@ pub const PROTOCOL_VERSION: u16 = 4;
 pub struct CodeFrame {
     /// The job this frame belongs to.
     pub job_id: JobId,
-    /// The translator version that produced the codes; `None` for modes without one (raw, q4,
-    /// droidspeak).
+    /// The translator version that produced the codes; `None` for modes whose codes need none
+    /// (raw, q4, q2, droidspeak).
     pub translator: Option<TranslatorHash>,
     /// Trace context, so one job is one trace across nodes.
     pub trace: TraceContext,

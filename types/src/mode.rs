@@ -96,6 +96,13 @@ impl Mode {
         matches!(self, Mode::Reuse | Mode::Scd)
     }
 
+    /// Whether the mode's codes decode only with the translator version that made them: the
+    /// translator's own codes, and `kvtc`'s, coded in the base basis the translator stores.
+    /// Their frames carry the version's hash, which the consumer checks.
+    pub fn codes_tied_to_translator(self) -> bool {
+        self.uses_translator_codes() || self == Mode::Kvtc
+    }
+
     /// Whether a job in this mode may run on translator codes: one that does, or `auto`,
     /// which may pick one that does.
     pub fn may_use_translator_codes(self) -> bool {
@@ -166,6 +173,12 @@ mod tests {
             .filter(|m| m.uses_translator_codes())
             .collect();
         assert_eq!(coded, [Mode::Reuse, Mode::Scd]);
+        let tied: Vec<Mode> = Mode::ALL
+            .into_iter()
+            .filter(|m| m.codes_tied_to_translator())
+            .collect();
+        assert_eq!(tied, [Mode::Kvtc, Mode::Reuse, Mode::Scd]);
+        assert!(tied.iter().all(|m| m.needs_translator()));
         assert!(coded.iter().all(|m| m.needs_translator()));
     }
 }

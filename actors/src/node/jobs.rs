@@ -315,9 +315,10 @@ impl Work {
             false => None,
         };
         let stamp = version.as_ref().map(|v| v.hash());
-        // Auto weighed the codes at their ranks already: the ones it chose are those.
+        // Auto weighed the codes at their ranks already: the ones it chose are those. Only
+        // the translator's own codes have ranks (kvtc and droidspeak use it otherwise).
         let ranks = chosen_ranks.or_else(|| {
-            let v = version.as_ref()?;
+            let v = version.as_ref().filter(|_| mode.uses_translator_codes())?;
             let rows = job.request.as_ref()?.prompt.len().saturating_sub(1);
             let consumer = job.consumer.as_deref()?;
             Some(

@@ -27,7 +27,16 @@ async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_refere
     let cluster = Cluster::new();
     let (producer, consumer) = cluster.two_nodes().await;
 
-    for mode in [Mode::Raw, Mode::Scd, Mode::Q4, Mode::Oracle] {
+    // q2 and kvtc as the baselines of M13 (kvtc's codes made with the translator's base basis,
+    // checked by its hash like scd's).
+    for mode in [
+        Mode::Raw,
+        Mode::Scd,
+        Mode::Q4,
+        Mode::Q2,
+        Mode::Kvtc,
+        Mode::Oracle,
+    ] {
         let want = reference_for(m, mode, &prompt);
         let job = cluster.run_mail(mode, &prompt, MAX_TOKENS).await;
         assert_eq!(job.state, JobState::Done, "{mode}: {:?}", job.error);
