@@ -719,7 +719,6 @@ fn transform_coded_codes_trade_bytes_for_distortion_and_refuse_damage() {
         };
         codec_with(Mode::Scd, Some((&t, 0)), &opts).unwrap()
     };
-    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     // The reference: the same codes in f32.
     let exact = codec_at(CodeDType::F32, 1.0);
     let caps = captured(exact.as_ref(), prefix);
@@ -731,23 +730,7 @@ fn transform_coded_codes_trade_bytes_for_distortion_and_refuse_damage() {
         Prefix::new(prefix),
     )
     .unwrap();
-    let error_of = |cache: &scd_models::KvCache| -> f64 {
-        let (mut err, mut norm) = (0.0f64, 0.0f64);
-        for l in 0..cfg.num_layers {
-            let (Some((k1, v1)), Some((k2, v2))) =
-                (reference.layer(l).unwrap(), cache.layer(l).unwrap())
-            else {
-                panic!("layer {l} missing");
-            };
-            for (a, b) in [(k1, k2), (v1, v2)] {
-                for (x, y) in values(&a).iter().zip(values(&b)) {
-                    err += f64::from(x - y).powi(2);
-                    norm += f64::from(*x).powi(2);
-                }
-            }
-        }
-        (err / norm).sqrt()
-    };
+    let error_of = |cache: &scd_models::KvCache| cache_distance(&reference, cache, cfg.num_layers);
     let mut last: Option<(usize, f64)> = None;
     for step in [0.2f32, 0.05, 0.01] {
         let tc = codec_at(CodeDType::TC, step);

@@ -88,3 +88,22 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         Command::Codes(a) => bench_codes::run(a, kernels),
     }
 }
+
+/// The median of `reps` timed runs of `f` after `warmup` untimed ones (at least one timed).
+pub(crate) fn median_time(
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<std::time::Duration> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        let t = std::time::Instant::now();
+        f()?;
+        times.push(t.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}

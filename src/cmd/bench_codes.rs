@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use scd_models::codec::{self, codec_with, transform, Codec, CodecOptions, Prefix, TcRate};
@@ -207,16 +207,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn median(args: &Args, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Duration> {
-    for _ in 0..args.warmup {
-        f()?;
-    }
-    let mut times = Vec::with_capacity(args.reps.max(1));
-    for _ in 0..args.reps.max(1) {
-        let t = Instant::now();
-        f()?;
-        times.push(t.elapsed());
-    }
-    times.sort();
-    Ok(times[times.len() / 2])
+fn median(args: &Args, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Duration> {
+    super::bench::median_time(args.warmup, args.reps, f)
 }

@@ -94,18 +94,8 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn median(args: &Args, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Duration> {
-    for _ in 0..args.warmup {
-        f()?;
-    }
-    let mut times = Vec::with_capacity(args.reps.max(1));
-    for _ in 0..args.reps.max(1) {
-        let t = Instant::now();
-        f()?;
-        times.push(t.elapsed());
-    }
-    times.sort();
-    Ok(times[times.len() / 2])
+fn median(args: &Args, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<Duration> {
+    super::bench::median_time(args.warmup, args.reps, f)
 }
 
 fn first_token_full(model: &Llama, tokens: &[u32]) -> anyhow::Result<()> {

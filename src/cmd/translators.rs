@@ -412,19 +412,7 @@ fn rates(a: &RatesArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<
     )
     .context("measuring the rate table")?;
     bar.finish();
-    for p in &table.points {
-        let cells: Vec<String> =
-            p.kl.iter()
-                .zip(&p.bytes_share)
-                .map(|(k, b)| format!("KL {k:.4} at {:.1}% of raw", 100.0 * b))
-                .collect();
-        println!(
-            "{:<6} step {:<5}: {}",
-            p.mode.to_string(),
-            p.step,
-            cells.join(" / ")
-        );
-    }
+    print_points(&table.points);
     for (name, s) in h.translator.manifest.consumers.iter().zip(&table.scales) {
         println!(
             "{}: steps of K x{}, V x{}, H x{}",
@@ -443,6 +431,23 @@ fn rates(a: &RatesArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<
         after.short()
     );
     Ok(())
+}
+
+/// One line per measured rate: each consumer's KL and share of raw's bytes.
+fn print_points(points: &[scd_models::translator::RatePoint]) {
+    for p in points {
+        let cells: Vec<String> =
+            p.kl.iter()
+                .zip(&p.bytes_share)
+                .map(|(k, b)| format!("KL {k:.4} at {:.1}% of raw", 100.0 * b))
+                .collect();
+        println!(
+            "{:<6} step {:<5}: {}",
+            p.mode.to_string(),
+            p.step,
+            cells.join(" / ")
+        );
+    }
 }
 
 /// `scd translators kvtc`.
@@ -486,14 +491,7 @@ fn kvtc(a: &KvtcArgs, kernels: &crate::kernels::KernelArgs) -> anyhow::Result<()
     )
     .context("measuring kvtc's rates")?;
     bar.finish();
-    for p in &points {
-        let cells: Vec<String> =
-            p.kl.iter()
-                .zip(&p.bytes_share)
-                .map(|(k, b)| format!("KL {k:.4} at {:.1}% of raw", 100.0 * b))
-                .collect();
-        println!("kvtc step {:<5}: {}", p.step, cells.join(" / "));
-    }
+    print_points(&points);
     println!("kvtc: steps of K x{}, V x{}", scales[0], scales[1]);
     if let Some(info) = h.translator.manifest.kvtc.as_mut() {
         info.scales = scales;
