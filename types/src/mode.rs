@@ -32,11 +32,6 @@ pub enum Mode {
     Raw,
     /// The base model's KV cache quantised to 4 bits (KIVI-style groups with scales).
     Q4,
-    /// The base model's KV cache quantised to 2 bits (KIVI's 2-bit setting).
-    Q2,
-    /// The base model's KV cache transform-coded within the one model (KVTC-style: the base's
-    /// own PCA basis, a step per component, entropy coding; no translation), at a rate.
-    Kvtc,
     /// Raw KV for most layers; a few layer blocks recomputed by the expert from the base's
     /// hidden state at the block's entry (DroidSpeak-style).
     #[serde(rename = "droidspeak")]
@@ -49,6 +44,12 @@ pub enum Mode {
     /// job (the lowest expected time to first token under the pair's quality ceiling) and
     /// the record then names that one.
     Auto,
+    // Later modes go last, so that the wire's (rkyv's) numbers of the earlier ones stay.
+    /// The base model's KV cache quantised to 2 bits (KIVI's 2-bit setting).
+    Q2,
+    /// The base model's KV cache transform-coded within the one model (KVTC-style: the base's
+    /// own PCA basis, a step per component, entropy coding; no translation), at a rate.
+    Kvtc,
 }
 
 impl Mode {
