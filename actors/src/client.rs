@@ -373,7 +373,7 @@ impl ClusterClient {
                     .into(),
             ));
         }
-        if mode.uses_translator_codes() {
+        if mode.codes_tied_to_translator() {
             let registry =
                 scd_scheduler::TranslatorRegistry::new(self.store.clone(), self.keys.clone());
             let mut live = Vec::new();
@@ -385,7 +385,7 @@ impl ClusterClient {
                 return Err(refuse(format!(
                     "mode {mode} sends one code stream, so the experts' live translators must be \
                      one joint translator (scd calibrate with a --consumer-adapter for each, set \
-                     as every one's translator); raw, q4, droidspeak and oracle fan out without"
+                     as every one's translator); raw, q4, q2, droidspeak and oracle fan out without"
                 )));
             }
         }

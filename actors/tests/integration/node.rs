@@ -958,6 +958,8 @@ async fn one_prefill_and_one_code_stream_serve_three_experts() {
     // What cannot fan out is refused before anything is created.
     for (names, mode, why) in [
         (vec!["mail", "sotu"], Mode::Scd, "joint translator"),
+        // kvtc's codes are made in the basis one translator version holds, as scd's are.
+        (vec!["mail", "sotu"], Mode::Kvtc, "joint translator"),
         (vec!["mail", "mail"], Mode::Raw, "named twice"),
     ] {
         let names: Vec<String> = names.into_iter().map(String::from).collect();
