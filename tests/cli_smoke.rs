@@ -293,6 +293,34 @@ fn bench_docs_compares_compiled_documents_with_full_recompute() {
 }
 
 #[test]
+fn bench_codes_times_each_coded_mode_and_the_entropy_coder() {
+    let (out, _) = run(
+        "scd bench codes",
+        scd_on_model("--model", &["bench", "codes"]).args([
+            "--expert",
+            "experts/sotu",
+            "--tokens",
+            "64",
+            "--warmup",
+            "0",
+            "--reps",
+            "1",
+        ]),
+    );
+    assert!(out.contains("| mode | payload, % of raw |"), "{out}");
+    // Each coded mode near the share it was sized for, with its coder's speed; raw whole.
+    for mode in ["| kvtc tc step", "| reuse tc step", "| scd tc step"] {
+        let cells = row(&out, mode);
+        let share = number(&cells[1]);
+        assert!(share > 2.0 && share < 25.0, "{mode}: {share}% of raw");
+        for cell in &cells[2..] {
+            positive(cell);
+        }
+    }
+    assert_eq!(number(&row(&out, "| raw |")[1]), 100.0);
+}
+
+#[test]
 fn bench_memory_measures_merged_and_on_the_fly_experts() {
     let (out, _) = run(
         "scd bench memory",
