@@ -44,7 +44,7 @@ impl Kvtc {
         matmul: PrefillMatmul,
     ) -> Result<Self, CodecError> {
         rate.check().map_err(CodecError::Unavailable)?;
-        let Some(info) = &translator.manifest.kvtc else {
+        let (Some(info), Some(_)) = (&translator.manifest.kvtc, &translator.kvtc) else {
             return Err(CodecError::Unavailable(
                 "mode kvtc needs the base's basis in the translator (scd translators kvtc adds it)"
                     .into(),
