@@ -126,6 +126,67 @@ fn identical_models_transfer_almost_losslessly_and_records_are_deterministic() {
     );
 }
 
+/// One run for several consumers shares the producer's prefill of each window and question,
+/// and gives each consumer the record it gets alone, figure for figure, including a consumer
+/// scored on fewer windows than the run's.
+#[test]
+fn a_shared_run_gives_each_consumer_the_record_it_gets_alone() {
+    let (model, tok) = base();
+    // One question: its prompt is the long part, and one shows it is shared too.
+    let cfg = EvalConfig {
+        squad_questions: 1,
+        ..small_cfg()
+    };
+    let both: [&dyn scd_models::codec::Codec; 2] = [&Oracle, &Raw];
+    let raw_only: [&dyn scd_models::codec::Codec; 1] = [&Raw];
+    let consumers = [
+        eval::Consumer {
+            model,
+            codecs: &both,
+            adapter: None,
+            windows: 2,
+        },
+        eval::Consumer {
+            model: perturbed(),
+            codecs: &raw_only,
+            adapter: None,
+            windows: 1,
+        },
+    ];
+    let shared = eval::evaluate_shared(model, &consumers, tok, data(), &cfg, |_| {}).unwrap();
+    let one_window = EvalConfig {
+        wikitext_windows: 1,
+        ..cfg.clone()
+    };
+    let pair = Pair {
+        producer: model,
+        consumer: perturbed(),
+    };
+    let by_itself = Pair {
+        producer: model,
+        consumer: model,
+    };
+    let alone = [
+        eval::evaluate(by_itself, &both, tok, data(), &cfg, None, |_| {}).unwrap(),
+        eval::evaluate(pair, &raw_only, tok, data(), &one_window, None, |_| {}).unwrap(),
+    ];
+    let json = |r: &EvalRecord| serde_json::to_string(&r.without_timings()).unwrap();
+    assert_eq!(shared.len(), 2);
+    for (s, a) in shared.iter().zip(&alone) {
+        assert_eq!(json(s), json(a));
+    }
+    assert_eq!(shared[1].results[0].kl.n, 1);
+    assert!(shared[1].results[0].kl.value > 1e-3);
+
+    // A consumer cannot ask for more windows than the run has.
+    let too_many = [eval::Consumer {
+        windows: 3,
+        ..consumers[1].clone()
+    }];
+    let err = eval::evaluate_shared(model, &too_many, tok, data(), &cfg, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("3 windows of a run of 2"), "{err}");
+}
+
 #[test]
 fn raw_transfer_into_a_different_consumer_loses_quality() {
     let r = run(perturbed());

@@ -52,10 +52,13 @@
 //! [`check`] with the translator's Reuse decoders replaced in memory by random values of the
 //! same scale must report a violation, so that the bounds cannot pass vacuously.
 //!
-//! Time: 537 s for this file in the test profile on the 2-core development VM with int8 codes
-//! alone (scd-models itself is unoptimised there; 56 scored windows), 718 s with other builds
-//! sharing it; with the tc and kvtc points 1,800 s with a frontier run and release builds
-//! sharing the two cores (2026-12-07). The mild experts' 48 windows are most of it.
+//! Time: every figure above comes from one run ([`runs`], through
+//! [`eval::evaluate_shared`]) that the tests share: each window's base prefill is done once
+//! for every expert, and each expert's oracle once for its shipped translator's methods and its
+//! control's. Before, each test ran the harness on its own (a base prefill per window per
+//! expert, and again for the controls: 744 s for this file on the 2-core development VM,
+//! 2026-12-07, the largest binary of `make test`; 373 s after, with the dependencies' debug
+//! assertions off too: `docs/bench-log/suite.md`).
 
 mod common;
 
@@ -66,7 +69,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use scd_models::codec::{codec_with, Codec, CodecOptions, TcRate};
-use scd_models::eval::{self, EvalConfig, EvalData, MethodMetrics, Pair};
+use scd_models::eval::{self, EvalConfig, EvalData, MethodMetrics};
 use scd_models::translator::Translator;
 use scd_models::{AdapterMode, Llama, LoraAdapter};
 use scd_types::{CodeDType, Mode};
@@ -80,8 +83,6 @@ const SEED: u64 = 0;
 /// Windows per expert: see the module comment for why these counts.
 const MAIL_ROPE_WINDOWS: usize = 4;
 const MILD_WINDOWS: usize = 16;
-/// The negative controls are far off; two windows show it.
-const CONTROL_WINDOWS: usize = 2;
 
 /// The experts this file loads, in one order (the index of each one's consumer below).
 const EXPERTS: [&str; 4] = ["mail-rope", "mail", "sotu", "melville"];
@@ -274,24 +275,30 @@ fn translator(name: &str) -> Translator {
         .unwrap_or_else(|e| panic!("cannot load the shipped translator {}: {e}", dir.display()))
 }
 
-/// What [`measure`] gives: a [`Quality`] for each scd, and kvtc at the same share of raw.
+/// What the run gives for one translator: a [`Quality`] for each of scd's codes, and kvtc at
+/// the same share of raw.
 struct Measured {
     int8: Quality,
     tc: Quality,
     kvtc: MethodMetrics,
 }
 
-/// Runs the harness on `windows` windows for `expert` with `translator`: raw and scd as E1
-/// (int8 codes), and scd transform-coded and kvtc (raw KV coded by the same coder in the base's
-/// own basis) each at the rate the translator's table gives for [`AIMED_SHARE`].
-fn measure(expert: &str, translator: Translator, windows: usize) -> Measured {
-    let t0 = Instant::now();
-    let (base, tok) = common::real();
-    let consumer = consumer(expert);
-    let index = translator
-        .check_pair(base, consumer)
-        .unwrap_or_else(|e| panic!("{expert}'s translator does not fit the pair: {e}"));
-    let translator = Arc::new(translator);
+/// What the run gives for one expert: its shipped translator measured, and, for the experts
+/// of the negative controls, the same translator with garbage decoders.
+struct ExpertRun {
+    shipped: Measured,
+    garbage: Option<Measured>,
+}
+
+/// The experts the negative controls garble, one mild and the one raw transfer breaks.
+const CONTROLLED: [&str; 2] = ["melville", "mail-rope"];
+/// The negative controls are far off; two windows show it.
+const CONTROL_WINDOWS: usize = 2;
+
+/// An expert's codecs for one translator: raw and scd as E1 (int8 codes), and scd
+/// transform-coded and kvtc (raw KV coded by the same coder in the base's own basis) each at
+/// the rate the translator's table gives for [`AIMED_SHARE`].
+fn codecs_for(expert: &str, translator: &Arc<Translator>, index: usize) -> Vec<Box<dyn Codec>> {
     // The rate the translator's own table (measured on its held-out calibration prompts, not
     // on these windows) says gives the share of raw's bytes aimed at.
     let step_of = |mode: Mode| {
@@ -308,71 +315,162 @@ fn measure(expert: &str, translator: Translator, windows: usize) -> Measured {
                 )
             })
     };
-    let (step, kvtc_step) = (step_of(Mode::Scd), step_of(Mode::Kvtc));
     let int8 = CodecOptions {
         code_dtype: CodeDType::I8_ROWS,
         ..CodecOptions::default()
     };
-    let tc = CodecOptions {
+    let tc = |step| CodecOptions {
         code_dtype: CodeDType::TC,
         tc_rate: TcRate { step },
         ..CodecOptions::default()
     };
-    let raw = codec_with(Mode::Raw, None, &int8).unwrap();
-    let scd = codec_with(Mode::Scd, Some((&translator, index)), &int8).unwrap();
-    let scd_tc = codec_with(Mode::Scd, Some((&translator, index)), &tc).unwrap();
-    let kvtc_rate = CodecOptions {
-        tc_rate: TcRate { step: kvtc_step },
-        ..tc
+    let with = |mode, options: &CodecOptions| {
+        codec_with(mode, Some((translator, index)), options)
+            .unwrap_or_else(|e| panic!("{expert}: {mode} codec: {e}"))
     };
-    let kvtc = codec_with(Mode::Kvtc, Some((&translator, index)), &kvtc_rate).unwrap();
-    let codecs: [&dyn Codec; 4] = [raw.as_ref(), scd.as_ref(), scd_tc.as_ref(), kvtc.as_ref()];
+    vec![
+        codec_with(Mode::Raw, None, &int8).unwrap(),
+        with(Mode::Scd, &int8),
+        with(Mode::Scd, &tc(step_of(Mode::Scd))),
+        with(Mode::Kvtc, &tc(step_of(Mode::Kvtc))),
+    ]
+}
+
+/// Every expert's figures, measured once for all the tests of this file with the model work
+/// shared ([`eval::evaluate_shared`]): one base prefill per window for every expert, each
+/// expert's oracle for its shipped translator's methods and its control's. A panic while
+/// measuring becomes every test's failure, not a second run.
+fn runs() -> &'static Result<Vec<(String, ExpertRun)>, String> {
+    static RUNS: OnceLock<Result<Vec<(String, ExpertRun)>, String>> = OnceLock::new();
+    RUNS.get_or_init(|| {
+        std::panic::catch_unwind(measure_all).map_err(|p| {
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "measuring panicked".into())
+        })
+    })
+}
+
+/// The run of `expert`; panics with the measurement's failure.
+fn run(expert: &str) -> &'static ExpertRun {
+    match runs() {
+        Ok(runs) => &runs.iter().find(|(e, _)| e == expert).expect("measured").1,
+        Err(e) => panic!("measuring the translators failed: {e}"),
+    }
+}
+
+fn measure_all() -> Vec<(String, ExpertRun)> {
+    let t0 = Instant::now();
+    let (base, tok) = common::real();
+    // Each expert with its shipped translator, then each control's expert with its garbled
+    // translator.
+    let names: Vec<&str> = EXPERTS.iter().chain(&CONTROLLED).copied().collect();
+    let codecs: Vec<Vec<Box<dyn Codec>>> = names
+        .iter()
+        .enumerate()
+        .map(|(i, &expert)| {
+            let t = match i < EXPERTS.len() {
+                true => translator(expert),
+                false => garbage_translator(expert),
+            };
+            let index = t
+                .check_pair(base, consumer(expert))
+                .unwrap_or_else(|e| panic!("{expert}'s translator does not fit the pair: {e}"));
+            codecs_for(expert, &Arc::new(t), index)
+        })
+        .collect();
+    let refs: Vec<Vec<&dyn Codec>> = codecs
+        .iter()
+        .map(|c| c.iter().map(|c| c.as_ref()).collect())
+        .collect();
+    let consumers: Vec<eval::Consumer> = names
+        .iter()
+        .zip(&refs)
+        .enumerate()
+        .map(|(i, (&expert, codecs))| eval::Consumer {
+            model: consumer(expert),
+            codecs,
+            adapter: None,
+            windows: match (i < EXPERTS.len(), expert) {
+                (false, _) => CONTROL_WINDOWS,
+                (true, "mail-rope") => MAIL_ROPE_WINDOWS,
+                (true, _) => MILD_WINDOWS,
+            },
+        })
+        .collect();
     let cfg = EvalConfig {
         seed: SEED,
-        wikitext_windows: windows,
+        wikitext_windows: MILD_WINDOWS.max(MAIL_ROPE_WINDOWS),
         prefix_tokens: PREFIX_TOKENS,
         continuation_tokens: CONTINUATION_TOKENS,
         greedy_tokens: 0,
         squad_questions: 0,
         ..EvalConfig::default()
     };
-    let pair = Pair {
-        producer: base,
-        consumer,
-    };
-    let record = eval::evaluate(pair, &codecs, tok, data(), &cfg, None, |_| {})
-        .unwrap_or_else(|e| panic!("evaluating {expert}: {e}"));
-    let [raw, scd, scd_tc, kvtc] =
-        <[MethodMetrics; 4]>::try_from(record.results).expect("four methods");
-    assert_eq!(
-        (raw.method, scd.method, scd_tc.method, kvtc.method),
-        (Mode::Raw, Mode::Scd, Mode::Scd, Mode::Kvtc)
-    );
-    assert_eq!(raw.kl.n, windows, "{expert}: windows scored");
+    let records = eval::evaluate_shared(base, &consumers, tok, data(), &cfg, |_| {})
+        .unwrap_or_else(|e| panic!("evaluating: {e}"));
     let seconds = t0.elapsed().as_secs_f64();
-    let q = |scd: MethodMetrics, codes: &str| Quality {
-        expert: format!("{expert} ({codes})"),
-        windows,
-        raw: raw.clone(),
-        scd,
-        seconds,
-    };
-    let m = Measured {
-        int8: q(scd, "int8 codes"),
-        tc: q(scd_tc, &format!("tc codes, step {step:.3}")),
-        kvtc,
-    };
-    for q in [&m.int8, &m.tc] {
-        eprintln!("{}", q.describe());
-    }
-    eprintln!(
-        "{expert}: kvtc at step {kvtc_step:.3}: KL {:.4} [{:.4}, {:.4}], {:.1}% of raw's bytes",
-        m.kvtc.kl.value,
-        m.kvtc.kl.low,
-        m.kvtc.kl.high,
-        100.0 * m.kvtc.payload_bytes / m.tc.raw.payload_bytes
-    );
-    m
+    let mut measured: Vec<Measured> = names
+        .iter()
+        .zip(records)
+        .enumerate()
+        .map(|(i, (&expert, record))| {
+            let what = match i < EXPERTS.len() {
+                true => "shipped translator",
+                false => "garbage decoders",
+            };
+            let n = consumers[i].windows;
+            let [raw, scd, scd_tc, kvtc] = <[MethodMetrics; 4]>::try_from(record.results)
+                .unwrap_or_else(|_| panic!("{expert}: four methods"));
+            assert_eq!(
+                (raw.method, scd.method, scd_tc.method, kvtc.method),
+                (Mode::Raw, Mode::Scd, Mode::Scd, Mode::Kvtc)
+            );
+            assert_eq!(raw.kl.n, n, "{expert}: windows scored");
+            let (tc_variant, kvtc_variant) = (scd_tc.variant.clone(), kvtc.variant.clone());
+            let q = |scd: MethodMetrics, codes: &str| Quality {
+                expert: format!("{expert} ({what}, {codes})"),
+                windows: n,
+                raw: raw.clone(),
+                scd,
+                seconds,
+            };
+            let m = Measured {
+                int8: q(scd, "int8 codes"),
+                tc: q(scd_tc, &format!("tc codes, {tc_variant}")),
+                kvtc,
+            };
+            for q in [&m.int8, &m.tc] {
+                eprintln!("{}", q.describe());
+            }
+            eprintln!(
+                "{expert} ({what}): kvtc {kvtc_variant}: KL {:.4} [{:.4}, {:.4}], {:.1}% of raw's \
+                 bytes",
+                m.kvtc.kl.value,
+                m.kvtc.kl.low,
+                m.kvtc.kl.high,
+                100.0 * m.kvtc.payload_bytes / m.tc.raw.payload_bytes
+            );
+            m
+        })
+        .collect();
+    let mut controls: Vec<Option<Measured>> = measured
+        .split_off(EXPERTS.len())
+        .into_iter()
+        .map(Some)
+        .collect();
+    EXPERTS
+        .iter()
+        .zip(measured)
+        .map(|(&expert, shipped)| {
+            let garbage = CONTROLLED
+                .iter()
+                .position(|&c| c == expert)
+                .and_then(|i| controls[i].take());
+            (expert.to_owned(), ExpertRun { shipped, garbage })
+        })
+        .collect()
 }
 
 /// Transform-coded scd against kvtc at about the same bytes: scd's KL at most kvtc's, with
@@ -402,8 +500,8 @@ fn check_against_kvtc(q: &Quality, kvtc: &MethodMetrics) -> Result<(), String> {
 
 /// Both of `expert`'s operating points meet their bounds: int8 codes `int8`, transform-coded
 /// ones `eighth`; and the transform-coded ones beat kvtc at like bytes.
-fn assert_meets(expert: &str, int8: &Bound, eighth: &Bound, windows: usize) {
-    let m = measure(expert, translator(expert), windows);
+fn assert_meets(expert: &str, int8: &Bound, eighth: &Bound) {
+    let m = &run(expert).shipped;
     let mut failures: Vec<String> = [(&m.int8, int8), (&m.tc, eighth)]
         .iter()
         .filter_map(|(q, b)| {
@@ -418,27 +516,22 @@ fn assert_meets(expert: &str, int8: &Bound, eighth: &Bound, windows: usize) {
 
 #[test]
 fn mail_rope_scd_keeps_under_half_of_raw_transfers_kl() {
-    assert_meets(
-        "mail-rope",
-        &BREAKS_RAW,
-        &BREAKS_RAW_EIGHTH,
-        MAIL_ROPE_WINDOWS,
-    );
+    assert_meets("mail-rope", &BREAKS_RAW, &BREAKS_RAW_EIGHTH);
 }
 
 #[test]
 fn mail_scd_stays_within_the_mild_bound() {
-    assert_meets("mail", &MILD, &MILD_EIGHTH, MILD_WINDOWS);
+    assert_meets("mail", &MILD, &MILD_EIGHTH);
 }
 
 #[test]
 fn sotu_scd_stays_within_the_mild_bound() {
-    assert_meets("sotu", &MILD, &MILD_EIGHTH, MILD_WINDOWS);
+    assert_meets("sotu", &MILD, &MILD_EIGHTH);
 }
 
 #[test]
 fn melville_scd_stays_within_the_mild_bound() {
-    assert_meets("melville", &MILD, &MILD_EIGHTH, MILD_WINDOWS);
+    assert_meets("melville", &MILD, &MILD_EIGHTH);
 }
 
 /// `name`'s shipped translator with the Reuse decoders of K and V on every layer replaced by
@@ -470,15 +563,18 @@ fn garbage_translator(name: &str) -> Translator {
 }
 
 fn assert_rejected(expert: &str, int8: &Bound, eighth: &Bound) {
-    let m = measure(expert, garbage_translator(expert), CONTROL_WINDOWS);
+    let m = run(expert)
+        .garbage
+        .as_ref()
+        .unwrap_or_else(|| panic!("{expert} has no control in {CONTROLLED:?}"));
     let kvtc = check_against_kvtc(&m.tc, &m.kvtc);
     assert!(
         kvtc.is_err(),
         "random decoders beat kvtc: {}",
         m.tc.describe()
     );
-    for (q, bound) in [(m.int8, int8), (m.tc, eighth)] {
-        match check(&q, bound) {
+    for (q, bound) in [(&m.int8, int8), (&m.tc, eighth)] {
+        match check(q, bound) {
             Err(violation) => {
                 assert!(violation.contains("x raw's"), "{violation}");
                 eprintln!("rejected, as it should be: {violation}");

@@ -14,7 +14,7 @@ use crate::cache::KvCache;
 use crate::codec::{self, Codec, Oracle, Prefix};
 use crate::corpus;
 use crate::generate::{generate_with_cache, GenerateParams};
-use crate::llama::{Capture, Input, Llama, LogitsWanted};
+use crate::llama::{Capture, Input, LayerCapture, Llama, LogitsWanted};
 use crate::metrics;
 use crate::perplexity::continuation_logits;
 use crate::sampling::Sampling;
@@ -61,37 +61,70 @@ pub fn transfer_each(
     codecs: &[&dyn Codec],
     pair: Pair<'_>,
     prefix: &[u32],
+    each: impl FnMut(usize, Transfer) -> Result<(), EvalError>,
+) -> Result<(), EvalError> {
+    let captured = capture(codecs.iter().copied(), pair.producer, prefix)?;
+    rebuild_each(codecs, pair.consumer, &captured, prefix, each)
+}
+
+/// What the producer's prefill of a prefix captured, for the codecs that asked, and how long
+/// the prefill took.
+struct Captured {
+    layers: Vec<LayerCapture>,
+    prefill_ms: f64,
+}
+
+/// The producer's prefill of `prefix`, capturing what any of `codecs` needs (nothing, and no
+/// prefill, where none captures).
+fn capture<'c>(
+    codecs: impl Iterator<Item = &'c dyn Codec>,
+    producer: &Llama,
+    prefix: &[u32],
+) -> Result<Captured, EvalError> {
+    let wanted: Vec<Capture> = codecs.filter_map(|c| c.capture()).collect();
+    if wanted.is_empty() || prefix.is_empty() {
+        return Ok(Captured {
+            layers: Vec::new(),
+            prefill_ms: 0.0,
+        });
+    }
+    let union = Capture {
+        k_pre_rope: wanted.iter().any(|c| c.k_pre_rope),
+        v: wanted.iter().any(|c| c.v),
+        h_in: wanted.iter().any(|c| c.h_in),
+        hidden: wanted.iter().any(|c| c.hidden),
+        layers: None,
+    };
+    let t = Instant::now();
+    let layers = producer
+        .forward(Input::new(prefix).capture(union).logits(LogitsWanted::None))?
+        .captured;
+    Ok(Captured {
+        layers,
+        prefill_ms: ms(t),
+    })
+}
+
+/// The second half of [`transfer_each`]: each codec encodes what `captured` holds and
+/// `consumer` rebuilds from its codes.
+fn rebuild_each(
+    codecs: &[&dyn Codec],
+    consumer: &Llama,
+    captured: &Captured,
+    prefix: &[u32],
     mut each: impl FnMut(usize, Transfer) -> Result<(), EvalError>,
 ) -> Result<(), EvalError> {
-    let wanted: Vec<Capture> = codecs.iter().filter_map(|c| c.capture()).collect();
-    let mut captured = Vec::new();
-    let mut prefill_ms = 0.0;
-    if !wanted.is_empty() && !prefix.is_empty() {
-        let union = Capture {
-            k_pre_rope: wanted.iter().any(|c| c.k_pre_rope),
-            v: wanted.iter().any(|c| c.v),
-            h_in: wanted.iter().any(|c| c.h_in),
-            hidden: wanted.iter().any(|c| c.hidden),
-            layers: None,
-        };
-        let t = Instant::now();
-        captured = pair
-            .producer
-            .forward(Input::new(prefix).capture(union).logits(LogitsWanted::None))?
-            .captured;
-        prefill_ms = ms(t);
-    }
     for (i, codec) in codecs.iter().enumerate() {
         let mut timing = MethodTiming::default();
         let mut codes = Vec::new();
         if codec.capture().is_some() && !prefix.is_empty() {
-            timing.producer_prefill_ms = prefill_ms;
+            timing.producer_prefill_ms = captured.prefill_ms;
             let t = Instant::now();
-            codes = codec::encode(*codec, &captured)?;
+            codes = codec::encode(*codec, &captured.layers)?;
             timing.encode_ms = ms(t);
         }
         let t = Instant::now();
-        let cache = codec::decode(*codec, pair.consumer, &codes, Prefix::new(prefix))?;
+        let cache = codec::decode(*codec, consumer, &codes, Prefix::new(prefix))?;
         timing.rebuild_ms = ms(t);
         let payload = codec::payload_bytes(&codes);
         drop(codes);
@@ -200,33 +233,100 @@ pub fn evaluate(
     data: &EvalData,
     cfg: &EvalConfig,
     consumer_adapter: Option<FileInfo>,
-    mut progress: impl FnMut(&str),
+    progress: impl FnMut(&str),
 ) -> Result<EvalRecord, EvalError> {
+    let consumer = Consumer {
+        model: pair.consumer,
+        codecs,
+        adapter: consumer_adapter,
+        windows: cfg.wikitext_windows,
+    };
+    let mut records = evaluate_shared(pair.producer, &[consumer], tok, data, cfg, progress)?;
+    records
+        .pop()
+        .ok_or_else(|| EvalError::Config("no record".into()))
+}
+
+/// One consumer of [`evaluate_shared`]: an expert, the methods that carry the producer's
+/// prefill to it, and how many of the run's windows it is scored on (the first ones).
+#[derive(Clone)]
+pub struct Consumer<'a> {
+    /// The model that decodes.
+    pub model: &'a Llama,
+    /// The methods, each against this consumer's own oracle.
+    pub codecs: &'a [&'a dyn Codec],
+    /// Labels the record only.
+    pub adapter: Option<FileInfo>,
+    /// The first this many of the run's `cfg.wikitext_windows` windows.
+    pub windows: usize,
+}
+
+/// [`evaluate`] for several consumers of one producer, with its model work done once: each
+/// window's (and question's) producer prefill is shared by every consumer's methods, as a
+/// producer's prefill of one prompt is shared by the experts of a fan-out. Each consumer gets
+/// the record [`evaluate`] would give it alone (the same windows, the same figures; its
+/// methods' prefill times are the shared prefill's); `cfg` is the run's, with
+/// `wikitext_windows` the most any consumer asks for.
+pub fn evaluate_shared(
+    producer: &Llama,
+    consumers: &[Consumer<'_>],
+    tok: &Tokenizer,
+    data: &EvalData,
+    cfg: &EvalConfig,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<EvalRecord>, EvalError> {
     let t0 = Instant::now();
-    if codecs.is_empty() || cfg.prefix_tokens < 2 || cfg.continuation_tokens == 0 {
+    if consumers.is_empty()
+        || consumers.iter().any(|c| c.codecs.is_empty())
+        || cfg.prefix_tokens < 2
+        || cfg.continuation_tokens == 0
+    {
         return Err(EvalError::Config(
             "need at least one method, a prefix of 2+ tokens and a continuation".into(),
         ));
     }
-    let ccfg = pair.consumer.config();
-    if pair.producer.config().num_layers != ccfg.num_layers
-        || pair.producer.config().kv_dim() != ccfg.kv_dim()
-    {
-        return Err(EvalError::Config(
-            "producer and consumer must share the architecture (layers, KV width)".into(),
-        ));
+    if let Some(c) = consumers.iter().find(|c| c.windows > cfg.wikitext_windows) {
+        return Err(EvalError::Config(format!(
+            "a consumer asks for {} windows of a run of {}",
+            c.windows, cfg.wikitext_windows
+        )));
     }
-    let raw_bf16 = |prefix: usize| prefix * ccfg.kv_dim() * 2 * 2 * ccfg.num_layers;
-    let mut units: Vec<Units> = codecs.iter().map(|_| Units::default()).collect();
-    let mut oracle_nll = Vec::new();
+    let pcfg = producer.config();
+    for c in consumers {
+        let ccfg = c.model.config();
+        if pcfg.num_layers != ccfg.num_layers || pcfg.kv_dim() != ccfg.kv_dim() {
+            return Err(EvalError::Config(
+                "producer and consumer must share the architecture (layers, KV width)".into(),
+            ));
+        }
+    }
+    let raw_bf16 = |prefix: usize| prefix * pcfg.kv_dim() * 2 * 2 * pcfg.num_layers;
+    let all_codecs = || consumers.iter().flat_map(|c| c.codecs.iter().copied());
+    let mut units: Vec<Vec<Units>> = consumers
+        .iter()
+        .map(|c| c.codecs.iter().map(|_| Units::default()).collect())
+        .collect();
+    let mut oracle_nll = vec![Vec::new(); consumers.len()];
     // One request per method before any is timed: a method's first request pays what a node
     // pays once (a translator's fused Patch weights, the threads' scratch buffers), and the
     // stage times are per request.
-    let mut warmed = false;
-    let mut warm_up = |prefix: &[u32]| -> Result<(), EvalError> {
-        if !std::mem::replace(&mut warmed, true) {
+    let mut warmed = vec![false; consumers.len()];
+    let mut producer_warmed = false;
+    let mut warm_producer = |prefix: &[u32]| -> Result<(), EvalError> {
+        if !std::mem::replace(&mut producer_warmed, true) {
+            capture(all_codecs(), producer, prefix)?;
+        }
+        Ok(())
+    };
+    let mut warm_up = |ci: usize, captured: &Captured, prefix: &[u32]| -> Result<(), EvalError> {
+        if !std::mem::replace(&mut warmed[ci], true) {
+            let c = &consumers[ci];
+            let pair = Pair {
+                producer,
+                consumer: c.model,
+            };
             transfer(&Oracle, pair, prefix)?;
-            transfer_each(codecs, pair, prefix, |_, _| Ok(()))?;
+            rebuild_each(c.codecs, c.model, captured, prefix, |_, _| Ok(()))?;
         }
         Ok(())
     };
@@ -238,35 +338,53 @@ pub fn evaluate(
         for (wi, w) in windows.iter().enumerate() {
             let (prompt, cont) = w.split_at(cfg.prefix_tokens);
             let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
-            warm_up(prefix)?;
-            let reference = transfer(&Oracle, pair, prefix)?.cache;
-            let ref_logits =
-                continuation_logits(pair.consumer, reference.try_clone()?, last, cont)?;
-            let ref_greedy = greedy(pair.consumer, reference, last, cfg.greedy_tokens, &[])?;
-            let nll: f64 = (0..cont.len())
-                .map(|i| metrics::nll(&ref_logits[i], cont[i]))
-                .sum();
-            oracle_nll.push((nll, cont.len() as f64));
-            transfer_each(codecs, pair, prefix, |i, t| {
-                let u = &mut units[i];
-                u.add_transfer(&t, raw_bf16(prefix.len()));
-                let logits = continuation_logits(pair.consumer, t.cache.try_clone()?, last, cont)?;
-                let g = greedy(pair.consumer, t.cache, last, cfg.greedy_tokens, &[])?;
-                let (mut kl, mut tv, mut nll) = (0.0, 0.0, 0.0);
-                for (i, (p, q)) in ref_logits.iter().zip(&logits).enumerate() {
-                    let (k, v) = metrics::distances(p, q);
-                    kl += k;
-                    tv += v;
-                    nll += metrics::nll(q, cont[i]);
-                }
-                let n = cont.len() as f64;
-                u.kl.push(kl / n);
-                u.tv.push(tv / n);
-                u.nll.push((nll, n));
-                u.positions += cont.len();
-                u.greedy.push(metrics::agreement(&ref_greedy, &g));
-                Ok(())
-            })?;
+            let active: Vec<usize> = (0..consumers.len())
+                .filter(|&ci| wi < consumers[ci].windows)
+                .collect();
+            if active.is_empty() {
+                break;
+            }
+            warm_producer(prefix)?;
+            let captured = capture(
+                active
+                    .iter()
+                    .flat_map(|&ci| consumers[ci].codecs.iter().copied()),
+                producer,
+                prefix,
+            )?;
+            for &ci in &active {
+                warm_up(ci, &captured, prefix)?;
+                let consumer = consumers[ci].model;
+                let pair = Pair { producer, consumer };
+                let reference = transfer(&Oracle, pair, prefix)?.cache;
+                let ref_logits = continuation_logits(consumer, reference.try_clone()?, last, cont)?;
+                let ref_greedy = greedy(consumer, reference, last, cfg.greedy_tokens, &[])?;
+                let nll: f64 = (0..cont.len())
+                    .map(|i| metrics::nll(&ref_logits[i], cont[i]))
+                    .sum();
+                oracle_nll[ci].push((nll, cont.len() as f64));
+                let units = &mut units[ci];
+                rebuild_each(consumers[ci].codecs, consumer, &captured, prefix, |i, t| {
+                    let u = &mut units[i];
+                    u.add_transfer(&t, raw_bf16(prefix.len()));
+                    let logits = continuation_logits(consumer, t.cache.try_clone()?, last, cont)?;
+                    let g = greedy(consumer, t.cache, last, cfg.greedy_tokens, &[])?;
+                    let (mut kl, mut tv, mut nll) = (0.0, 0.0, 0.0);
+                    for (i, (p, q)) in ref_logits.iter().zip(&logits).enumerate() {
+                        let (k, v) = metrics::distances(p, q);
+                        kl += k;
+                        tv += v;
+                        nll += metrics::nll(q, cont[i]);
+                    }
+                    let n = cont.len() as f64;
+                    u.kl.push(kl / n);
+                    u.tv.push(tv / n);
+                    u.nll.push((nll, n));
+                    u.positions += cont.len();
+                    u.greedy.push(metrics::agreement(&ref_greedy, &g));
+                    Ok(())
+                })?;
+            }
             progress(&format!(
                 "{} window {}/{}",
                 data.text_name,
@@ -281,56 +399,63 @@ pub fn evaluate(
         let prompt = qa_prompt(tok, &cfg.qa_template, item)?;
         let (prefix, last) = (&prompt[..prompt.len() - 1], prompt[prompt.len() - 1]);
         let golds: Vec<&str> = item.answers.iter().map(String::as_str).collect();
-        warm_up(prefix)?;
-        let reference = transfer(&Oracle, pair, prefix)?.cache;
-        let ref_answer = greedy(
-            pair.consumer,
-            reference,
-            last,
-            cfg.answer_tokens,
-            tok.stop_ids(),
-        )?;
-        transfer_each(codecs, pair, prefix, |i, t| {
-            let u = &mut units[i];
-            u.add_transfer(&t, raw_bf16(prefix.len()));
-            let answer = greedy(
-                pair.consumer,
-                t.cache,
-                last,
-                cfg.answer_tokens,
-                tok.stop_ids(),
-            )?;
-            let text = tok.decode(&answer, true)?;
-            let pred = first_line(&text);
-            u.f1.push(metrics::squad_f1(pred, &golds));
-            u.em.push(metrics::squad_exact_match(pred, &golds));
-            u.qa_agree.push(metrics::agreement(&ref_answer, &answer));
-            Ok(())
-        })?;
+        warm_producer(prefix)?;
+        let captured = capture(all_codecs(), producer, prefix)?;
+        for (ci, c) in consumers.iter().enumerate() {
+            warm_up(ci, &captured, prefix)?;
+            let pair = Pair {
+                producer,
+                consumer: c.model,
+            };
+            let reference = transfer(&Oracle, pair, prefix)?.cache;
+            let ref_answer = greedy(c.model, reference, last, cfg.answer_tokens, tok.stop_ids())?;
+            let units = &mut units[ci];
+            rebuild_each(c.codecs, c.model, &captured, prefix, |i, t| {
+                let u = &mut units[i];
+                u.add_transfer(&t, raw_bf16(prefix.len()));
+                let answer = greedy(c.model, t.cache, last, cfg.answer_tokens, tok.stop_ids())?;
+                let text = tok.decode(&answer, true)?;
+                let pred = first_line(&text);
+                u.f1.push(metrics::squad_f1(pred, &golds));
+                u.em.push(metrics::squad_exact_match(pred, &golds));
+                u.qa_agree.push(metrics::agreement(&ref_answer, &answer));
+                Ok(())
+            })?;
+        }
         progress(&format!("squad question {}/{}", qi + 1, questions.len()));
     }
 
-    let results = codecs
+    let seconds = t0.elapsed().as_secs_f64();
+    let records = consumers
         .iter()
         .zip(&units)
-        .map(|(c, u)| u.metrics(c.mode(), c.variant(), cfg.seed))
+        .zip(&oracle_nll)
+        .map(|((c, units), oracle_nll)| EvalRecord {
+            scd_version: env!("CARGO_PKG_VERSION").into(),
+            config: EvalConfig {
+                wikitext_windows: c.windows,
+                ..cfg.clone()
+            },
+            models: ModelsInfo {
+                producer: ModelInfo::of(producer),
+                consumer: ModelInfo::of(c.model),
+                consumer_adapter: c.adapter.clone(),
+            },
+            data: DataInfo {
+                text_name: data.text_name.clone(),
+                wikitext: data.text_file.clone(),
+                squad: data.squad_file.clone(),
+                squad_ids: questions.iter().map(|q| q.id.clone()).collect(),
+            },
+            oracle_perplexity: bootstrap_ratio(oracle_nll, cfg.seed ^ 2).map(f64::exp),
+            results: c
+                .codecs
+                .iter()
+                .zip(units)
+                .map(|(codec, u)| u.metrics(codec.mode(), codec.variant(), cfg.seed))
+                .collect(),
+            seconds,
+        })
         .collect();
-    Ok(EvalRecord {
-        scd_version: env!("CARGO_PKG_VERSION").into(),
-        config: cfg.clone(),
-        models: ModelsInfo {
-            producer: ModelInfo::of(pair.producer),
-            consumer: ModelInfo::of(pair.consumer),
-            consumer_adapter,
-        },
-        data: DataInfo {
-            text_name: data.text_name.clone(),
-            wikitext: data.text_file.clone(),
-            squad: data.squad_file.clone(),
-            squad_ids: questions.iter().map(|q| q.id.clone()).collect(),
-        },
-        oracle_perplexity: bootstrap_ratio(&oracle_nll, cfg.seed ^ 2).map(f64::exp),
-        results,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    Ok(records)
 }

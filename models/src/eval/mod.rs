@@ -33,7 +33,7 @@ pub use data::{
     QaItem,
 };
 pub use drift::{drift, text_drift, DriftOptions, DriftReport, TextDrift};
-pub use harness::{evaluate, Pair};
+pub use harness::{evaluate, evaluate_shared, Consumer, Pair};
 pub use record::{DataInfo, EvalRecord, MethodMetrics, MethodTiming, ModelInfo, ModelsInfo};
 
 /// Errors of an evaluation.
