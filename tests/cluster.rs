@@ -119,13 +119,15 @@ fn write_config(
     path
 }
 
-fn spawn_node(dir: &Path, id: &str, config: &Path) -> NodeProc {
+/// Starts `scd node` with `config`; `failpoints` is its `SCD_FAILPOINTS` (empty: none).
+fn spawn_node(dir: &Path, id: &str, config: &Path, failpoints: &str) -> NodeProc {
     let log = dir.join(format!("{id}.log"));
     let out = fs::File::create(&log).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_scd"))
         .args(["node", "--drain-timeout", "60", "--config"])
         .arg(config)
         .env("SCD_LOG", "info")
+        .env(scd_actors::node::failpoints::ENV, failpoints)
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .stdin(Stdio::null())
@@ -170,19 +172,26 @@ async fn etcd_over_tls(dir: &Path) -> EtcdServer {
 }
 
 /// Starts a node process per spec on `etcd` and waits until all have registered; returns them
-/// with a client of the cluster.
+/// with a client of the cluster. The nodes named in `holding` hold every job they decode
+/// instead of reporting it (the `hold-before-report` failpoint).
 async fn start_cluster(
     pki: &Path,
     etcd: &EtcdServer,
     prefix: &str,
     specs: &[NodeSpec<'_>],
+    holding: &[&str],
 ) -> (Vec<NodeProc>, ClusterClient) {
     let endpoint = etcd.endpoint();
     let mut nodes: Vec<NodeProc> = specs
         .iter()
         .map(|(id, roles, experts)| {
             let cfg = write_config(pki, id, roles, experts, &endpoint, prefix);
-            spawn_node(pki, id, &cfg)
+            let failpoints = if holding.contains(id) {
+                "hold-before-report"
+            } else {
+                ""
+            };
+            spawn_node(pki, id, &cfg, failpoints)
         })
         .collect();
     let store: Arc<dyn MetaStore> = Arc::new(etcd.store().await.unwrap());
@@ -257,7 +266,7 @@ async fn three_node_processes_on_etcd_run_jobs_like_one_process_and_drain_on_sig
             vec![("sotu", true)],
         ),
     ];
-    let (mut nodes, client) = start_cluster(pki, &etcd, prefix, &configs).await;
+    let (mut nodes, client) = start_cluster(pki, &etcd, prefix, &configs, &[]).await;
 
     let file = GgufFile::open(model_path()).unwrap();
     let tok = Tokenizer::from_gguf(file.content()).unwrap();
@@ -831,7 +840,8 @@ async fn job_in_flight(
 /// Kill -9 under load, against real processes and a real etcd: two producers that are both
 /// scheduler replicas and two consumers of the mail expert run 20 jobs; the producer that
 /// leads the schedulers is killed with a job of its own in flight, etcd is restarted while
-/// jobs are running, and a consumer is killed with jobs in flight. Every job ends done,
+/// jobs are running, and a consumer is killed with jobs in flight (it holds every job it
+/// decodes, by the `hold-before-report` failpoint, so it has some by construction). Every job ends done,
 /// exactly once, its record shows the abandoned attempts and whom they blamed, the jobs re-run
 /// elsewhere answer what one process answers, and exactly one scheduler leads at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -850,7 +860,7 @@ async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
         ("c1", "\"consumer\"", vec![("mail", true)]),
         ("c2", "\"consumer\"", vec![("mail", true)]),
     ];
-    let (mut nodes, client) = start_cluster(pki, &etcd, prefix, &specs).await;
+    let (mut nodes, client) = start_cluster(pki, &etcd, prefix, &specs, &["c2"]).await;
     let file = GgufFile::open(model_path()).unwrap();
     let tok = Tokenizer::from_gguf(file.content()).unwrap();
     let submit = |i: usize| {
@@ -937,29 +947,19 @@ async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // A consumer dies with jobs of its own in flight.
+    // A consumer dies with jobs of its own in flight: c2 holds every job it decodes instead of
+    // reporting it (`hold-before-report`), so the jobs the scheduler gave it are still its own
+    // when it dies, however fast this machine decodes. Before, the test caught a job running on
+    // c2 and killed it, and on a busy machine every such job had ended by the kill.
     let running_on_c2 =
         |j: &scd_scheduler::JobRecord| j.state.is_running() && j.consumer.as_deref() == Some("c2");
-    job_in_flight(
-        &client,
-        &ids,
-        &[
-            JobState::Assigned,
-            JobState::Prefilling,
-            JobState::Transferring,
-            JobState::Decoding,
-        ],
-        running_on_c2,
-    )
-    .await;
+    job_in_flight(&client, &ids, &[JobState::Decoding], running_on_c2).await;
     let at = nodes.iter().position(|n| n.id == "c2").unwrap();
     let mut dead_consumer = nodes.remove(at);
     dead_consumer.child.kill().unwrap();
     dead_consumer.child.wait().unwrap();
-    // The jobs it lost are those the scheduler takes back from it: a job found running there
-    // may still end there (8 tokens decode in well under a second, and a write the dead
-    // process had sent can land after the kill), so each one is followed until c2 no longer
-    // holds it, which its lapsed lease bounds.
+    // Each job c2 held goes back to the queue, blaming c2, once its lapsed lease tells the
+    // scheduler that c2 is gone.
     let mut lost_on_c2 = Vec::new();
     for &id in &ids {
         let deadline = Instant::now() + JOB_WITHIN;
@@ -972,13 +972,15 @@ async fn killed_nodes_and_a_restarted_etcd_lose_no_job() {
             tokio::time::sleep(Duration::from_millis(100)).await;
             job = client.get(id).await.unwrap();
         }
-        if job.failed_consumers.iter().any(|c| c == "c2") {
-            lost_on_c2.push(id);
-        }
+        assert!(
+            job.failed_consumers.iter().any(|c| c == "c2"),
+            "{id}: taken back from the dead c2 without blaming it: {job:?}"
+        );
+        lost_on_c2.push(id);
     }
     assert!(
         !lost_on_c2.is_empty(),
-        "c2 held no job when it died: each one found running there finished before the kill"
+        "c2 held no job when it died, although it holds every job it decodes"
     );
 
     let mut finished = Vec::new();

@@ -102,6 +102,15 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
             served.experts.len(),
             started.elapsed().as_secs_f64()
         );
+        let id = config.node.id.to_string();
+        let failpoints = scd_actors::node::failpoints::from_env(&id).map_err(anyhow::Error::msg)?;
+        if !failpoints.is_empty() {
+            eprintln!(
+                "node {id}: test failpoints from {}: {}",
+                scd_actors::node::failpoints::ENV,
+                failpoints.join(", ")
+            );
+        }
         let cancel = CancellationToken::new();
         let node = Node::start(
             &config,

@@ -130,53 +130,101 @@ fn side_labels(side: Side) -> SideLabels {
     }
 }
 
-/// Test hooks that stop a node's work at a chosen point, for the restart tests.
+/// Test hooks that stop a node's work at a chosen point, for the restart and fault tests.
 /// Nothing outside tests sets them; unset, each costs one lock per job.
 #[doc(hidden)]
 pub mod failpoints {
     use std::collections::BTreeSet;
     use std::sync::Mutex;
 
-    static HOLD_AFTER_CLAIM: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    type Nodes = Mutex<BTreeSet<String>>;
+
+    fn set(points: &Nodes, node: &str, on: bool) {
+        let mut nodes = points.lock().unwrap_or_else(|p| p.into_inner());
+        match on {
+            true => nodes.insert(node.to_owned()),
+            false => nodes.remove(node),
+        };
+    }
+
+    fn has(points: &Nodes, node: &str) -> bool {
+        let nodes = points.lock().unwrap_or_else(|p| p.into_inner());
+        !nodes.is_empty() && nodes.contains(node)
+    }
+
+    static HOLD_AFTER_CLAIM: Nodes = Mutex::new(BTreeSet::new());
+    static HOLD_BEFORE_REPORT: Nodes = Mutex::new(BTreeSet::new());
+    static SILENCED: Nodes = Mutex::new(BTreeSet::new());
 
     /// With `on`, producer node `node` claims the jobs assigned to it and then holds them
     /// (until the attempt is stopped) instead of opening their streams: a crash between the
     /// claim and the stream, once the node is killed.
     pub fn hold_after_claim(node: &str, on: bool) {
-        let mut held = HOLD_AFTER_CLAIM.lock().unwrap_or_else(|p| p.into_inner());
-        match on {
-            true => held.insert(node.to_owned()),
-            false => held.remove(node),
-        };
+        set(&HOLD_AFTER_CLAIM, node, on)
     }
 
     pub(crate) fn holds_after_claim(node: &str) -> bool {
-        let held = HOLD_AFTER_CLAIM.lock().unwrap_or_else(|p| p.into_inner());
-        !held.is_empty() && held.contains(node)
+        has(&HOLD_AFTER_CLAIM, node)
     }
 
-    static SILENCED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    /// With `on`, consumer node `node` decodes the jobs it is given and then holds them (until
+    /// the attempt is stopped) instead of reporting them: once the node is killed, a consumer
+    /// that died with jobs in flight by construction, however fast it decodes.
+    pub fn hold_before_report(node: &str, on: bool) {
+        set(&HOLD_BEFORE_REPORT, node, on)
+    }
+
+    pub(crate) fn holds_before_report(node: &str) -> bool {
+        has(&HOLD_BEFORE_REPORT, node)
+    }
 
     /// With `on`, node `node` writes nothing more to job records (no progress, report,
     /// hand-back or failure): with [`crate::node::Node::kill`], a process killed with
     /// SIGKILL, which cannot say anything as it goes.
     pub fn silence(node: &str, on: bool) {
-        let mut silenced = SILENCED.lock().unwrap_or_else(|p| p.into_inner());
-        match on {
-            true => silenced.insert(node.to_owned()),
-            false => silenced.remove(node),
-        };
+        set(&SILENCED, node, on)
     }
 
     pub(crate) fn silenced(node: &str) -> bool {
-        let silenced = SILENCED.lock().unwrap_or_else(|p| p.into_inner());
-        !silenced.is_empty() && silenced.contains(node)
+        has(&SILENCED, node)
     }
 
     pub(crate) fn silenced_error() -> scd_scheduler::JobError {
         scd_scheduler::JobError::Store(scd_scheduler::StoreError::Invalid(
             "failpoint: this node is silenced".into(),
         ))
+    }
+
+    /// The variable a node process reads its failpoints from, as fail-rs reads `FAILPOINTS`:
+    /// the tests that run `scd node` as a process (`tests/cluster.rs`) cannot reach its
+    /// statics. A comma-separated list of `hold-after-claim` and `hold-before-report`.
+    pub const ENV: &str = "SCD_FAILPOINTS";
+
+    /// Sets the failpoints [`ENV`] names for node `node`; returns the names set (none where
+    /// it is unset), or the first name it does not know.
+    pub fn from_env(node: &str) -> Result<Vec<String>, String> {
+        let Ok(list) = std::env::var(ENV) else {
+            return Ok(Vec::new());
+        };
+        let names: Vec<String> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned)
+            .collect();
+        for name in &names {
+            match name.as_str() {
+                "hold-after-claim" => hold_after_claim(node, true),
+                "hold-before-report" => hold_before_report(node, true),
+                other => {
+                    return Err(format!(
+                        "{ENV} names `{other}`; the failpoints are hold-after-claim and \
+                         hold-before-report"
+                    ))
+                }
+            }
+        }
+        Ok(names)
     }
 }
 
@@ -959,6 +1007,11 @@ impl Work {
         };
         if half.handle(ConsumerEvent::Finished) != Action::Report {
             return;
+        }
+        if failpoints::holds_before_report(&self.id) {
+            // A test's stand-in for a consumer that dies with the job decoded but not reported.
+            tracing::warn!(job = %id, "failpoint: holding the decoded job");
+            return cancel.cancelled().await;
         }
         let clock = WallClock::now();
         let end = clock.now;
