@@ -43,7 +43,7 @@ test: setup model data
 	$(call cpu_feature_tests,avx2,avx2 fma f16c,AVX2, with FMA and F16C)
 	@if why=$$(ops/netns-link.sh check 2>&1); then $(MAKE) --no-print-directory test-netns; \
 	else echo "netns tests not run: needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2 (ip, tc): $${why#netns-link: }"; fi
-	cargo check --manifest-path transport/fuzz/Cargo.toml
+	cargo check --manifest-path transport/fuzz/Cargo.toml --no-default-features --target-dir target/fuzz-check
 	$(MAKE) --no-print-directory test-deploy
 
 # The control plane's soak (minutes, so not part of `make test`): a real etcd
