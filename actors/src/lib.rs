@@ -1,5 +1,7 @@
-//! The node of scd, built from ractor actors: producer, encoder, transfer, aligner, decoder,
-//! scheduler client and admin, under explicit supervision, plus the node configuration.
+//! The node of scd, built from ractor actors: producer, encoder, transfer and decoder on a
+//! job's path (the design's aligner is not an actor of its own yet: its work runs in the
+//! decoder, see [`decoder`]), the scheduler client and admin, under explicit supervision, plus
+//! the node configuration.
 //!
 //! It is the one crate that depends on `scd-models`, `scd-transport` and `scd-scheduler`; they do
 //! not know each other. It holds the actors of a job's path, the node that runs them from its
