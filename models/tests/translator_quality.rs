@@ -54,8 +54,8 @@
 //!
 //! Time: every figure above comes from one run ([`runs`], through
 //! [`eval::evaluate_shared`]) that the tests share: each window's base prefill is done once
-//! for every expert, and each expert's oracle once for its shipped translator's methods and its
-//! control's. Before, each test ran the harness on its own (a base prefill per window per
+//! for every expert, and each expert's oracle once for all its methods; the two negative
+//! controls are consumers of their own in the same run, on their first two windows. Before, each test ran the harness on its own (a base prefill per window per
 //! expert, and again for the controls: 744 s for this file on the 2-core development VM,
 //! 2026-12-07, the largest binary of `make test`; 373 s after, with the dependencies' debug
 //! assertions off too: `docs/bench-log/suite.md`).
@@ -337,9 +337,9 @@ fn codecs_for(expert: &str, translator: &Arc<Translator>, index: usize) -> Vec<B
 }
 
 /// Every expert's figures, measured once for all the tests of this file with the model work
-/// shared ([`eval::evaluate_shared`]): one base prefill per window for every expert, each
-/// expert's oracle for its shipped translator's methods and its control's. A panic while
-/// measuring becomes every test's failure, not a second run.
+/// shared ([`eval::evaluate_shared`]): one base prefill per window for every expert and
+/// control, each expert's oracle once for all its methods. A panic while measuring becomes
+/// every test's failure, not a second run.
 fn runs() -> &'static Result<Vec<(String, ExpertRun)>, String> {
     static RUNS: OnceLock<Result<Vec<(String, ExpertRun)>, String>> = OnceLock::new();
     RUNS.get_or_init(|| {
@@ -363,16 +363,22 @@ fn run(expert: &str) -> &'static ExpertRun {
 fn measure_all() -> Vec<(String, ExpertRun)> {
     let t0 = Instant::now();
     let (base, tok) = common::real();
-    // Each expert with its shipped translator, then each control's expert with its garbled
-    // translator.
-    let names: Vec<&str> = EXPERTS.iter().chain(&CONTROLLED).copied().collect();
-    let codecs: Vec<Vec<Box<dyn Codec>>> = names
+    // The run's consumers: each expert with its shipped translator, then each control's expert
+    // with its garbled one: (expert, garbled, windows).
+    let plan: Vec<(&str, bool, usize)> = EXPERTS
         .iter()
-        .enumerate()
-        .map(|(i, &expert)| {
-            let t = match i < EXPERTS.len() {
-                true => translator(expert),
-                false => garbage_translator(expert),
+        .map(|&e| match e {
+            "mail-rope" => (e, false, MAIL_ROPE_WINDOWS),
+            _ => (e, false, MILD_WINDOWS),
+        })
+        .chain(CONTROLLED.iter().map(|&e| (e, true, CONTROL_WINDOWS)))
+        .collect();
+    let codecs: Vec<Vec<Box<dyn Codec>>> = plan
+        .iter()
+        .map(|&(expert, garbled, _)| {
+            let t = match garbled {
+                false => translator(expert),
+                true => garbage_translator(expert),
             };
             let index = t
                 .check_pair(base, consumer(expert))
@@ -384,19 +390,14 @@ fn measure_all() -> Vec<(String, ExpertRun)> {
         .iter()
         .map(|c| c.iter().map(|c| c.as_ref()).collect())
         .collect();
-    let consumers: Vec<eval::Consumer> = names
+    let consumers: Vec<eval::Consumer> = plan
         .iter()
         .zip(&refs)
-        .enumerate()
-        .map(|(i, (&expert, codecs))| eval::Consumer {
+        .map(|(&(expert, _, windows), codecs)| eval::Consumer {
             model: consumer(expert),
             codecs,
             adapter: None,
-            windows: match (i < EXPERTS.len(), expert) {
-                (false, _) => CONTROL_WINDOWS,
-                (true, "mail-rope") => MAIL_ROPE_WINDOWS,
-                (true, _) => MILD_WINDOWS,
-            },
+            windows,
         })
         .collect();
     let cfg = EvalConfig {
@@ -411,16 +412,14 @@ fn measure_all() -> Vec<(String, ExpertRun)> {
     let records = eval::evaluate_shared(base, &consumers, tok, data(), &cfg, |_| {})
         .unwrap_or_else(|e| panic!("evaluating: {e}"));
     let seconds = t0.elapsed().as_secs_f64();
-    let mut measured: Vec<Measured> = names
+    let mut measured: Vec<Measured> = plan
         .iter()
         .zip(records)
-        .enumerate()
-        .map(|(i, (&expert, record))| {
-            let what = match i < EXPERTS.len() {
-                true => "shipped translator",
-                false => "garbage decoders",
+        .map(|(&(expert, garbled, n), record)| {
+            let what = match garbled {
+                false => "shipped translator",
+                true => "garbage decoders",
             };
-            let n = consumers[i].windows;
             let [raw, scd, scd_tc, kvtc] = <[MethodMetrics; 4]>::try_from(record.results)
                 .unwrap_or_else(|_| panic!("{expert}: four methods"));
             assert_eq!(

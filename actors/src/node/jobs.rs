@@ -201,30 +201,56 @@ pub mod failpoints {
     pub const ENV: &str = "SCD_FAILPOINTS";
 
     /// Sets the failpoints [`ENV`] names for node `node`; returns the names set (none where
-    /// it is unset), or the first name it does not know.
+    /// it is unset), or the first name it does not know (then it sets none).
     pub fn from_env(node: &str) -> Result<Vec<String>, String> {
-        let Ok(list) = std::env::var(ENV) else {
-            return Ok(Vec::new());
-        };
+        match std::env::var(ENV) {
+            Ok(list) => set_listed(node, &list),
+            Err(_) => Ok(Vec::new()),
+        }
+    }
+
+    fn set_listed(node: &str, list: &str) -> Result<Vec<String>, String> {
         let names: Vec<String> = list
             .split(',')
             .map(str::trim)
             .filter(|n| !n.is_empty())
             .map(str::to_owned)
             .collect();
+        let mut set: Vec<fn(&str, bool)> = Vec::new();
         for name in &names {
-            match name.as_str() {
-                "hold-after-claim" => hold_after_claim(node, true),
-                "hold-before-report" => hold_before_report(node, true),
+            set.push(match name.as_str() {
+                "hold-after-claim" => hold_after_claim,
+                "hold-before-report" => hold_before_report,
                 other => {
                     return Err(format!(
                         "{ENV} names `{other}`; the failpoints are hold-after-claim and \
                          hold-before-report"
                     ))
                 }
-            }
+            });
+        }
+        for point in set {
+            point(node, true);
         }
         Ok(names)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_listed_failpoint_is_set_for_its_node_and_an_unknown_one_sets_none() {
+            let err = set_listed("fp-a", "hold-before-report, hold-on").unwrap_err();
+            assert!(err.contains("`hold-on`"), "{err}");
+            assert!(!holds_before_report("fp-a"));
+            let set = set_listed("fp-a", " hold-before-report ,,").unwrap();
+            assert_eq!(set, ["hold-before-report"]);
+            assert!(holds_before_report("fp-a"));
+            assert!(!holds_before_report("fp-b") && !holds_after_claim("fp-a"));
+            hold_before_report("fp-a", false);
+            assert!(!holds_before_report("fp-a"));
+        }
     }
 }
 
