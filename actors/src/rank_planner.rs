@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use scd_models::translator::rank_curve::{self, LinkEstimate};
 use scd_models::translator::{RankPolicy, Translator};
-use scd_scheduler::{Mode, RanksChoice, RanksRule};
+use scd_scheduler::{Mode, ModeChoice, RanksChoice, RanksRule};
 use scd_transport::{CodeDType, LinkRate};
 use scd_types::NodeId;
 
@@ -71,10 +71,14 @@ impl RankPlanner {
 
     /// A finished transfer of `bytes` to `peer` at `rate`
     /// ([`scd_transport::SendReport::link_rate`]) that took `elapsed` from its stream's open
-    /// to its end. A measured rate moves the estimate; a "kept up" one (an upper estimate from
-    /// a job the link never held back) only stands in while nothing was measured, so one slow
-    /// prefill cannot make a slow link look fast. But a link carried its bytes within
-    /// `elapsed` whatever held the stream back: `bytes / elapsed` is a floor on its rate, and a
+    /// to its end. A measured rate moves the estimate. A "kept up" one (a job the link never
+    /// held back) is an upper bound only, and a loose one: a frame under the pacer's burst or
+    /// QUIC's window is written at once, so a 300 Mbit/s link fed slowly reads as tens of
+    /// Gbit/s. What such a job proves is its floor: a link carried its bytes within `elapsed`
+    /// whatever held the stream back, so `bytes / elapsed` is a lower bound on its rate. While
+    /// nothing was measured, a kept-up job stands in as its floor, or as
+    /// [`ModeChoice::UNMEASURED_MBIT`] where that is higher (and the upper bound allows): as
+    /// cautious as knowing nothing, and never faster than a job showed. Once measured, a
     /// measured estimate under a stream's floor is stale (the link got faster since it last
     /// held a job back; a fast link never does again, and would be taken for the old slow one
     /// for good), so it is raised to the floor.
@@ -94,21 +98,25 @@ impl RankPlanner {
         if bytes < MIN_SAMPLE_BYTES {
             return;
         }
+        let secs = elapsed.as_secs_f64();
+        let floor = if secs > 0.0 { bytes as f64 / secs } else { 0.0 };
+        let stand_in = |upper: f64| {
+            let unmeasured = ModeChoice::UNMEASURED_MBIT * 1e6 / 8.0;
+            floor.max(unmeasured.min(upper))
+        };
         let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
         let old = links.get(peer).copied();
         let new = match (rate, old) {
             (LinkRate::Measured(r), Some(Estimate::Measured(o))) => blend(Some(o), r),
             (LinkRate::Measured(r), _) => r,
             (LinkRate::KeptUp(_), Some(Estimate::Measured(o))) => {
-                let secs = elapsed.as_secs_f64();
-                let floor = if secs > 0.0 { bytes as f64 / secs } else { 0.0 };
                 if floor > o {
                     links.insert(peer.clone(), Estimate::Measured(floor));
                 }
                 return;
             }
-            (LinkRate::KeptUp(r), Some(Estimate::KeptUp(o))) => blend(Some(o), r),
-            (LinkRate::KeptUp(r), None) => r,
+            (LinkRate::KeptUp(r), Some(Estimate::KeptUp(o))) => blend(Some(o), stand_in(r)),
+            (LinkRate::KeptUp(r), None) => stand_in(r),
         };
         let estimate = match rate {
             LinkRate::Measured(_) => Estimate::Measured(new),
@@ -256,14 +264,35 @@ mod tests {
             long,
         );
         assert_eq!(p.link("c"), Some(200.0));
-        // ...and stands in while nothing was, until a measurement replaces it.
+        // ...and stands in while nothing was, until a measurement replaces it: as the
+        // unmeasured default while its floor is lower (the write times of a link fed slowly
+        // are bursts, not its rate)...
+        let unmeasured = ModeChoice::UNMEASURED_MBIT * 1e6 / 8.0;
         p.observe_transfer(
             &NodeId::from_static("fast"),
             n,
-            Some(LinkRate::KeptUp(1e9)),
+            Some(LinkRate::KeptUp(1e12)),
             long,
         );
-        assert_eq!(p.link("fast"), Some(1e9));
+        assert_eq!(p.link("fast"), Some(unmeasured));
+        // ...as its floor where that is higher, and never over its own upper bound.
+        let quick = Duration::from_secs_f64(n as f64 / (4.0 * unmeasured));
+        p.observe_transfer(
+            &NodeId::from_static("fast"),
+            n,
+            Some(LinkRate::KeptUp(1e12)),
+            quick,
+        );
+        let floor = n as f64 / quick.as_secs_f64();
+        let blended = (unmeasured + floor) / 2.0;
+        assert!((p.link("fast").unwrap() - blended).abs() < 1.0, "{:?}", p.link("fast"));
+        p.observe_transfer(
+            &NodeId::from_static("slow"),
+            n,
+            Some(LinkRate::KeptUp(1e6)),
+            long,
+        );
+        assert_eq!(p.link("slow"), Some(1e6));
         p.observe_transfer(&NodeId::from_static("fast"), n, measured(5e8), long);
         assert_eq!(p.link("fast"), Some(5e8));
         assert_eq!(p.link("other"), None);
