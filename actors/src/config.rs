@@ -167,8 +167,10 @@ impl Default for GatewayConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CodecConfig {
-    /// `code_dtype`: `"f16"` (the default) or `"i8-rows"` (int8 with a scale per token and
-    /// code: half the bytes, at the KL cost BENCHMARKS.md measures).
+    /// `code_dtype`: `"f16"` (the default), `"i8-rows"` (int8 with a scale per token and
+    /// code: half the bytes, at the KL cost BENCHMARKS.md measures) or `"tc"` (transform-coded:
+    /// a step per component and entropy coding, at a rate chosen per job from the translator's
+    /// rate table as ranks are from its curve; about a third of i8-rows' bytes at the same KL).
     pub code_dtype: CodeDtypeName,
     /// `ranks`: `"adaptive"` (the default: per job, from the measured link to the job's
     /// consumer and the translator's quality-vs-ranks curve, under `kl_ceiling`), `"default"`
@@ -265,6 +267,8 @@ pub enum CodeDtypeName {
     F16,
     /// int8 rows, each with its f32 scale.
     I8Rows,
+    /// Transform-coded ([`scd_transport::CodeDType::TC`]).
+    Tc,
 }
 
 impl CodeDtypeName {
@@ -273,6 +277,7 @@ impl CodeDtypeName {
         match self {
             Self::F16 => scd_transport::CodeDType::F16,
             Self::I8Rows => scd_transport::CodeDType::I8_ROWS,
+            Self::Tc => scd_transport::CodeDType::TC,
         }
     }
 }
@@ -906,6 +911,14 @@ impl NodeConfig {
                 format!("{} must be a positive number, e.g. 0.1", c.kl_ceiling),
             ));
         }
+        if let (CodeDtypeName::Tc, RankSetting::Fixed(_)) = (c.code_dtype, c.ranks) {
+            return Err(invalid(
+                "codec.ranks",
+                "transform-coded codes (code_dtype = \"tc\") send every component their rate \
+                 pays for: their size is a rate, \"adaptive\" or \"default\", not fixed ranks"
+                    .to_string(),
+            ));
+        }
         if !(0.0..=10.0).contains(&c.rank_slack) {
             return Err(invalid(
                 "codec.rank_slack",
@@ -1505,8 +1518,17 @@ frames_in_flight = 16
         assert_eq!(paced["consumer-b"].rate_bps, 5_000_000_000);
         let config = parse(&(VALID.to_owned() + "\n[codec]\nranks = \"default\"\n")).unwrap();
         assert_eq!(config.codec.ranks, RankSetting::Default);
+        let config = parse(&(VALID.to_owned() + "\n[codec]\ncode_dtype = \"tc\"\n")).unwrap();
+        assert_eq!(
+            config.codec.code_dtype.dtype(),
+            scd_transport::CodeDType::TC
+        );
         for (extra, key) in [
             ("[codec]\nkl_ceiling = 0\n", "codec.kl_ceiling"),
+            (
+                "[codec]\ncode_dtype = \"tc\"\nranks = \"k=32,v=64,h=16\"\n",
+                "codec.ranks",
+            ),
             ("[codec]\nrank_slack = -1\n", "codec.rank_slack"),
             (
                 "[links]\npace_mbit = { consumer-a = 0 }\n",

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use scd_models::codec::TcRate;
 use scd_models::translator::rank_curve::{self, LinkEstimate};
 use scd_models::translator::{RankPolicy, Translator};
 use scd_scheduler::{Mode, ModeChoice, RanksChoice, RanksRule};
@@ -161,7 +162,10 @@ impl RankPlanner {
     }
 
     /// The ranks of a job of `mode` on consumer `expert` of `translator`, whose prefix of
-    /// `rows` tokens goes to `peer`.
+    /// `rows` tokens goes to `peer`; for transform-coded codes (`kvtc`, and `reuse` and `scd`
+    /// when this producer sends dtype `tc`) their rate instead, from the translator's rate
+    /// table as ranks are from its curve (the ranks are then `r_max`: such codes carry every
+    /// component the rate pays for).
     pub fn plan(
         &self,
         translator: &Arc<Translator>,
@@ -170,14 +174,19 @@ impl RankPlanner {
         rows: usize,
         peer: &str,
     ) -> RanksChoice {
+        let m = &translator.manifest;
+        let tc = mode == Mode::Kvtc || self.dtype == CodeDType::TC && mode.uses_translator_codes();
         let defaults = |rule| RanksChoice {
-            ranks: translator.manifest.default_ranks,
+            ranks: if tc { m.r_max } else { m.default_ranks },
+            step: tc.then(|| TcRate::default().step),
             rule,
             link_mbit: None,
             curve_kl: None,
         };
         match self.setting {
             RankSetting::Default => return defaults(RanksRule::Default),
+            // Fixed ranks are refused with dtype tc ([`crate::config`]); kvtc has none.
+            RankSetting::Fixed(_) if tc => return defaults(RanksRule::Default),
             RankSetting::Fixed(ranks) => {
                 return RanksChoice {
                     ranks,
@@ -186,9 +195,13 @@ impl RankPlanner {
             }
             RankSetting::Adaptive => {}
         }
-        let Some(curve) = &translator.manifest.rank_curve else {
-            return defaults(RanksRule::NoCurve);
+        let measured = match tc {
+            true => m.rate_table.is_some(),
+            false => m.rank_curve.is_some(),
         };
+        if !measured {
+            return defaults(RanksRule::NoCurve);
+        }
         let Some(bytes_per_sec) = self.link(peer) else {
             return defaults(RanksRule::Unmeasured);
         };
@@ -200,7 +213,26 @@ impl RankPlanner {
             bytes_per_sec,
             prefill_secs: per_token.unwrap_or(0.0) * rows as f64,
         };
-        let link_mbit = Some(bytes_per_sec * 8.0 / 1e6);
+        let chosen = |ranks, step, kl, rule| RanksChoice {
+            ranks,
+            step,
+            rule,
+            link_mbit: Some(bytes_per_sec * 8.0 / 1e6),
+            curve_kl: Some(kl),
+        };
+        if let Some(table) = m.rate_table.as_ref().filter(|_| tc) {
+            let layers = translator.layers.len();
+            // The base's K and V in bf16: what the table's shares are of.
+            let raw = (rows * layers * 2 * m.kv_dim * 2) as u64;
+            return match table.choose(mode, expert, raw, layers, &link, &self.policy) {
+                Some(c) => chosen(m.r_max, Some(c.step), c.kl, RanksRule::Adaptive),
+                // Nothing meets the ceiling: the best rate measured, whatever it costs.
+                None => match table.best(mode, expert) {
+                    Some((step, kl)) => chosen(m.r_max, Some(step), kl, RanksRule::OverCeiling),
+                    None => defaults(RanksRule::NoCurve),
+                },
+            };
+        }
         match rank_curve::choose(
             translator,
             expert,
@@ -210,26 +242,17 @@ impl RankPlanner {
             &link,
             &self.policy,
         ) {
-            Some(c) => RanksChoice {
-                ranks: c.ranks,
-                rule: RanksRule::Adaptive,
-                link_mbit,
-                curve_kl: Some(c.kl),
-            },
+            Some(c) => chosen(c.ranks, None, c.kl, RanksRule::Adaptive),
             // Nothing meets the ceiling: the best the translator can do, whatever it costs.
-            None => match curve
-                .points
+            None => match m
+                .rank_curve
                 .iter()
+                .flat_map(|c| &c.points)
                 .filter(|p| p.mode == mode)
                 .filter_map(|p| Some((p.ranks, *p.kl.get(expert)?)))
                 .min_by(|a, b| a.1.total_cmp(&b.1))
             {
-                Some((ranks, kl)) => RanksChoice {
-                    ranks,
-                    rule: RanksRule::OverCeiling,
-                    link_mbit,
-                    curve_kl: Some(kl),
-                },
+                Some((ranks, kl)) => chosen(ranks, None, kl, RanksRule::OverCeiling),
                 None => defaults(RanksRule::NoCurve),
             },
         }
@@ -285,7 +308,11 @@ mod tests {
         );
         let floor = n as f64 / quick.as_secs_f64();
         let blended = (unmeasured + floor) / 2.0;
-        assert!((p.link("fast").unwrap() - blended).abs() < 1.0, "{:?}", p.link("fast"));
+        assert!(
+            (p.link("fast").unwrap() - blended).abs() < 1.0,
+            "{:?}",
+            p.link("fast")
+        );
         p.observe_transfer(
             &NodeId::from_static("slow"),
             n,

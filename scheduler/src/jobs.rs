@@ -34,17 +34,25 @@ pub struct StateEntry {
     pub producer: Option<NodeId>,
 }
 
-/// The ranks a producer chose for an attempt's codes, and on what grounds.
+/// The size a producer chose for an attempt's codes (their ranks, and for transform-coded
+/// codes their rate), and on what grounds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RanksChoice {
-    /// The ranks.
+    /// The ranks. Transform-coded codes (`step` set) carry every component their rate pays
+    /// for, so theirs are the translator's `r_max`; `kvtc`'s codes are in the base's own basis,
+    /// and the ranks are not theirs.
     pub ranks: Ranks,
+    /// The rate of transform-coded codes (`reuse` and `scd` in dtype `tc`, `kvtc`): the
+    /// quantiser's step, coarser as it grows. `None` for codes of a fixed width.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<f32>,
     /// How they were chosen.
     pub rule: RanksRule,
     /// The link throughput to the consumer the choice assumed, Mbit/s (adaptive choices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link_mbit: Option<f64>,
-    /// The held-out KL the translator's curve gives these ranks (adaptive choices).
+    /// The held-out KL the translator's curve gives these ranks, or its rate table this rate
+    /// (adaptive choices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub curve_kl: Option<f64>,
 }

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Instant;
 
 use ractor::ActorRef;
-use scd_models::codec::CodecOptions;
+use scd_models::codec::{CodecOptions, TcRate};
 use scd_models::{GenerateParams, KvCache, Sampling, StopReason};
 use scd_scheduler::jobs::now_ms;
 use scd_scheduler::{
@@ -390,9 +390,12 @@ impl Work {
         };
         let stamp = version.as_ref().map(|v| v.hash());
         // Auto weighed the codes at their ranks already: the ones it chose are those. Only
-        // the translator's own codes have ranks (kvtc and droidspeak use it otherwise).
+        // codes tied to the translator have a size to choose (the translator's own codes their
+        // ranks or rate, kvtc's its rate; droidspeak sends raw KV).
         let ranks = chosen_ranks.or_else(|| {
-            let v = version.as_ref().filter(|_| mode.uses_translator_codes())?;
+            let v = version
+                .as_ref()
+                .filter(|_| mode.codes_tied_to_translator())?;
             let rows = job.request.as_ref()?.prompt.len().saturating_sub(1);
             let consumer = job.consumer.as_deref()?;
             Some(
@@ -506,8 +509,15 @@ impl Work {
             situation.consumer_finish_ms = n.finish_ms_per_token;
         }
         // The base's own KV: K and V, kv_dim values per token and layer, bf16 (2 bytes);
-        // q4 packs a value in 4 bits plus an f16 scale and minimum per group of 32 (5 bits).
+        // KIVI packs a value in 4 (2) bits plus an f16 scale and minimum per group of 32: 5 (3)
+        // bits a value.
         let raw = (layers * rows * 2 * config.num_kv_heads * config.head_dim * 2) as u64;
+        let kivi = |mode: Mode, bits: u64| mode_planner::Offer {
+            mode,
+            payload_bytes: raw * bits / 16,
+            kl: transfer_kl.get(&mode).copied(),
+            ranks: None,
+        };
         let mut offers = vec![
             mode_planner::Offer {
                 mode: Mode::Raw,
@@ -515,38 +525,33 @@ impl Work {
                 kl: transfer_kl.get(&Mode::Raw).copied(),
                 ranks: None,
             },
-            mode_planner::Offer {
-                mode: Mode::Q4,
-                payload_bytes: raw * 5 / 16,
-                kl: transfer_kl.get(&Mode::Q4).copied(),
-                ranks: None,
-            },
+            kivi(Mode::Q4, 5),
+            kivi(Mode::Q2, 3),
         ];
         if let Some(v) = &version {
             let manifest = &v.translator.manifest;
             situation.patch_share = manifest.patch_layers.len() as f64 / layers.max(1) as f64;
-            for mode in [Mode::Reuse, Mode::Scd] {
+            let kvtc = manifest.kvtc.is_some().then_some(Mode::Kvtc);
+            for mode in [Mode::Reuse, Mode::Scd].into_iter().chain(kvtc) {
                 let choice = self
                     .ranks
                     .plan(&v.translator, v.index, mode, rows, consumer);
-                let codec = scd_models::codec::Translated::new(
-                    v.translator.clone(),
-                    mode,
-                    v.index,
-                    choice.ranks,
-                    self.codec_options.code_dtype,
-                    None,
-                );
-                let Ok(codec) = codec else { continue };
-                let kl = choice.curve_kl.or_else(|| {
-                    let points = manifest.rank_curve.as_ref()?.points.iter();
-                    points
-                        .filter(|p| p.mode == mode && p.ranks == choice.ranks)
-                        .find_map(|p| p.kl.get(v.index).copied())
+                let Some(payload_bytes) = self.expected_payload(v, mode, &choice, rows, raw) else {
+                    continue;
+                };
+                // The KL the choice was made on, or the one measured at its ranks or rate.
+                let kl = choice.curve_kl.or_else(|| match choice.step {
+                    Some(step) => manifest.rate_table.as_ref()?.kl_at(mode, v.index, step),
+                    None => {
+                        let points = manifest.rank_curve.as_ref()?.points.iter();
+                        points
+                            .filter(|p| p.mode == mode && p.ranks == choice.ranks)
+                            .find_map(|p| p.kl.get(v.index).copied())
+                    }
                 });
                 offers.push(mode_planner::Offer {
                     mode,
-                    payload_bytes: codec.payload_bytes(rows),
+                    payload_bytes,
                     kl,
                     ranks: Some(choice),
                 });
@@ -556,6 +561,35 @@ impl Work {
         let (choice, offer) = mode_planner::choose(&situation, &offers);
         tracing::info!(job = %job.id, mode = %choice.chosen, reason = choice.reason, "auto chose a mode");
         (choice, offer.ranks)
+    }
+
+    /// The bytes a job of `mode` sends with codes of `choice`'s size over `rows` tokens whose
+    /// raw KV is `raw` bytes: a fixed-width code's exact payload, or the share of raw the rate
+    /// table measured for a transform-coded one (its bytes depend on its values; the bound
+    /// the wire checks is several times more); `None` for a codec this node cannot make.
+    fn expected_payload(
+        &self,
+        v: &crate::node::translators::Version,
+        mode: Mode,
+        choice: &scd_scheduler::RanksChoice,
+        rows: usize,
+        raw: u64,
+    ) -> Option<u64> {
+        if let Some(step) = choice.step {
+            let table = v.translator.manifest.rate_table.as_ref()?;
+            let share = table.share_at(mode, v.index, step)?;
+            return Some((raw as f64 * share).ceil() as u64);
+        }
+        let codec = scd_models::codec::Translated::new(
+            v.translator.clone(),
+            mode,
+            v.index,
+            choice.ranks,
+            self.codec_options.code_dtype,
+            None,
+        )
+        .ok()?;
+        Some(codec.payload_bytes(rows))
     }
 
     /// A finished producer half's report, into the rank planner, the metrics, the trace and
@@ -627,6 +661,9 @@ impl Work {
                 }
                 if let Some(kl) = c.curve_kl {
                     attrs.push(KeyValue::new("scd.ranks_curve_kl", kl));
+                }
+                if let Some(step) = c.step {
+                    attrs.push(KeyValue::new("scd.tc_step", f64::from(step)));
                 }
             }
             t.record_report(&job.trace, &report, attrs);
@@ -1281,8 +1318,10 @@ impl Work {
             None => self.translators.current(expert),
         }
         .map_err(|e| Refusal::Translator(e.to_string()))?;
+        let step = job.ranks.and_then(|c| c.step);
         let options = CodecOptions {
             ranks: job.ranks.map(|c| c.ranks).or(self.codec_options.ranks),
+            tc_rate: step.map_or(self.codec_options.tc_rate, |step| TcRate { step }),
             ..self.codec_options
         };
         JobCodec::for_mode(

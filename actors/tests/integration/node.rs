@@ -12,7 +12,7 @@ use crate::common::{
     config, config_with, models, prompt, reference, reference_for, repo, request, Cluster,
     MAX_TOKENS, WAIT,
 };
-use scd_actors::config::RankSetting;
+use scd_actors::config::{CodeDtypeName, RankSetting};
 use scd_actors::{ClientError, JobCodec};
 use scd_models::codec::CodecOptions;
 use scd_models::translator::Translator;
@@ -51,6 +51,13 @@ async fn jobs_in_every_mode_run_across_the_nodes_and_match_the_in_process_refere
                 let c = job.ranks.expect("a scd job's ranks are recorded");
                 assert_eq!(c.rule, RanksRule::Default);
                 assert_eq!(c.ranks, m.translator.0.manifest.default_ranks);
+                assert_eq!(c.step, None);
+            }
+            // kvtc's codes are transform-coded: a rate, the default one as configured.
+            Mode::Kvtc => {
+                let c = job.ranks.expect("a kvtc job's rate is recorded");
+                assert_eq!(c.rule, RanksRule::Default);
+                assert_eq!(c.step, Some(scd_models::codec::TcRate::default().step));
             }
             _ => assert_eq!(job.ranks, None, "{mode}"),
         }
@@ -648,6 +655,119 @@ async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
         "the paced link measured at {slow_mbit} Mbit/s"
     );
     assert!(fast.link_mbit.unwrap() > 5.0 * slow_mbit, "{fast:?}");
+    assert!(
+        slow_bytes < fast_bytes,
+        "slow link: {slow:?} {slow_bytes} B, fast: {fast:?} {fast_bytes} B"
+    );
+    producer.shutdown(Duration::ZERO).await;
+}
+
+/// Transform-coded codes sized for the link (M13): a producer that sends `reuse` and `scd` codes
+/// in dtype `tc` picks each job's rate from the translator's rate table as it picks ranks from
+/// the curve. The link to one consumer is paced at 2 Mbit/s (at any rate the table measured, a
+/// job's codes take longer on it than the prefill on any machine's CPU, so the coarsest rate
+/// under the ceiling is fastest), the other is loopback (the codes hide behind the prefill, so
+/// the finest rate under the ceiling goes). The first job to a consumer goes at the default
+/// rate; once the link is known the slow one gets a coarser rate and fewer bytes than the fast
+/// one, each under the ceiling per the table, each answering as the in-process codec at its
+/// rate. kvtc's codes (raw KV in the base's basis, the same coder) are sized the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_producer_sends_transform_coded_codes_at_the_rate_its_link_pays_for() {
+    const SLOW_MBIT: u64 = 2;
+    const CEILING: f64 = 0.2;
+    let m = models();
+    let (t, index) = &m.translator;
+    let table =
+        t.manifest.rate_table.as_ref().expect(
+            "the shipped mail translator lacks its rate table: run `scd translators rates`",
+        );
+    // About 200 tokens: enough that even the coarsest codes exceed the bytes a transfer
+    // must carry to measure a link (`rank_planner::MIN_SAMPLE_BYTES`).
+    let prompt = prompt(m).repeat(2);
+    let rows = prompt.len() - 1;
+    let raw = (rows * t.layers.len() * 2 * t.manifest.kv_dim * 2) as u64;
+    let cluster = Cluster::new();
+    let mut producer_config = config("prefill-0", "\"producer\", \"scheduler\"", true);
+    producer_config.codec.ranks = RankSetting::Adaptive;
+    producer_config.codec.code_dtype = CodeDtypeName::Tc;
+    // Mail's codes meet 0.1 only at the finest rate; at 0.2 the table offers a range.
+    producer_config.codec.kl_ceiling = CEILING;
+    producer_config
+        .links
+        .pace_mbit
+        .insert("mail-slow".into(), SLOW_MBIT);
+    let producer = cluster.start(&producer_config).await;
+    let mut last = Vec::new();
+    for consumer_id in ["mail-slow", "mail-fast"] {
+        let consumer = cluster
+            .start(&config(consumer_id, "\"consumer\"", true))
+            .await;
+        let mut rules = Vec::new();
+        // A cold job, then the same prompt warm from the producer's prefix cache (its codes
+        // come faster than the paced link takes them, so the link is measured).
+        for max_tokens in [1, 1, MAX_TOKENS] {
+            let job = cluster.run_mail(Mode::Scd, &prompt, max_tokens).await;
+            assert_eq!(job.state, JobState::Done, "{consumer_id}: {:?}", job.error);
+            assert_eq!(job.consumer.as_deref(), Some(consumer_id));
+            let c = job.ranks.expect("scd jobs record the size of their codes");
+            assert_eq!(c.ranks, t.manifest.r_max, "tc codes carry all of r_max");
+            let step = c.step.expect("transform-coded codes record their rate");
+            rules.push(c.rule);
+            // The codes took about the share of raw's bytes the table measured at that rate
+            // (on other prompts of 256 tokens).
+            let codes: u64 = job.layer_bytes.iter().sum();
+            let share = table.share_at(Mode::Scd, *index, step).unwrap();
+            assert!(
+                (codes as f64) < 1.5 * share * raw as f64,
+                "{consumer_id}: {codes} bytes of codes at step {step}, the table's share {share} of {raw}"
+            );
+            if max_tokens == MAX_TOKENS {
+                assert!(c.curve_kl.is_some_and(|kl| kl <= CEILING), "{c:?}");
+                let codec = JobCodec::for_mode(
+                    Mode::Scd,
+                    Some((t, *index)),
+                    &CodecOptions {
+                        ranks: Some(c.ranks),
+                        code_dtype: scd_transport::CodeDType::TC,
+                        tc_rate: scd_models::codec::TcRate { step },
+                        ..CodecOptions::default()
+                    },
+                )
+                .unwrap();
+                let want = reference(m, codec.codec.as_ref(), &prompt);
+                assert_eq!(job.output.unwrap().tokens, want, "{consumer_id}: {c:?}");
+                eprintln!("{consumer_id}: {c:?}, {codes} bytes of codes of raw's {raw}");
+                last.push((c, codes));
+            }
+        }
+        assert_eq!(
+            rules,
+            [
+                RanksRule::Unmeasured,
+                RanksRule::Adaptive,
+                RanksRule::Adaptive
+            ],
+            "{consumer_id}"
+        );
+        // kvtc: the same coder over the base's raw KV, its rate from its own rows of the table.
+        let job = cluster.run_mail(Mode::Kvtc, &prompt, 1).await;
+        assert_eq!(job.state, JobState::Done, "{consumer_id}: {:?}", job.error);
+        let c = job.ranks.expect("kvtc jobs record their rate");
+        assert_eq!(c.rule, RanksRule::Adaptive, "{consumer_id}: {c:?}");
+        let step = c.step.expect("kvtc's rate");
+        assert_eq!(c.curve_kl, table.kl_at(Mode::Kvtc, *index, step), "{c:?}");
+        assert!(c.curve_kl.is_some_and(|kl| kl <= CEILING), "{c:?}");
+        consumer.shutdown(Duration::ZERO).await;
+    }
+    let [(slow, slow_bytes), (fast, fast_bytes)] = last.as_slice() else {
+        panic!("{last:?}")
+    };
+    let slow_mbit = slow.link_mbit.unwrap();
+    assert!(
+        slow_mbit <= SLOW_MBIT as f64 * 4.0 / 3.0,
+        "the paced link measured at {slow_mbit} Mbit/s"
+    );
+    assert!(slow.step > fast.step, "slow: {slow:?}, fast: {fast:?}");
     assert!(
         slow_bytes < fast_bytes,
         "slow link: {slow:?} {slow_bytes} B, fast: {fast:?} {fast_bytes} B"

@@ -40,7 +40,7 @@ pub use artifact::{
 pub use calibrate::{calibrate, CalibrateEvent, CalibrationConfig, PatchChoice};
 pub use low_rank::{FitOptions, LowRankCode};
 pub use rank_curve::{LinkEstimate, RankChoice, RankCurve, RankPoint, RankPolicy};
-pub use rate_table::{RatePoint, RateTable};
+pub use rate_table::{RateChoice, RatePoint, RateTable};
 
 /// Errors of fitting, saving, loading or applying a translator.
 #[derive(Debug, thiserror::Error)]

@@ -217,7 +217,7 @@ pub struct RankChoice {
 /// Expected seconds from the prefill's start until the last code has arrived: codes stream
 /// layer by layer while the prefill runs, so a transfer shorter than the prefill costs only
 /// its last layer's share after it; a longer one is the bottleneck.
-fn expected_secs(payload: u64, layers: usize, link: &LinkEstimate) -> f64 {
+pub(crate) fn expected_secs(payload: u64, layers: usize, link: &LinkEstimate) -> f64 {
     let transfer = payload as f64 / link.bytes_per_sec.max(1.0);
     link.prefill_secs.max(transfer) + transfer / layers.max(1) as f64
 }
@@ -257,16 +257,25 @@ pub fn choose(
             })
         })
         .collect();
-    let fastest = candidates
-        .iter()
-        .map(|c| c.expected_secs)
-        .min_by(f64::total_cmp)?;
+    pick(candidates, policy, |c| {
+        (c.expected_secs, c.kl, c.payload_bytes)
+    })
+}
+
+/// Among `candidates`, whose `key` is (expected seconds, KL, payload bytes): those within
+/// `policy.slack` of the fastest, and of them the lowest KL (then the fewest bytes).
+pub(crate) fn pick<T>(
+    candidates: Vec<T>,
+    policy: &RankPolicy,
+    key: impl Fn(&T) -> (f64, f64, u64),
+) -> Option<T> {
+    let fastest = candidates.iter().map(|c| key(c).0).min_by(f64::total_cmp)?;
     candidates
         .into_iter()
-        .filter(|c| c.expected_secs <= fastest * (1.0 + policy.slack.max(0.0)))
+        .filter(|c| key(c).0 <= fastest * (1.0 + policy.slack.max(0.0)))
         .min_by(|a, b| {
-            a.kl.total_cmp(&b.kl)
-                .then(a.payload_bytes.cmp(&b.payload_bytes))
+            let (a, b) = (key(a), key(b));
+            a.1.total_cmp(&b.1).then(a.2.cmp(&b.2))
         })
 }
 

@@ -93,6 +93,88 @@ impl RateTable {
     }
 }
 
+/// The rate chosen for one job, with what the choice expected.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateChoice {
+    /// The rate's step.
+    pub step: f32,
+    /// The table's held-out KL at it.
+    pub kl: f64,
+    /// Expected payload bytes of the job's codes: the table's share of raw's bytes.
+    pub payload_bytes: u64,
+    /// Expected seconds from the prefill's start to the last code's arrival.
+    pub expected_secs: f64,
+}
+
+impl RateTable {
+    /// Picks the rate of a job of `mode` (`reuse`, `scd` or `kvtc`) on consumer `expert`
+    /// whose raw K and V in bf16 would be `raw_bytes`, sent in `layers` layers over `link`,
+    /// as [`super::rank_curve::choose`] picks ranks: among the measured rates under the KL
+    /// ceiling the lowest expected time to first token, and within `slack` of it the lowest
+    /// KL. A code's bytes depend on its values, so the payload expected is the share of raw
+    /// the table measured at that rate. `None` when no rate meets the ceiling.
+    pub fn choose(
+        &self,
+        mode: Mode,
+        expert: usize,
+        raw_bytes: u64,
+        layers: usize,
+        link: &super::rank_curve::LinkEstimate,
+        policy: &super::RankPolicy,
+    ) -> Option<RateChoice> {
+        let candidates = self
+            .points
+            .iter()
+            .filter(|p| p.mode == mode)
+            .filter_map(|p| {
+                let kl = *p.kl.get(expert)?;
+                let share = *p.bytes_share.get(expert)?;
+                if kl.is_nan() || kl > policy.kl_ceiling || !(share.is_finite() && share > 0.0) {
+                    return None;
+                }
+                let payload_bytes = (raw_bytes as f64 * share).ceil() as u64;
+                Some(RateChoice {
+                    step: p.step,
+                    kl,
+                    payload_bytes,
+                    expected_secs: super::rank_curve::expected_secs(payload_bytes, layers, link),
+                })
+            })
+            .collect();
+        super::rank_curve::pick(candidates, policy, |c| {
+            (c.expected_secs, c.kl, c.payload_bytes)
+        })
+    }
+
+    /// The measured rate of `mode` with the lowest KL for consumer `expert`: what a job is
+    /// sent at when no rate meets the ceiling.
+    pub fn best(&self, mode: Mode, expert: usize) -> Option<(f32, f64)> {
+        self.points
+            .iter()
+            .filter(|p| p.mode == mode)
+            .filter_map(|p| Some((p.step, *p.kl.get(expert)?)))
+            .filter(|(_, kl)| !kl.is_nan())
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    /// The table's share of raw's bytes for `mode` at `step` for consumer `expert`, where it
+    /// measured that rate.
+    pub fn share_at(&self, mode: Mode, expert: usize, step: f32) -> Option<f64> {
+        self.points
+            .iter()
+            .find(|p| p.mode == mode && p.step == step)
+            .and_then(|p| p.bytes_share.get(expert).copied())
+    }
+
+    /// The table's KL for `mode` at `step` for consumer `expert`, where it measured that rate.
+    pub fn kl_at(&self, mode: Mode, expert: usize, step: f32) -> Option<f64> {
+        self.points
+            .iter()
+            .find(|p| p.mode == mode && p.step == step)
+            .and_then(|p| p.kl.get(expert).copied())
+    }
+}
+
 impl Translator {
     /// The scales of K's, V's and `H_in`'s steps for consumer `expert`: the rate table's, or
     /// [`DEFAULT_SCALES`] without one.
@@ -349,6 +431,8 @@ fn lowest(curves: &[Vec<(f64, f64)>]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::translator::rank_curve::LinkEstimate;
+    use crate::translator::RankPolicy;
 
     #[test]
     fn the_lowest_curve_wins_over_the_bytes_all_reach() {
@@ -382,5 +466,62 @@ mod tests {
         assert_eq!(table.step_for_share(Mode::Scd, 0, 0.30), None);
         assert_eq!(table.step_for_share(Mode::Reuse, 0, 0.10), None);
         assert_eq!(table.step_for_share(Mode::Scd, 1, 0.10), None);
+    }
+
+    /// A table of one consumer: finer steps cost more bytes and give lower KL.
+    fn table() -> RateTable {
+        let point = |step: f32, kl: f64, share: f64| RatePoint {
+            mode: Mode::Scd,
+            step,
+            kl: vec![kl],
+            bytes_share: vec![share],
+        };
+        RateTable {
+            points: vec![
+                point(0.1, 0.02, 0.24),
+                point(0.2, 0.04, 0.16),
+                point(0.4, 0.09, 0.10),
+                point(0.8, 0.40, 0.06),
+            ],
+            ..RateTable::default()
+        }
+    }
+
+    #[test]
+    fn a_slow_link_gets_the_coarsest_rate_under_the_ceiling_and_a_fast_one_the_best() {
+        let t = table();
+        let policy = RankPolicy::default();
+        let raw = 20_000_000;
+        let link = |mbit: f64| LinkEstimate {
+            bytes_per_sec: mbit * 1e6 / 8.0,
+            prefill_secs: 0.05,
+        };
+        let slow = t
+            .choose(Mode::Scd, 0, raw, 30, &link(50.0), &policy)
+            .unwrap();
+        assert_eq!(slow.step, 0.4, "{slow:?}");
+        assert_eq!(slow.payload_bytes, 2_000_000);
+        // On a link that carries even the finest rate within the prefill, the best code.
+        let fast = t
+            .choose(Mode::Scd, 0, raw, 30, &link(1e6), &policy)
+            .unwrap();
+        assert_eq!(fast.step, 0.1, "{fast:?}");
+        // Over the ceiling nothing is chosen; the best measured rate is the fallback.
+        let strict = RankPolicy {
+            kl_ceiling: 0.01,
+            ..policy
+        };
+        assert_eq!(t.choose(Mode::Scd, 0, raw, 30, &link(50.0), &strict), None);
+        assert_eq!(t.best(Mode::Scd, 0), Some((0.1, 0.02)));
+        // Another mode or consumer has no points.
+        assert_eq!(
+            t.choose(Mode::Reuse, 0, raw, 30, &link(50.0), &policy),
+            None
+        );
+        assert_eq!(t.choose(Mode::Scd, 1, raw, 30, &link(50.0), &policy), None);
+        assert_eq!(t.kl_at(Mode::Scd, 0, 0.2), Some(0.04));
+        assert_eq!(t.kl_at(Mode::Scd, 0, 0.3), None);
+        assert_eq!(t.share_at(Mode::Scd, 0, 0.4), Some(0.10));
+        assert_eq!(t.share_at(Mode::Reuse, 0, 0.4), None);
     }
 }
