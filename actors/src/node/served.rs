@@ -346,7 +346,7 @@ impl Served {
 /// The held-out KL per mode of the drift report beside `adapter` (`drift.json`: one report,
 /// or a list with one per expert), the larger of its WikiText-2 and own-domain measures. A
 /// missing or unreadable report only costs `auto` its knowledge of raw transfer to this expert
-/// (it then never picks raw or q4 for it): warned about, not fatal.
+/// (it then never picks raw, q4 or q2 for it): warned about, not fatal.
 fn transfer_kl(expert: &str, adapter: &Path) -> BTreeMap<Mode, f64> {
     let mut kl = BTreeMap::new();
     let Some(path) = adapter.parent().map(|d| d.join("drift.json")) else {
@@ -375,7 +375,8 @@ fn transfer_kl(expert: &str, adapter: &Path) -> BTreeMap<Mode, f64> {
     let named = |r: &&serde_json::Value| r["expert"].as_str() == Some(expert);
     let report = match reports.iter().find(named) {
         Some(r) => r,
-        None if reports.len() == 1 => &reports[0],
+        // A report of one expert written before reports named theirs.
+        None if reports.len() == 1 && reports[0]["expert"].is_null() => &reports[0],
         None => return kl,
     };
     for record in ["transfer", "domain_transfer"] {
@@ -385,7 +386,7 @@ fn transfer_kl(expert: &str, adapter: &Path) -> BTreeMap<Mode, f64> {
                 .as_str()
                 .and_then(|m| m.parse::<Mode>().ok());
             let value = result["kl"]["value"].as_f64().filter(|v| v.is_finite());
-            if let (Some(mode @ (Mode::Raw | Mode::Q4)), Some(value)) = (mode, value) {
+            if let (Some(mode @ (Mode::Raw | Mode::Q4 | Mode::Q2)), Some(value)) = (mode, value) {
                 let e = kl.entry(mode).or_insert(value);
                 *e = e.max(value);
             }
@@ -468,6 +469,29 @@ pub(crate) fn load_translator(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_drift_report_gives_each_raw_kv_modes_worse_kl_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let adapter = dir.path().join("adapter.safetensors");
+        let result =
+            |method: &str, kl: f64| serde_json::json!({"method": method, "kl": {"value": kl}});
+        let report = serde_json::json!([{
+            "expert": "mail",
+            "transfer": {"results": [result("oracle", 0.0), result("raw", 0.1), result("q4", 0.2),
+                                     result("q2", 0.5), result("scd", 0.01)]},
+            "domain_transfer": {"results": [result("raw", 0.15), result("q2", 0.4)]},
+        }]);
+        std::fs::write(dir.path().join("drift.json"), report.to_string()).unwrap();
+        let kl = transfer_kl("mail", &adapter);
+        let want: BTreeMap<Mode, f64> = [(Mode::Raw, 0.15), (Mode::Q4, 0.2), (Mode::Q2, 0.5)]
+            .into_iter()
+            .collect();
+        assert_eq!(kl, want);
+        // Another expert's report, or none, says nothing.
+        assert!(transfer_kl("sotu", &adapter).is_empty());
+        assert!(transfer_kl("mail", &dir.path().join("none/adapter.safetensors")).is_empty());
+    }
 
     fn translator_folder(at: &Path, weights: usize) -> PathBuf {
         std::fs::create_dir_all(at).unwrap();

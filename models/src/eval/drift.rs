@@ -1,7 +1,7 @@
 //! The drift report of an expert: how far it moved from its base on its own domain and on
 //! WikiText-2 (perplexities and KL of next-token distributions), and what naive KV transfer
-//! from the base costs it (the harness with the oracle, raw and q4 modes: a node's `auto`
-//! sends the base's KV, whole or 4-bit, only to an expert whose report puts it under the
+//! from the base costs it (the harness with the oracle, raw, q4 and q2 modes: a node's `auto`
+//! sends the base's KV, whole, 4-bit or 2-bit, only to an expert whose report puts it under the
 //! quality ceiling).
 
 use serde::{Deserialize, Serialize};
@@ -101,7 +101,7 @@ pub struct DriftOptions {
     pub windows: usize,
     /// Tokens per window.
     pub window_tokens: usize,
-    /// Harness configuration for the transfer part (methods oracle, raw and q4).
+    /// Harness configuration for the transfer part (methods oracle, raw, q4 and q2).
     pub eval: EvalConfig,
     /// The adapter file, for the record.
     pub adapter: Option<FileInfo>,
@@ -140,9 +140,13 @@ pub fn drift(
         producer: base,
         consumer: expert,
     };
+    // Every way of sending the base's own KV that needs no translator, so that `auto` knows
+    // each one's quality for this expert: raw, and KIVI's 4 and 2 bits.
+    let q2 = Kivi::new(2, crate::codec::kivi::DEFAULT_GROUP)?;
+    let raw_kv: [&dyn crate::codec::Codec; 4] = [&Oracle, &Raw, &Kivi::default(), &q2];
     let transfer = evaluate(
         pair,
-        &[&Oracle, &Raw, &Kivi::default()],
+        &raw_kv,
         tok,
         data,
         &opts.eval,
@@ -156,7 +160,7 @@ pub fn drift(
     );
     let domain_transfer = evaluate(
         pair,
-        &[&Oracle, &Raw, &Kivi::default()],
+        &raw_kv,
         tok,
         &own,
         &EvalConfig {
