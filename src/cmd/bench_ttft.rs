@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use scd_actors::Served;
-use scd_models::codec::{codec_with, Codec, CodecOptions};
+use scd_models::codec::{codec_with, Codec, CodecOptions, TcRate};
 use scd_models::corpus;
 use scd_models::eval::{self, EvalConfig, EvalData, Pair};
 use scd_models::KernelChoice;
-use scd_types::Mode;
+use scd_types::{CodeDType, Mode};
 use serde::{Deserialize, Serialize};
 
 use crate::cmd::local_cluster::{config, median, models_section, Cluster};
@@ -62,7 +62,9 @@ pub struct Args {
     /// Jobs per cell (each on its own WikiText-2 window).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// Element type of the codes the producer sends (`[codec] code_dtype`): i8-rows or f16.
+    /// Element type of the codes the producer sends (`[codec] code_dtype`): i8-rows, f16, or
+    /// tc (transform-coded: each job's rate chosen for the link from the translator's rate
+    /// table, `[codec] ranks = "adaptive"`; kvtc jobs are sized the same way with any dtype).
     #[arg(long, default_value = "i8-rows")]
     pub code_dtype: String,
     /// Held-out WikiText-2 windows of the quality measurement (0: skip it).
@@ -135,6 +137,21 @@ pub struct JobRow {
     pub chosen: Option<Mode>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The rate of transform-coded codes (their step), where the job sent them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<f32>,
+}
+
+impl JobRow {
+    /// The key of this job's codes in the record's quality: the mode it ran in, and the rate
+    /// of transform-coded codes (`scd@0.4`).
+    pub fn quality_key(&self) -> String {
+        let mode = self.chosen.unwrap_or(self.mode);
+        match self.step {
+            Some(step) => format!("{mode}@{step}"),
+            None => mode.as_str().to_string(),
+        }
+    }
 }
 
 /// A quantile with its bootstrap interval.
@@ -170,6 +187,9 @@ pub struct Cell {
     /// Each stage's median over the jobs (prefill, encode, transfer, rebuild, first_token).
     pub stages_ms: BTreeMap<String, f64>,
     pub kl: Option<f64>,
+    /// The largest KL among the codes the cell's jobs sent (its rates, or auto's choices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_max: Option<f64>,
     pub greedy_agreement: Option<f64>,
     /// In mode auto: how many of the cell's jobs ran in each mode.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -305,14 +325,17 @@ pub fn cells(jobs: &[JobRow], quality: &BTreeMap<String, Quality>) -> Vec<Cell> 
                     *chosen.entry(m.as_str().to_string()).or_insert(0) += 1;
                 }
             }
-            // Auto's quality is that of the modes it ran in, averaged over its jobs.
-            let of_jobs = |f: fn(&Quality) -> f64| -> Option<f64> {
+            // A cell's quality is that of the codes its jobs sent (auto's: of the modes it
+            // ran in; tc codes': of their rates), averaged over its jobs.
+            let per_job = |f: fn(&Quality) -> f64| -> Option<Vec<f64>> {
                 let v: Option<Vec<f64>> = these
                     .iter()
-                    .map(|j| quality.get(j.chosen.unwrap_or(j.mode).as_str()).map(f))
+                    .map(|j| quality.get(&j.quality_key()).map(f))
                     .collect();
                 v.filter(|v| !v.is_empty())
-                    .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+            };
+            let of_jobs = |f: fn(&Quality) -> f64| -> Option<f64> {
+                per_job(f).map(|v| v.iter().sum::<f64>() / v.len() as f64)
             };
             let med = bootstrap_quantile(&ttft, 0.5, 1);
             Cell {
@@ -328,6 +351,7 @@ pub fn cells(jobs: &[JobRow], quality: &BTreeMap<String, Quality>) -> Vec<Cell> 
                 speedup_vs_oracle: oracle_median / med.value,
                 stages_ms: stages,
                 kl: of_jobs(|q| q.kl.value),
+                kl_max: per_job(|q| q.kl.value).and_then(|v| v.into_iter().max_by(f64::total_cmp)),
                 greedy_agreement: of_jobs(|q| q.greedy_agreement.value),
                 chosen,
             }
@@ -336,16 +360,8 @@ pub fn cells(jobs: &[JobRow], quality: &BTreeMap<String, Quality>) -> Vec<Cell> 
 }
 
 /// Auto against the best fixed mode under `kl_ceiling`, in every cell that ran auto.
-pub fn auto_checks(
-    cells: &[Cell],
-    quality: &BTreeMap<String, Quality>,
-    kl_ceiling: f64,
-) -> Vec<AutoCheck> {
-    let under = |m: Mode| {
-        quality
-            .get(m.as_str())
-            .is_none_or(|q| q.kl.value <= kl_ceiling)
-    };
+pub fn auto_checks(cells: &[Cell], kl_ceiling: f64) -> Vec<AutoCheck> {
+    let under = |c: &Cell| c.kl_max.is_none_or(|kl| kl <= kl_ceiling);
     cells
         .iter()
         .filter(|c| c.mode == Mode::Auto)
@@ -355,13 +371,9 @@ pub fn auto_checks(
             let best = cells
                 .iter()
                 .filter(same)
-                .filter(|c| c.mode != Mode::Auto && under(c.mode))
+                .filter(|c| c.mode != Mode::Auto && under(c))
                 .min_by(|a, b| a.ttft_median_ms.value.total_cmp(&b.ttft_median_ms.value))?;
-            let auto_kl = auto
-                .chosen
-                .keys()
-                .filter_map(|m| quality.get(m).map(|q| q.kl.value))
-                .max_by(f64::total_cmp);
+            let auto_kl = auto.kl_max;
             Some(AutoCheck {
                 link: auto.link.clone(),
                 cache: auto.cache.clone(),
@@ -443,7 +455,14 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
 
     let code_dtype_name = match args.code_dtype.as_str() {
         "i8-rows" => "i8-rows",
+        "tc" => "tc",
         _ => "f16",
+    };
+    // Fixed-width codes at the translator's default ranks, so that every cell sends the same
+    // code; a tc code's size is its rate, which is the link's to choose.
+    let ranks = match code_dtype {
+        CodeDType::TC => "adaptive",
+        _ => "default",
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let jobs = runtime.block_on(async {
@@ -472,7 +491,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                         &format!("producer-{li}-{cache}"),
                         "\"producer\"",
                         &format!(
-                            "{models}\n[codec]\nranks = \"default\"\ncode_dtype = \"{code_dtype_name}\"\n\n\
+                            "{models}\n[codec]\nranks = \"{ranks}\"\ncode_dtype = \"{code_dtype_name}\"\n\n\
                              [limits]\nprefix_cache_mib = {}\n\n{pace}",
                             if warm { 1024 } else { 0 }
                         ),
@@ -492,10 +511,12 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                             let job = cluster.run(&name, mode, prompt).await?;
                             let ttft = job.timings_ms.get("ttft").copied().unwrap_or(f64::NAN);
                             let choice = job.mode_choice.as_ref().filter(|_| mode == Mode::Auto);
+                            let step = job.ranks.and_then(|c| c.step);
                             eprintln!(
-                                "{} {cache} {len} tokens {mode} #{rep}: {:.2} MB, ttft {ttft:.0} ms{}",
+                                "{} {cache} {len} tokens {mode} #{rep}: {:.2} MB{}, ttft {ttft:.0} ms{}",
                                 link.name,
                                 job.payload_bytes as f64 / 1e6,
+                                step.map_or(String::new(), |s| format!(" at step {s}")),
                                 choice.map_or(String::new(), |c| format!(" ({})", c.reason))
                             );
                             jobs.push(JobRow {
@@ -510,6 +531,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                                 timings_ms: job.timings_ms.clone().into_iter().collect(),
                                 chosen: choice.map(|c| c.chosen),
                                 reason: choice.map(|c| c.reason.clone()),
+                                step,
                             });
                         }
                     }
@@ -539,15 +561,26 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
             squad_questions: 0,
             ..EvalConfig::default()
         };
-        let opts = CodecOptions {
-            code_dtype,
-            matmul: kernels.prefill_matmul,
-            ..CodecOptions::default()
-        };
-        let codecs = modes
+        // Every code the jobs sent: each mode (auto's choices included), and each rate of
+        // transform-coded codes, in the order the jobs first sent them.
+        let mut keys: Vec<(String, Mode, Option<f32>)> = Vec::new();
+        for j in &jobs {
+            let key = j.quality_key();
+            if !keys.iter().any(|k| k.0 == key) {
+                keys.push((key, j.chosen.unwrap_or(j.mode), j.step));
+            }
+        }
+        let codecs = keys
             .iter()
-            .filter(|&&m| m != Mode::Auto)
-            .map(|&m| codec_with(m, Some((&translator, index)), &opts))
+            .map(|&(_, mode, step)| {
+                let opts = CodecOptions {
+                    code_dtype,
+                    matmul: kernels.prefill_matmul,
+                    tc_rate: step.map_or_else(TcRate::default, |step| TcRate { step }),
+                    ..CodecOptions::default()
+                };
+                codec_with(mode, Some((&translator, index)), &opts)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let codecs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
         let record = eval::evaluate(
@@ -563,9 +596,9 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
             |p| eprintln!("{p}"),
         )
         .context("the quality of the modes")?;
-        for m in &record.results {
+        for ((key, _, _), m) in keys.iter().zip(&record.results) {
             quality.insert(
-                m.method.as_str().to_string(),
+                key.clone(),
                 Quality {
                     kl: m.kl,
                     greedy_agreement: m.greedy_agreement,
@@ -589,7 +622,7 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
         code_dtype: args.code_dtype.clone(),
         repeats: args.repeats,
         quality_config,
-        auto: auto_checks(&cells, &quality, kl_ceiling),
+        auto: auto_checks(&cells, kl_ceiling),
         kl_ceiling: Some(kl_ceiling),
         cells,
         quality,
@@ -693,6 +726,65 @@ mod tests {
         assert!(q.low >= 1.0 && q.high <= 5.0);
         let one = bootstrap_quantile(&[2.0], 0.5, 7);
         assert_eq!((one.low, one.value, one.high), (2.0, 2.0, 2.0));
+    }
+
+    /// A cell's quality is that of the codes its jobs sent: each tc job's rate, and auto's
+    /// choices; auto is checked against the fastest fixed cell whose codes all met the ceiling.
+    #[test]
+    fn cells_read_the_quality_of_each_jobs_rate_and_auto_skips_cells_over_the_ceiling() {
+        let job = |mode: Mode, ttft_ms: f64, step: Option<f32>, chosen: Option<Mode>| JobRow {
+            link: "50m".into(),
+            link_mbit: Some(50),
+            cache: "warm".into(),
+            tokens: 1024,
+            mode,
+            repeat: 0,
+            payload_bytes: 1,
+            ttft_ms,
+            timings_ms: BTreeMap::new(),
+            chosen,
+            reason: None,
+            step,
+        };
+        let estimate = |value: f64| scd_models::stats::Estimate {
+            value,
+            low: value,
+            high: value,
+            n: 1,
+        };
+        let q = |kl: f64| Quality {
+            kl: estimate(kl),
+            greedy_agreement: estimate(1.0),
+            payload_share_of_raw: 0.1,
+        };
+        let quality: BTreeMap<String, Quality> = [
+            ("oracle", q(0.0)),
+            ("raw", q(0.5)),
+            ("scd@0.2", q(0.04)),
+            ("scd@0.4", q(0.08)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let jobs = vec![
+            job(Mode::Oracle, 1000.0, None, None),
+            job(Mode::Raw, 100.0, None, None),
+            job(Mode::Scd, 200.0, Some(0.2), None),
+            job(Mode::Scd, 200.0, Some(0.4), None),
+            job(Mode::Auto, 210.0, Some(0.4), Some(Mode::Scd)),
+        ];
+        assert_eq!(jobs[3].quality_key(), "scd@0.4");
+        assert_eq!(jobs[4].quality_key(), "scd@0.4");
+        let cells = cells(&jobs, &quality);
+        let scd = cells.iter().find(|c| c.mode == Mode::Scd).unwrap();
+        assert!((scd.kl.unwrap() - 0.06).abs() < 1e-12, "{:?}", scd.kl);
+        assert_eq!(scd.kl_max, Some(0.08));
+        let checks = auto_checks(&cells, 0.1);
+        assert_eq!(checks.len(), 1);
+        // Raw is faster but over the ceiling: scd is the best fixed mode.
+        assert_eq!(checks[0].best_fixed, Mode::Scd);
+        assert_eq!(checks[0].auto_kl, Some(0.08));
+        assert!((checks[0].ratio - 1.05).abs() < 1e-12);
     }
 
     #[test]
