@@ -165,13 +165,15 @@ impl RankPlanner {
     /// `rows` tokens goes to `peer`; for transform-coded codes (`kvtc`, and `reuse` and `scd`
     /// when this producer sends dtype `tc`) their rate instead, from the translator's rate
     /// table as ranks are from its curve (the ranks are then `r_max`: such codes carry every
-    /// component the rate pays for).
+    /// component the rate pays for). Of the `rows`, the producer computes `computed_rows` (the
+    /// rest are in its prefix cache): codes stream behind that prefill only, so for a warm
+    /// prompt the link, not the prefill, bounds the time.
     pub fn plan(
         &self,
         translator: &Arc<Translator>,
         expert: usize,
         mode: Mode,
-        rows: usize,
+        (rows, computed_rows): (usize, usize),
         peer: &str,
     ) -> RanksChoice {
         let m = &translator.manifest;
@@ -211,7 +213,7 @@ impl RankPlanner {
             .unwrap_or_else(|p| p.into_inner());
         let link = LinkEstimate {
             bytes_per_sec,
-            prefill_secs: per_token.unwrap_or(0.0) * rows as f64,
+            prefill_secs: per_token.unwrap_or(0.0) * computed_rows.min(rows) as f64,
         };
         let chosen = |ranks, step, kl, rule| RanksChoice {
             ranks,

@@ -396,11 +396,13 @@ impl Work {
             let v = version
                 .as_ref()
                 .filter(|_| mode.codes_tied_to_translator())?;
-            let rows = job.request.as_ref()?.prompt.len().saturating_sub(1);
+            let prompt = &job.request.as_ref()?.prompt;
+            let rows = prompt.len().saturating_sub(1);
+            let computed = rows - self.cached_rows(prompt);
             let consumer = job.consumer.as_deref()?;
             Some(
                 self.ranks
-                    .plan(&v.translator, v.index, mode, rows, consumer),
+                    .plan(&v.translator, v.index, mode, (rows, computed), consumer),
             )
         });
         // The job store waits out a brief etcd outage, so a claim whose answer was lost is
@@ -479,13 +481,7 @@ impl Work {
         let consumer = job.consumer.as_deref().unwrap_or_default();
         let advertised = self.nodes.snapshot().remove(consumer);
         let rows = request.prompt.len().saturating_sub(1);
-        let cached = match &self.prefix_cache {
-            Some(cache) => {
-                let hashes = cache.hashes(&request.prompt[..rows]);
-                cache.lookup(&hashes).len() * cache.block_tokens()
-            }
-            None => 0,
-        };
+        let cached = self.cached_rows(&request.prompt);
         let config = &self.served.config;
         let policy = self.ranks.policy();
         let layers = config.num_layers;
@@ -533,9 +529,13 @@ impl Work {
             situation.patch_share = manifest.patch_layers.len() as f64 / layers.max(1) as f64;
             let kvtc = manifest.kvtc.is_some().then_some(Mode::Kvtc);
             for mode in [Mode::Reuse, Mode::Scd].into_iter().chain(kvtc) {
-                let choice = self
-                    .ranks
-                    .plan(&v.translator, v.index, mode, rows, consumer);
+                let choice = self.ranks.plan(
+                    &v.translator,
+                    v.index,
+                    mode,
+                    (rows, situation.producer_rows),
+                    consumer,
+                );
                 let Some(payload_bytes) = self.expected_payload(v, mode, &choice, rows, raw) else {
                     continue;
                 };
@@ -561,6 +561,18 @@ impl Work {
         let (choice, offer) = mode_planner::choose(&situation, &offers);
         tracing::info!(job = %job.id, mode = %choice.chosen, reason = choice.reason, "auto chose a mode");
         (choice, offer.ranks)
+    }
+
+    /// Rows of `prompt` (less its last token) the producer holds in its prefix cache.
+    fn cached_rows(&self, prompt: &[u32]) -> usize {
+        let rows = prompt.len().saturating_sub(1);
+        match &self.prefix_cache {
+            Some(cache) => {
+                let hashes = cache.hashes(&prompt[..rows]);
+                (cache.lookup(&hashes).len() * cache.block_tokens()).min(rows)
+            }
+            None => 0,
+        }
     }
 
     /// The bytes a job of `mode` sends with codes of `choice`'s size over `rows` tokens whose

@@ -582,7 +582,8 @@ async fn a_burst_past_the_admission_bound_is_answered_busy_and_loses_nothing() {
 /// one consumer paced at 4 Mbit/s and to the other left at loopback speed. (4 Mbit/s is far below
 /// what even a loaded test machine's prefill produces, so frames queue behind that link and it is
 /// measured, whatever the machine's speed.) The first job to a consumer has no measurement and goes
-/// at the translator's defaults; after it the producer knows the link, and the same prompt gets
+/// at the translator's defaults; after it the producer knows the link (the fast one at least as
+/// the unmeasured default: it never holds a job back), and the same prompt, prefilled again, gets
 /// smaller codes over the slow link than over the fast one, both under the KL ceiling per the
 /// translator's curve. Each consumer rebuilds with the ranks the record names: its tokens equal the
 /// in-process run at those ranks.
@@ -599,6 +600,10 @@ async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
     let cluster = Cluster::new();
     let mut producer_config = config("prefill-0", "\"producer\", \"scheduler\"", true);
     producer_config.codec.ranks = RankSetting::Adaptive;
+    // Mail's curve meets 0.1 only at its largest ranks; at 0.2 it offers a range.
+    producer_config.codec.kl_ceiling = 0.2;
+    // Every job prefilled: codes stream behind the prefill, which hides them on the fast link.
+    producer_config.limits.prefix_cache_mib = 0;
     producer_config
         .links
         .pace_mbit
@@ -664,13 +669,15 @@ async fn a_producer_sizes_each_jobs_codes_for_the_link_to_its_consumer() {
 
 /// Transform-coded codes sized for the link (M13): a producer that sends `reuse` and `scd` codes
 /// in dtype `tc` picks each job's rate from the translator's rate table as it picks ranks from
-/// the curve. The link to one consumer is paced at 2 Mbit/s (at any rate the table measured, a
-/// job's codes take longer on it than the prefill on any machine's CPU, so the coarsest rate
-/// under the ceiling is fastest), the other is loopback (the codes hide behind the prefill, so
-/// the finest rate under the ceiling goes). The first job to a consumer goes at the default
-/// rate; once the link is known the slow one gets a coarser rate and fewer bytes than the fast
-/// one, each under the ceiling per the table, each answering as the in-process codec at its
-/// rate. kvtc's codes (raw KV in the base's basis, the same coder) are sized the same way.
+/// the curve. Every job is prefilled (no prefix cache), so codes stream behind the prefill. The
+/// link to one consumer is paced at 2 Mbit/s (at any rate the table measured, a job's codes take
+/// longer on it than the prefill on any machine's CPU, so the coarsest rate under the ceiling is
+/// fastest; its frames exceed the pacer's burst, so their writes show the pace whether or not
+/// they queue), the other is loopback (the codes hide behind the prefill, so a finer rate goes).
+/// The first job to a consumer goes at the default rate; once the link is known the slow one
+/// gets a coarser rate and fewer bytes than the fast one, each under the ceiling per the table,
+/// each answering as the in-process codec at its rate. kvtc's codes (raw KV in the base's
+/// basis, the same coder) are sized the same way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_producer_sends_transform_coded_codes_at_the_rate_its_link_pays_for() {
     const SLOW_MBIT: u64 = 2;
@@ -692,6 +699,7 @@ async fn a_producer_sends_transform_coded_codes_at_the_rate_its_link_pays_for() 
     producer_config.codec.code_dtype = CodeDtypeName::Tc;
     // Mail's codes meet 0.1 only at the finest rate; at 0.2 the table offers a range.
     producer_config.codec.kl_ceiling = CEILING;
+    producer_config.limits.prefix_cache_mib = 0;
     producer_config
         .links
         .pace_mbit
@@ -703,8 +711,6 @@ async fn a_producer_sends_transform_coded_codes_at_the_rate_its_link_pays_for() 
             .start(&config(consumer_id, "\"consumer\"", true))
             .await;
         let mut rules = Vec::new();
-        // A cold job, then the same prompt warm from the producer's prefix cache (its codes
-        // come faster than the paced link takes them, so the link is measured).
         for max_tokens in [1, 1, MAX_TOKENS] {
             let job = cluster.run_mail(Mode::Scd, &prompt, max_tokens).await;
             assert_eq!(job.state, JobState::Done, "{consumer_id}: {:?}", job.error);
