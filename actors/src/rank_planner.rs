@@ -79,7 +79,8 @@ impl RankPlanner {
     /// whatever held the stream back, so `bytes / elapsed` is a lower bound on its rate. While
     /// nothing was measured, a kept-up job stands in as its floor, or as
     /// [`ModeChoice::UNMEASURED_MBIT`] where that is higher (and the upper bound allows): as
-    /// cautious as knowing nothing, and never faster than a job showed. Once measured, a
+    /// cautious as knowing nothing, and never faster than a job showed; the highest such
+    /// stand-in holds until a measurement replaces it. Once measured, a
     /// measured estimate under a stream's floor is stale (the link got faster since it last
     /// held a job back; a fast link never does again, and would be taken for the old slow one
     /// for good), so it is raised to the floor.
@@ -116,7 +117,9 @@ impl RankPlanner {
                 }
                 return;
             }
-            (LinkRate::KeptUp(r), Some(Estimate::KeptUp(o))) => blend(Some(o), stand_in(r)),
+            // Floors are lower bounds: the largest any job showed stands (a link that slows
+            // down holds the next job back, and is measured then).
+            (LinkRate::KeptUp(r), Some(Estimate::KeptUp(o))) => o.max(stand_in(r)),
             (LinkRate::KeptUp(r), None) => stand_in(r),
         };
         let estimate = match rate {
@@ -309,9 +312,20 @@ mod tests {
             quick,
         );
         let floor = n as f64 / quick.as_secs_f64();
-        let blended = (unmeasured + floor) / 2.0;
         assert!(
-            (p.link("fast").unwrap() - blended).abs() < 1.0,
+            (p.link("fast").unwrap() - floor).abs() < 1.0,
+            "{:?}",
+            p.link("fast")
+        );
+        // A later job that proves less does not lower what an earlier one proved.
+        p.observe_transfer(
+            &NodeId::from_static("fast"),
+            n,
+            Some(LinkRate::KeptUp(1e12)),
+            long,
+        );
+        assert!(
+            (p.link("fast").unwrap() - floor).abs() < 1.0,
             "{:?}",
             p.link("fast")
         );
