@@ -164,7 +164,16 @@ fn demo_runs_every_mode_and_the_documents_job() {
         "{out}"
     );
     let paced = &out[out.find("== where the codes win").unwrap()..];
-    for mode in ["oracle", "raw", "scd", "auto ("] {
+    // scd's codes as configured, then transform-coded at a rate (64 tokens never measure the
+    // link, so the default one), beside kvtc.
+    for mode in [
+        "oracle",
+        "raw",
+        "scd i8-rows",
+        "scd tc@0.3",
+        "kvtc tc@0.3",
+        "auto (",
+    ] {
         assert!(
             paced.lines().any(|l| l.starts_with(mode)),
             "no {mode} row in:\n{paced}"
@@ -178,6 +187,9 @@ fn demo_runs_every_mode_and_the_documents_job() {
         "auto:q4",
         "auto chose raw",
         "auto chose q4",
+        // kvtc codes raw KV, whose broken RoPE it inherits (its rate table's KL is over 0.8).
+        "auto (kvtc)",
+        "auto chose kvtc",
     ] {
         assert!(!out.contains(bad), "{bad} in:\n{out}");
     }
