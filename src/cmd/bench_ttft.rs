@@ -516,7 +516,11 @@ pub fn run(args: Args, kernels: KernelChoice) -> anyhow::Result<()> {
                                 "{} {cache} {len} tokens {mode} #{rep}: {:.2} MB{}, ttft {ttft:.0} ms{}",
                                 link.name,
                                 job.payload_bytes as f64 / 1e6,
-                                step.map_or(String::new(), |s| format!(" at step {s}")),
+                                match (step, job.ranks.and_then(|c| c.link_mbit)) {
+                                    (Some(s), Some(l)) => format!(" at step {s} (link {l:.0} Mbit/s)"),
+                                    (Some(s), None) => format!(" at step {s}"),
+                                    _ => String::new(),
+                                },
                                 choice.map_or(String::new(), |c| format!(" ({})", c.reason))
                             );
                             jobs.push(JobRow {
