@@ -199,7 +199,12 @@ pub fn choose(situation: &Situation, offers: &[Offer]) -> (ModeChoice, Offer) {
     let Some((chosen_estimate, chosen_offer)) = chosen else {
         unreachable!("the oracle is always among the offers");
     };
-    let reason = reason(situation, chosen_estimate, &weighed, fastest.is_none());
+    let reason = reason(
+        situation,
+        (chosen_estimate, chosen_offer),
+        &weighed,
+        fastest.is_none(),
+    );
     let choice = ModeChoice {
         chosen: chosen_offer.mode,
         reason,
@@ -210,18 +215,30 @@ pub fn choose(situation: &Situation, offers: &[Offer]) -> (ModeChoice, Offer) {
     (choice, offer)
 }
 
+/// An offer as the reason names it: its mode, and the rate of transform-coded codes
+/// (`scd@0.4`).
+fn label(offer: &Offer) -> String {
+    match offer.ranks.and_then(|r| r.step) {
+        Some(step) => format!("{}@{step}", offer.mode),
+        None => offer.mode.to_string(),
+    }
+}
+
 fn reason(
     situation: &Situation,
-    chosen: &ModeEstimate,
+    (chosen, chosen_offer): (&ModeEstimate, &Offer),
     weighed: &[(ModeEstimate, &Offer)],
     nothing_measured: bool,
 ) -> String {
     let mut s = if nothing_measured {
-        format!("{}: no speed measured yet, the reference", chosen.mode)
+        format!(
+            "{}: no speed measured yet, the reference",
+            label(chosen_offer)
+        )
     } else {
         format!(
             "{}: expected {:.0} ms, the fastest under KL {}",
-            chosen.mode,
+            label(chosen_offer),
             chosen.expected_ms.unwrap_or(f64::NAN),
             situation.kl_ceiling
         )
@@ -236,12 +253,12 @@ fn reason(
     let others: Vec<String> = weighed
         .iter()
         .filter(|(e, _)| e.mode != chosen.mode)
-        .map(|(e, _)| match e.kl {
-            None => format!("{} quality not measured", e.mode),
-            Some(kl) if kl > situation.kl_ceiling => format!("{} KL {kl:.3} over", e.mode),
+        .map(|(e, o)| match e.kl {
+            None => format!("{} quality not measured", label(o)),
+            Some(kl) if kl > situation.kl_ceiling => format!("{} KL {kl:.3} over", label(o)),
             Some(_) => match e.expected_ms {
-                Some(ms) => format!("{} {ms:.0} ms", e.mode),
-                None => format!("{} speed unknown", e.mode),
+                Some(ms) => format!("{} {ms:.0} ms", label(o)),
+                None => format!("{} speed unknown", label(o)),
             },
         })
         .collect();
@@ -342,6 +359,39 @@ mod tests {
             offer(Mode::Reuse, 2 * MB, Some(0.4)),
             offer(Mode::Scd, 3 * MB, Some(0.05)),
         ]
+    }
+
+    /// Transform-coded codes are named with their rate, chosen or not.
+    #[test]
+    fn the_reason_names_a_transform_coded_offer_with_its_rate() {
+        let mut offers = offers(0.04);
+        let tc = |step| {
+            Some(scd_scheduler::RanksChoice {
+                ranks: scd_scheduler::Ranks { k: 8, v: 8, h: 8 },
+                step: Some(step),
+                rule: scd_scheduler::RanksRule::Adaptive,
+                link_mbit: None,
+                curve_kl: None,
+            })
+        };
+        offers[3].ranks = tc(0.4);
+        offers[2].ranks = tc(0.3);
+        let warm = Situation {
+            producer_rows: 16,
+            ..situation(Some(50.0))
+        };
+        let (slow, _) = choose(&warm, &offers);
+        assert_eq!(slow.chosen, Mode::Scd);
+        assert!(
+            slow.reason.starts_with("scd@0.4: expected"),
+            "{}",
+            slow.reason
+        );
+        assert!(
+            slow.reason.contains("reuse@0.3 KL 0.400 over"),
+            "{}",
+            slow.reason
+        );
     }
 
     #[test]
