@@ -244,8 +244,8 @@ fn the_drift_report_measures_raw_transfer_on_the_experts_own_text_too() {
     // Windows of the expert's text, no QA; raw transfer loses quality there too, and the
     // oracle measures zero as everywhere.
     assert!(own_run.data.squad_ids.is_empty());
-    let [oracle, raw, q4] = &own_run.results[..] else {
-        panic!("oracle, raw and q4 expected")
+    let [oracle, raw, q4, q2] = &own_run.results[..] else {
+        panic!("oracle, raw, q4 and q2 expected")
     };
     assert_eq!((oracle.kl.value, oracle.kl.n), (0.0, 2));
     assert!(raw.kl.value > 1e-3, "raw KL {:?}", raw.kl);
@@ -262,6 +262,20 @@ fn the_drift_report_measures_raw_transfer_on_the_experts_own_text_too() {
         "{}",
         q4.payload_share_of_raw
     );
+    // q2 is KIVI's 2 bits: fewer bytes than q4 (a fifth of raw's), and its own KL.
+    assert_eq!(q2.method.as_str(), "q2");
+    assert!(
+        q2.kl.value > 0.0 && q2.kl.value.is_finite(),
+        "q2 KL {:?}",
+        q2.kl
+    );
+    assert!(
+        q2.payload_share_of_raw < q4.payload_share_of_raw,
+        "{} against {}",
+        q2.payload_share_of_raw,
+        q4.payload_share_of_raw
+    );
+    assert_eq!(report.transfer.results.len(), 4);
     assert_ne!(raw.kl.value, report.transfer.results[1].kl.value);
     let md = report.markdown();
     assert!(md.contains("expert's own held-out text"), "{md}");
