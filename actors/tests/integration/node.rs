@@ -799,7 +799,8 @@ async fn a_producer_sends_transform_coded_codes_at_the_rate_its_link_pays_for() 
         slow_mbit <= SLOW_MBIT as f64 * 4.0 / 3.0,
         "the paced link measured at {slow_mbit} Mbit/s"
     );
-    assert!(fast.link_mbit.unwrap() >= 100.0 * slow_mbit, "{fast:?}");
+    // The loopback is known as at least the unmeasured default, 100 Mbit/s.
+    assert!(fast.link_mbit.unwrap() >= 50.0 * slow_mbit, "{fast:?}");
     // Over the slow link every rate's codes outlast any CPU's prefill: the coarsest rate under
     // the ceiling goes. How much finer the fast link's is depends on how long this machine's
     // prefill hides the codes (on the 2-core EPYC: step 0.05 against 0.4).
